@@ -1,0 +1,1 @@
+"""Custom-op registration and dispatch, one module per op (namespace `gdn_packed`)."""

@@ -1,0 +1,75 @@
+"""What every op shares: output allocation (NaN-poisoned under gdn_packed.testing) and the choice of
+backend. Backends: "torch" (pure PyTorch, any device), "triton" (GPU kernels; CPU tensors only under
+the Triton interpreter), "cuda" (csrc/ through gdn_packed._C)."""
+import os
+from contextlib import contextmanager
+
+import torch
+
+BACKENDS = ("auto", "torch", "triton", "cuda")
+_poison = False
+
+
+@contextmanager
+def poisoned_outputs():
+    """Within this block ops allocate their float outputs filled with NaN, so a row that no kernel
+    writes shows up in tests."""
+    global _poison
+    old, _poison = _poison, True
+    try:
+        yield
+    finally:
+        _poison = old
+
+
+def new_output(shape, dtype, device):
+    if _poison and dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def triton_usable(device) -> str:
+    """'' when Triton kernels can run on tensors of `device`, else the reason they cannot."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return ("backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                "before importing triton, or use backend='torch'")
+    if device.type not in ("cpu", "cuda"):
+        return f"backend='triton' does not run on {device.type} tensors"
+    return ""
+
+
+def resolve_backend(backend, device, *, have=("torch",)):
+    """Map the user's backend string to one this op implements on `device`.
+
+    `have` lists the backends the op has kernels for, fastest first among the GPU ones."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if device.type == "cuda":
+            for b in ("triton", "cuda"):
+                if b in have and (b != "triton" or not triton_usable(device)) and (b != "cuda" or _cuda_ok()):
+                    return b
+        return "torch"
+    if backend not in have:
+        raise NotImplementedError(f"backend={backend!r} is not implemented for this op yet; "
+                                  f"available: {', '.join(have)}")
+    if backend == "triton":
+        why = triton_usable(device)
+        if why:
+            raise RuntimeError(why)
+    if backend == "cuda":
+        if device.type != "cuda":
+            raise ValueError(f"backend='cuda' needs CUDA tensors, got tensors on {device}")
+        if not _cuda_ok():
+            from gdn_packed._cext import cuda_unavailable_reason
+            raise RuntimeError(f"backend='cuda' is unavailable: {cuda_unavailable_reason()}")
+    return backend
+
+
+def _cuda_ok():
+    from gdn_packed._cext import cuda_available
+    return cuda_available()

@@ -1,0 +1,168 @@
+"""The chunked gated delta rule as torch custom ops: the one registration site.
+
+    gdn_packed::chunk_gdr_fwd  (q, k, v, g, beta, initial_state?, cu_seqlens?, cu_seqlens_padded?,
+                                scale, use_qk_l2norm, backend) -> (o, final_state)
+    gdn_packed::chunk_gdr_bwd  (... same inputs ..., do, dht?) -> (dq, dk, dv, dg, dbeta, dh0)
+
+The forward saves only its inputs for the backward; the backward recomputes the per-chunk quantities.
+Both ops build the chunk table on the device (no host sync), flatten the packed rows and hand them to
+one backend implementation (`_impl`), which writes every row of the outputs it is given.
+Input checks live in `chunk_gated_delta_rule`, the public function, and run before any launch.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from gdn_packed import _validate as V
+from gdn_packed.ops._common import new_output, resolve_backend
+from gdn_packed.ops.chunk_table import build_chunk_table
+
+CHUNK_SIZE = 64
+MAX_HEAD_DIM = 256
+BACKENDS_IMPLEMENTED = ("torch",)
+
+
+def _impl(backend):
+    """(forward, backward) kernels of a backend, on flattened rows; see torch_ref/chunk.py."""
+    if backend == "torch":
+        from gdn_packed.torch_ref import chunk
+        return chunk.chunk_gdr_fwd_torch, chunk.chunk_gdr_bwd_torch
+    if backend == "triton":
+        from gdn_packed.triton import chunk
+        return chunk.chunk_gdr_fwd_triton, chunk.chunk_gdr_bwd_triton
+    raise NotImplementedError(f"backend={backend!r} has no chunked gated delta rule")
+
+
+def _segments(q, cu_seqlens, cu_seqlens_padded):
+    """Flattened row count T, sequence count N, and the chunk table over the rows."""
+    B, L = q.shape[:2]
+    T = B * L
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(B + 1, dtype=torch.int32, device=q.device) * L
+    table, cu_chunks = build_chunk_table(cu_seqlens, cu_seqlens_padded, T, CHUNK_SIZE)
+    return T, cu_seqlens.numel() - 1, table, cu_chunks
+
+
+def _rows(x, T):
+    return x.reshape(T, *x.shape[2:])
+
+
+@torch.library.custom_op("gdn_packed::chunk_gdr_fwd", mutates_args=())
+def chunk_gdr_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                  initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                  cu_seqlens_padded: Optional[Tensor], scale: float, use_qk_l2norm: bool,
+                  backend: str) -> tuple[Tensor, Tensor]:
+    T, N, table, cu_chunks = _segments(q, cu_seqlens, cu_seqlens_padded)
+    HV, K, V_ = v.shape[2], q.shape[3], v.shape[3]
+    o = new_output(v.shape, v.dtype, v.device)
+    final_state = new_output((N, HV, K, V_), torch.float32, v.device)
+    fwd, _ = _impl(backend)
+    fwd(_rows(q, T), _rows(k, T), _rows(v, T), _rows(g, T), _rows(beta, T), table, cu_chunks,
+        initial_state, scale, CHUNK_SIZE, use_qk_l2norm, _rows(o, T), final_state)
+    return o, final_state
+
+
+@chunk_gdr_fwd.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, use_qk_l2norm, backend):
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (v.new_empty(v.shape),
+            v.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32))
+
+
+@torch.library.custom_op("gdn_packed::chunk_gdr_bwd", mutates_args=())
+def chunk_gdr_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                  initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
+                  cu_seqlens_padded: Optional[Tensor], do: Tensor, dht: Optional[Tensor],
+                  scale: float, use_qk_l2norm: bool, backend: str
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    T, N, table, cu_chunks = _segments(q, cu_seqlens, cu_seqlens_padded)
+    HV, K, V_ = v.shape[2], q.shape[3], v.shape[3]
+    dq, dk, dv = (new_output(x.shape, x.dtype, x.device) for x in (q, k, v))
+    dg, dbeta = new_output(g.shape, g.dtype, g.device), new_output(beta.shape, beta.dtype, beta.device)
+    dh0 = new_output((N, HV, K, V_), torch.float32, q.device)
+    _, bwd = _impl(backend)
+    bwd(_rows(q, T), _rows(k, T), _rows(v, T), _rows(g, T), _rows(beta, T), table, cu_chunks,
+        initial_state, scale, CHUNK_SIZE, use_qk_l2norm, _rows(do, T), dht,
+        _rows(dq, T), _rows(dk, T), _rows(dv, T), _rows(dg, T), _rows(dbeta, T), dh0)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+@chunk_gdr_bwd.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, do, dht, scale, use_qk_l2norm,
+      backend):
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+            beta.new_empty(beta.shape),
+            q.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, l2, backend = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded)
+    ctx.scale, ctx.l2, ctx.backend = scale, l2, backend
+
+
+def _backward(ctx, do, dht):
+    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    dq, dk, dv, dg, dbeta, dh0 = chunk_gdr_bwd(q, k, v, g, beta, initial_state, cu_seqlens,
+                                               cu_seqlens_padded, do, dht, ctx.scale, ctx.l2, ctx.backend)
+    dh0 = None if initial_state is None else dh0.to(initial_state.dtype)
+    return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
+
+
+chunk_gdr_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, *, cu_seqlens_padded=None, use_qk_l2norm_in_kernel=False,
+                           backend="auto", validate=False):
+    """Chunked gated delta rule over packed sequences (DESIGN.md sections 2-4).
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g (log-decay), beta [B, T, HV]; HV a multiple of H (GVA).
+    With `cu_seqlens` [N+1] (int32/int64) B must be 1 and sequence i holds the real rows
+    [cu_seqlens_padded[i], cu_seqlens_padded[i] + len_i) (cu_seqlens_padded defaults to cu_seqlens);
+    every other row is padding: 0 in `o`, 0 gradient. initial_state [N, HV, K, V] float32.
+    Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None).
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale)
+    if V.want_validate(validate) and cu_seqlens is not None:
+        V.check_cu_seqlens_values(cu_seqlens, cu_seqlens_padded, total_rows=q.shape[1])
+    backend = resolve_backend(backend, q.device, have=BACKENDS_IMPLEMENTED)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    o, final_state = chunk_gdr_fwd(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded,
+                                   scale, bool(use_qk_l2norm_in_kernel), backend)
+    return o, (final_state if output_final_state else None)
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale):
+    V.check_tensor("q", q, ndim=4)
+    dev = q.device
+    V.check_tensor("k", k, ndim=4, device=dev)
+    V.check_tensor("v", v, ndim=4, device=dev)
+    V.check_tensor("g", g, ndim=3, device=dev)
+    V.check_tensor("beta", beta, ndim=3, device=dev)
+    B, T, H, K = q.shape
+    HV, Vd = v.shape[2], v.shape[3]
+    V.check_shape("k", k, q.shape, " (the shape of q)")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v must have batch and length {(B, T)} like q, got v.shape {tuple(v.shape)}")
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"the number of value heads (v.shape[2] = {HV}) must be a positive multiple "
+                         f"of the number of qk heads (q.shape[2] = {H})")
+    for name, d in (("K (q.shape[3])", K), ("V (v.shape[3])", Vd)):
+        if not 0 < d <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim {name} = {d} is outside the supported range 1..{MAX_HEAD_DIM}")
+    V.check_shape("g", g, (B, T, HV), " ([B, T, HV] like v)")
+    V.check_shape("beta", beta, (B, T, HV), " ([B, T, HV] like v)")
+    N = V.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, B, dev)
+    if initial_state is not None:
+        V.check_tensor("initial_state", initial_state, dtypes=(torch.float32, torch.float64), ndim=4,
+                       device=dev)
+        V.check_shape("initial_state", initial_state, (N, HV, K, Vd), " ([N, HV, K, V])")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")

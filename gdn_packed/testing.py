@@ -1,0 +1,120 @@
+"""Test helpers shared by tests/ and bench/: the float64 per-sequence reference on packed inputs,
+the relative-error metric of DESIGN.md section 7, NaN-poisoned outputs and a host-sync detector."""
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from gdn_packed.ops._common import poisoned_outputs  # noqa: F401  (re-exported)
+from gdn_packed.torch_ref.naive import naive_recurrent_gdr
+
+# bf16/fp16 budgets of DESIGN.md section 7, and the fp32-on-CPU budget
+BUDGETS = {
+    torch.float32: dict(o=1e-5, state=1e-5, grad=1e-5),
+    torch.float64: dict(o=1e-10, state=1e-10, grad=1e-10),
+    torch.float16: dict(o=2e-2, state=2e-2, grad=2.5e-2),
+    torch.bfloat16: dict(o=2e-2, state=2e-2, grad=2.5e-2),
+}
+
+
+def rel_err(x, ref):
+    """||x - ref|| / ||ref|| in float64 (||x|| when ref is all zeros); inf if x has NaN/Inf."""
+    x, ref = x.detach().double(), ref.detach().double()
+    if not torch.isfinite(x).all():
+        return float("inf")
+    d = (x - ref).norm().item()
+    n = ref.norm().item()
+    return d / n if n > 0 else d
+
+
+def real_rows(cu_seqlens, cu_seqlens_padded=None, total_rows=None):
+    """Bool [rows]: True on rows that hold a real token (host-side, for tests)."""
+    cu = cu_seqlens.tolist()
+    pad = cu if cu_seqlens_padded is None else cu_seqlens_padded.tolist()
+    rows = total_rows if total_rows is not None else pad[-1]
+    mask = torch.zeros(rows, dtype=torch.bool)
+    for i in range(len(cu) - 1):
+        mask[pad[i]: pad[i] + cu[i + 1] - cu[i]] = True
+    return mask
+
+
+def layout(lengths, *, gaps=None, tail=0, index_dtype=torch.int32):
+    """cu_seqlens and cu_seqlens_padded (or None when gaps is None) and the total rows, for sequences
+    of `lengths` stored with gaps[i] padding rows after sequence i and `tail` rows at the end."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    if gaps is None:
+        return torch.tensor(cu, dtype=index_dtype), None, cu[-1] + tail
+    pad = [0]
+    for n, gap in zip(lengths, gaps):
+        pad.append(pad[-1] + n + gap)
+    return torch.tensor(cu, dtype=index_dtype), torch.tensor(pad, dtype=index_dtype), pad[-1] + tail
+
+
+def gdr_inputs(rows, H, HV, K, V, dtype=torch.float32, *, N=None, batch=1, seed=0, device="cpu",
+               initial_state=False, slow_decay=True, unit_k=True):
+    """Random q, k, v, g, beta (and h0 [N, HV, K, V] float32) in the layout of DESIGN.md section 3.
+    g = logsigmoid(x + 2) (slow decay, the hard case for bf16) or logsigmoid(x). k has unit rows
+    (the delta rule is stable for beta |k|^2 <= 2) unless unit_k=False, for kernels that l2-normalise
+    k themselves."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k = r(batch, rows, H, K), r(batch, rows, H, K)
+    if unit_k:
+        k = k / k.norm(dim=-1, keepdim=True)
+    v = r(batch, rows, HV, V)
+    g = F.logsigmoid(r(batch, rows, HV) + (2.0 if slow_decay else 0.0))
+    beta = torch.rand(batch, rows, HV, generator=gen)
+    h0 = r(N if N is not None else batch, HV, K, V) * 0.1 if initial_state else None
+    out = [x.to(dtype).to(device) for x in (q, k, v)] + [g.float().to(device), beta.float().to(device)]
+    return out + [None if h0 is None else h0.to(device)]
+
+
+def reference_gdr(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
+                  cu_seqlens_padded=None, use_qk_l2norm_in_kernel=False):
+    """The float64 per-token recurrence run per sequence, unpacked, on exactly these inputs.
+    Returns (o float64 with exact zeros on padding rows, final_state float64 [N, HV, K, V]).
+    Differentiable (autograd gives the reference gradients)."""
+    kw = dict(scale=scale, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    if cu_seqlens is None:
+        return naive_recurrent_gdr(q, k, v, g, beta, initial_state=initial_state, **kw)
+    cu = cu_seqlens.tolist()
+    pad = cu if cu_seqlens_padded is None else cu_seqlens_padded.tolist()
+    T = q.shape[1]
+    pieces, states, pos = [], [], 0
+    zeros = lambda n: v.new_zeros(1, n, *v.shape[2:], dtype=torch.float64)  # noqa: E731
+    for i in range(len(cu) - 1):
+        s, n = pad[i], cu[i + 1] - cu[i]
+        pieces.append(zeros(s - pos))
+        h0 = None if initial_state is None else initial_state[i: i + 1]
+        o, st = naive_recurrent_gdr(q[:, s:s + n], k[:, s:s + n], v[:, s:s + n], g[:, s:s + n],
+                                    beta[:, s:s + n], initial_state=h0, **kw)
+        pieces.append(o)
+        states.append(st)
+        pos = s + n
+    pieces.append(zeros(T - pos))
+    HV, K, Vd = v.shape[2], q.shape[3], v.shape[3]
+    final = torch.cat(states) if states else v.new_zeros(0, HV, K, Vd, dtype=torch.float64)
+    return torch.cat(pieces, dim=1), final
+
+
+@contextmanager
+def no_host_sync():
+    """Raise if the code inside reads a tensor's values back to the host (.item(), .tolist(),
+    .cpu(), .numpy(), bool()/int()/float() of a tensor): the CPU stand-in for
+    torch.cuda.set_sync_debug_mode('error')."""
+    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def trap(name):
+        def f(self, *a, **kw):
+            raise AssertionError(f"host sync: Tensor.{name}() called on the hot path")
+        return f
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, trap(n))
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.Tensor, n, fn)
