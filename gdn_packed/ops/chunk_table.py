@@ -1,0 +1,99 @@
+"""Op `gdn_packed::chunk_table`: which rows of a packed tensor form each chunk of each sequence.
+
+    table, cu_chunks = build_chunk_table(cu_seqlens, cu_seqlens_padded, T, chunk_size)
+
+table int32 [T // chunk_size + N, 4] rows (seq_id, chunk_idx, start_row, length), unused slots
+(-1, 0, 0, 0); cu_chunks int32 [N+1]. The full contract is in gdn_packed/torch_ref/chunk_table.py and
+csrc/segments.cuh. CUDA tensors use the csrc/ kernels when gdn_packed._C can run, everything else the
+torch implementation. No path reads cu_seqlens back to the host, so the op is CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+INT32_MAX = 2**31 - 1
+
+
+def _check(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int, chunk_size: int) -> int:
+    """Metadata-only validation (no device sync). Returns NC = T // chunk_size + N."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must have shape [N+1] with N >= 0, got {tuple(cu_seqlens.shape)}")
+    if cu_seqlens_padded is not None:
+        if not isinstance(cu_seqlens_padded, Tensor):
+            raise TypeError("cu_seqlens_padded must be a torch.Tensor or None, got "
+                            f"{type(cu_seqlens_padded).__name__}")
+        if cu_seqlens_padded.dtype != cu_seqlens.dtype:
+            raise TypeError(f"cu_seqlens_padded must have cu_seqlens' dtype {cu_seqlens.dtype}, got "
+                            f"{cu_seqlens_padded.dtype}")
+        if cu_seqlens_padded.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_padded must have cu_seqlens' shape {tuple(cu_seqlens.shape)}, "
+                             f"got {tuple(cu_seqlens_padded.shape)}")
+        if cu_seqlens_padded.device != cu_seqlens.device:
+            raise ValueError(f"cu_seqlens_padded is on {cu_seqlens_padded.device} but cu_seqlens is on "
+                             f"{cu_seqlens.device}")
+    if T < 0:
+        raise ValueError(f"T must be >= 0, got {T}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    nc = T // chunk_size + cu_seqlens.shape[0] - 1
+    if nc > INT32_MAX:
+        raise ValueError(f"T // chunk_size + N = {nc} chunk slots do not fit int32")
+    return nc
+
+
+def _chunk_table_cuda(C_mod, cu_seqlens, cu_seqlens_padded, T, chunk_size, nc):
+    dev = cu_seqlens.device
+    n = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.contiguous()
+    padded = cu_seqlens_padded.contiguous() if cu_seqlens_padded is not None else None
+    table = torch.empty((nc, 4), dtype=torch.int32, device=dev)
+    cu_chunks = torch.empty((n + 1,), dtype=torch.int32, device=dev)
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        C_mod.chunk_table(cu.data_ptr(), padded.data_ptr() if padded is not None else 0,
+                          cu.dtype == torch.int64, n, T, chunk_size, table.data_ptr(),
+                          cu_chunks.data_ptr(), dev.index if dev.index is not None else
+                          torch.cuda.current_device(), stream)
+    return table, cu_chunks
+
+
+@torch.library.custom_op("gdn_packed::chunk_table", mutates_args=())
+def chunk_table(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int,
+                chunk_size: int) -> tuple[Tensor, Tensor]:
+    nc = _check(cu_seqlens, cu_seqlens_padded, T, chunk_size)
+    if cu_seqlens.device.type == "cuda":
+        from gdn_packed._cext import cuda_available, get_C
+
+        if cuda_available():
+            return _chunk_table_cuda(get_C(), cu_seqlens, cu_seqlens_padded, T, chunk_size, nc)
+    from gdn_packed.torch_ref.chunk_table import chunk_table_torch
+
+    table, cu_chunks = chunk_table_torch(cu_seqlens, cu_seqlens_padded, T, chunk_size)
+    # a custom op must not return a view (of its inputs or of anything else)
+    if table._base is not None:
+        table = table.clone()
+    if cu_chunks._base is not None:
+        cu_chunks = cu_chunks.clone()
+    return table, cu_chunks
+
+
+@chunk_table.register_fake
+def _(cu_seqlens, cu_seqlens_padded, T, chunk_size):
+    nc = _check(cu_seqlens, cu_seqlens_padded, T, chunk_size)
+    n = cu_seqlens.shape[0] - 1
+    return (cu_seqlens.new_empty((nc, 4), dtype=torch.int32),
+            cu_seqlens.new_empty((n + 1,), dtype=torch.int32))
+
+
+def build_chunk_table(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int,
+                      chunk_size: int) -> tuple[Tensor, Tensor]:
+    """(table int32 [T // chunk_size + N, 4], cu_chunks int32 [N+1]) for a packed tensor of T rows."""
+    _check(cu_seqlens, cu_seqlens_padded, T, chunk_size)
+    return torch.ops.gdn_packed.chunk_table(cu_seqlens, cu_seqlens_padded, T, chunk_size)
