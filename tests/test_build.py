@@ -1,0 +1,200 @@
+"""The build path: csrc/ compiles for sm_80 and sm_90a without register spills or stack frames,
+gdn_packed._C imports when it was built, the CUDA backend reports itself unavailable (with a reason)
+on a machine without a GPU, and the package installs without nvcc."""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CSRC = os.path.join(ROOT, "csrc")
+ARCHS = ("sm_80", "sm_90a")
+
+
+def find_nvcc():
+    for c in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+NVCC = find_nvcc()
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH, /usr/local/cuda/bin): "
+                                                     "csrc/ compile checks skipped")
+
+
+def parse_ptxas(text):
+    """[{name, arch, registers, smem, spill, stack}] from `-Xptxas -v` output."""
+    recs, cur_arch, rec = [], None, None
+    for line in text.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)' for '(sm_\w+)'", line)
+        if m:
+            cur_arch = m.group(2)
+            rec = dict(name=m.group(1), arch=cur_arch, registers=None, smem=0, spill=0, stack=0)
+            recs.append(rec)
+            continue
+        m = re.search(r"Function properties for (\S+)", line)
+        if m and (rec is None or m.group(1) != rec["name"]):  # a non-inlined device function
+            rec = dict(name=m.group(1), arch=cur_arch, registers=None, smem=0, spill=0, stack=0)
+            recs.append(rec)
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and rec is not None:
+            rec["stack"] = int(m.group(1))
+            rec["spill"] = int(m.group(2)) + int(m.group(3))
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and rec is not None:
+            rec["registers"] = int(m.group(1))
+            s = re.search(r"(\d+) bytes smem", line)
+            rec["smem"] = int(s.group(1)) if s else 0
+    return recs
+
+
+def demangle(names):
+    cxxfilt = shutil.which("c++filt")
+    if not cxxfilt or not names:
+        return {n: n for n in names}
+    out = subprocess.run([cxxfilt], input="\n".join(names), capture_output=True, text=True).stdout
+    pretty = out.splitlines()
+    if len(pretty) != len(names):
+        return {n: n for n in names}
+    # drop the anonymous-namespace noise and the parameter list
+    short = [re.sub(r"\(anonymous namespace\)::", "", p).split("(")[0] for p in pretty]
+    return dict(zip(names, short))
+
+
+@pytest.fixture(scope="module")
+def ptxas_report():
+    """Compile every csrc/*.cu once for sm_80 and sm_90a with -Xptxas -v (in parallel)."""
+    sources = sorted(glob.glob(os.path.join(CSRC, "*.cu")))
+    assert sources, "no csrc/*.cu"
+    tmp = tempfile.mkdtemp(prefix="gdn_ptxas_")
+
+    def compile_one(src):
+        obj = os.path.join(tmp, os.path.basename(src) + ".o")
+        cmd = [NVCC, "-c", src, "-o", obj, "-std=c++17", "-O3", "-I", CSRC, "-Xptxas", "-v",
+               "-DGDN_CUDA_ARCHS=\"80,90a\"",
+               "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90a,code=sm_90a"]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        return src, cmd, p
+
+    try:
+        with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
+            results = list(ex.map(compile_one, sources))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for src, cmd, p in results:
+        assert p.returncode == 0, f"nvcc failed on {src}:\n{' '.join(cmd)}\n{p.stdout}\n{p.stderr}"
+    return results
+
+
+@needs_nvcc
+def test_csrc_compiles_without_spills(ptxas_report, capsys):
+    recs = []
+    for src, _, p in ptxas_report:
+        for r in parse_ptxas(p.stdout + "\n" + p.stderr):
+            r["file"] = os.path.basename(src)
+            recs.append(r)
+    assert recs, "ptxas reported no kernels"
+    names = demangle(sorted({r["name"] for r in recs}))
+    with capsys.disabled():
+        print(f"\n{'kernel':<58} {'arch':<7} {'regs':>4} {'smem':>6} {'spill':>5} {'stack':>5}")
+        for r in recs:
+            print(f"{names[r['name']][:58]:<58} {r['arch']:<7} {r['registers']!s:>4} {r['smem']:>6} "
+                  f"{r['spill']:>5} {r['stack']:>5}")
+    kernels = {r["name"] for r in recs}
+    for k in kernels:
+        assert {r["arch"] for r in recs if r["name"] == k} >= set(ARCHS), f"{names[k]} not built for {ARCHS}"
+    bad = [f"{names[r['name']]} {r['arch']}: spill {r['spill']} B, stack {r['stack']} B"
+           for r in recs if r["spill"] or r["stack"]]
+    assert not bad, "register spills / stack frames:\n" + "\n".join(bad)
+
+
+def test_parse_ptxas_sample():
+    sample = """ptxas info    : Compiling entry function '_Z1kPi' for 'sm_90a'
+ptxas info    : Function properties for _Z1kPi
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 256 bytes smem, 380 bytes cmem[0]"""
+    (r,) = parse_ptxas(sample)
+    assert (r["arch"], r["registers"], r["smem"], r["spill"], r["stack"]) == ("sm_90a", 40, 256, 8, 8)
+
+
+def _so_files():
+    return glob.glob(os.path.join(ROOT, "gdn_packed", "_C*.so")) + \
+        glob.glob(os.path.join(ROOT, "gdn_packed", "_C*.pyd"))
+
+
+def test_extension_imports_when_built():
+    import gdn_packed
+    from gdn_packed import _cext
+
+    built_here = [f for f in _so_files() if os.path.dirname(f) == os.path.dirname(gdn_packed.__file__)]
+    if not built_here and not _cext.built():
+        if os.environ.get("GDN_PACKED_REQUIRE_C", "") == "1":
+            pytest.fail("GDN_PACKED_REQUIRE_C=1 but gdn_packed._C was not built: "
+                        + _cext.cuda_unavailable_reason())
+        pytest.skip("gdn_packed._C not built: " + _cext.cuda_unavailable_reason())
+    from gdn_packed import _C
+
+    for fn in ("chunk_table", "chunk_table_host", "cuda_runtime_version", "device_count", "cuda_status"):
+        assert hasattr(_C, fn), fn
+    assert _C.cuda_runtime_version() >= 12000
+    assert _C.cuda_runtime_version() == _C.cuda_compiled_version()  # static cudart
+    assert "90a" in _C.cuda_archs and "80" in _C.cuda_archs
+    st = _C.cuda_status()
+    assert set(st) >= {"runtime_version", "driver_version", "device_count", "error", "archs"}
+
+
+def test_cuda_availability_is_reported():
+    import torch
+    from gdn_packed import _cext
+
+    avail, why = _cext.cuda_available(), _cext.cuda_unavailable_reason()
+    assert isinstance(avail, bool) and isinstance(why, str)
+    assert avail == (why == "")
+    if not torch.cuda.is_available():  # e.g. this GPU-less CI machine
+        assert avail is False and len(why) > 20, why
+        if _cext.built():
+            st = _cext.cuda_status()
+            assert st["device_count"] == 0 and st["error"], st
+            assert "no CUDA device is usable" in why
+            if _cext.get_C().cuda_driver_version() == 0:
+                assert "InsufficientDriver" in st["error"] or "NoDevice" in st["error"], st
+    elif _cext.built():
+        assert avail, why
+
+
+def test_install_without_nvcc(tmp_path):
+    """GDN_PACKED_NO_CUDA=1 (what a machine without nvcc gets) still yields an installable wheel: the
+    gdn_packed packages, no _C, no tests/ or bench/, the declared dependencies and extras."""
+    src = tmp_path / "src"
+    ignore = shutil.ignore_patterns("_C*.so", "__pycache__", "*.egg-info")
+    src.mkdir()
+    for f in ("setup.py", "pyproject.toml", "CMakeLists.txt"):
+        shutil.copy(os.path.join(ROOT, f), src / f)
+    for d in ("gdn_packed", "csrc", "tests", "bench"):
+        if os.path.isdir(os.path.join(ROOT, d)):
+            shutil.copytree(os.path.join(ROOT, d), src / d, ignore=ignore)
+    env = dict(os.environ, GDN_PACKED_NO_CUDA="1", PIP_NO_INPUT="1")
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps",
+                        "-w", str(tmp_path / "dist"), str(src)], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=300)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "building WITHOUT the CUDA extension" in p.stdout + p.stderr
+    (whl,) = glob.glob(str(tmp_path / "dist" / "*.whl"))
+    names = zipfile.ZipFile(whl).namelist()
+    assert "gdn_packed/__init__.py" in names and "gdn_packed/ops/chunk_table.py" in names
+    assert not [n for n in names if "/_C" in n and n.endswith(".so")], names
+    assert not [n for n in names if n.startswith(("tests/", "bench/"))], names
+    meta = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith("/METADATA"))).decode()
+    for req in ("Requires-Dist: torch>=2.4", "Requires-Dist: numpy", "Provides-Extra: triton",
+                "Provides-Extra: test", "Provides-Extra: bench", 'fla-core==0.6.0; extra == "test"'):
+        assert req in meta, req
