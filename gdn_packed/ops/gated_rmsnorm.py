@@ -1,0 +1,104 @@
+"""Gated RMSNorm as torch custom ops: the one registration site.
+
+    y = x * rsqrt(mean(x^2, -1) + eps) * weight * silu(z)          (float32 math, y in x's dtype)
+
+    gdn_packed::gated_rmsnorm_fwd  (x, z, weight, eps, backend) -> (y, rstd)
+    gdn_packed::gated_rmsnorm_bwd  (dy, x, z, weight, rstd, backend) -> (dx, dz, dweight)
+
+The output gate of the GDN block (`rmsnorm(o) * silu(z)` over the value head dim). The forward saves
+x, z, weight and rstd (float32, one per row). Backends: "torch" (torch_ref/gated_rmsnorm.py, any
+device) and "triton" (triton/gated_rmsnorm.py, fused, deterministic weight gradient).
+"""
+import torch
+from torch import Tensor
+
+from gdn_packed import _validate as V
+from gdn_packed.ops._common import new_output, resolve_backend
+
+BACKENDS_IMPLEMENTED = ("torch", "triton")
+
+
+def _impl(backend):
+    if backend == "torch":
+        from gdn_packed.torch_ref import gated_rmsnorm as m
+        return m.gated_rmsnorm_fwd_torch, m.gated_rmsnorm_bwd_torch
+    if backend == "triton":
+        from gdn_packed.triton import gated_rmsnorm as m
+        return m.gated_rmsnorm_fwd_triton, m.gated_rmsnorm_bwd_triton
+    raise NotImplementedError(f"backend={backend!r} has no gated RMSNorm")
+
+
+def _rows(x):
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+@torch.library.custom_op("gdn_packed::gated_rmsnorm_fwd", mutates_args=())
+def gated_rmsnorm_fwd(x: Tensor, z: Tensor, weight: Tensor, eps: float, backend: str
+                      ) -> tuple[Tensor, Tensor]:
+    y = new_output(x.shape, x.dtype, x.device)
+    rstd = new_output(x.shape[:-1], torch.float32, x.device)
+    fwd, _ = _impl(backend)
+    y2 = y.view(-1, x.shape[-1])
+    fwd(_rows(x), _rows(z), weight.contiguous(), eps, y2, rstd.view(-1))
+    return y, rstd
+
+
+@gated_rmsnorm_fwd.register_fake
+def _(x, z, weight, eps, backend):
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("gdn_packed::gated_rmsnorm_bwd", mutates_args=())
+def gated_rmsnorm_bwd(dy: Tensor, x: Tensor, z: Tensor, weight: Tensor, rstd: Tensor, backend: str
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    dx = new_output(x.shape, x.dtype, x.device)
+    dz = new_output(z.shape, z.dtype, z.device)
+    dweight = new_output(weight.shape, weight.dtype, weight.device)
+    _, bwd = _impl(backend)
+    N = x.shape[-1]
+    bwd(_rows(dy), _rows(x), _rows(z), weight.contiguous(), rstd.reshape(-1).contiguous(),
+        dx.view(-1, N), dz.view(-1, N), dweight)
+    return dx, dz, dweight
+
+
+@gated_rmsnorm_bwd.register_fake
+def _(dy, x, z, weight, rstd, backend):
+    return x.new_empty(x.shape), z.new_empty(z.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, z, weight, eps, backend = inputs
+    ctx.save_for_backward(x, z, weight, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.backend = backend
+
+
+def _backward(ctx, dy, drstd):
+    x, z, weight, rstd = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(x)
+    dx, dz, dweight = gated_rmsnorm_bwd(dy, x, z, weight, rstd, ctx.backend)
+    return dx, dz, dweight, None, None
+
+
+gated_rmsnorm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def gated_rmsnorm(x, z, weight, eps=1e-6, backend="auto"):
+    """`x * rsqrt(mean(x^2) + eps) * weight * silu(z)` over the last dim, in float32.
+
+    x, z [..., N] (same shape, float dtypes); weight [N]. Returns y in x's dtype. Differentiable in
+    x, z and weight. backend: "auto" (triton on CUDA, torch on CPU) | "torch" | "triton".
+    """
+    V.check_tensor("x", x)
+    V.check_tensor("z", z, device=x.device)
+    V.check_tensor("weight", weight, ndim=1, device=x.device)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dim, got shape {tuple(x.shape)}")
+    V.check_shape("z", z, x.shape, " (the shape of x)")
+    V.check_shape("weight", weight, (x.shape[-1],), " ([N], N = x.shape[-1])")
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    backend = resolve_backend(backend, x.device, have=BACKENDS_IMPLEMENTED)
+    y, _ = gated_rmsnorm_fwd(x, z, weight, float(eps), backend)
+    return y

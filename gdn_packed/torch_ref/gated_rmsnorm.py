@@ -1,0 +1,39 @@
+"""Gated RMSNorm, the torch backend and the reference.
+
+    y = x * rstd * weight * silu(z),   rstd = 1 / sqrt(mean(x^2) + eps)     (over the last dim, N)
+
+Backward, with xhat = x * rstd, s = silu(z), u = dy * weight * s (the gradient of xhat):
+
+    dx     = rstd * (u - xhat * mean(u * xhat))
+    dz     = dy * xhat * weight * sigmoid(z) * (1 + z * (1 - sigmoid(z)))
+    dweight = sum over rows of dy * xhat * s
+
+Everything is computed in float32 whatever the input dtype; y, dx, dz are rounded to their tensor's
+dtype once, at the end. `rstd` (float32, one per row) is the only saved intermediate.
+"""
+import torch
+
+
+def gated_rmsnorm_fwd_torch(x, z, weight, eps, y, rstd):
+    """x, z [M, N]; weight [N]; writes y [M, N] (x's dtype) and rstd [M] (float32)."""
+    xf = x.float()
+    r = torch.rsqrt(xf.square().mean(-1) + eps)
+    y.copy_(xf * r[:, None] * weight.float() * torch.nn.functional.silu(z.float()))
+    rstd.copy_(r)
+
+
+def gated_rmsnorm_bwd_torch(dy, x, z, weight, rstd, dx, dz, dweight):
+    """Writes dx, dz [M, N] and dweight [N] (weight's dtype)."""
+    xf, zf, dyf, w = x.float(), z.float(), dy.float(), weight.float()
+    xhat = xf * rstd[:, None]
+    sig = torch.sigmoid(zf)
+    s = zf * sig
+    u = dyf * w * s
+    dx.copy_(rstd[:, None] * (u - xhat * (u * xhat).mean(-1, keepdim=True)))
+    dz.copy_(dyf * xhat * w * sig * (1 + zf * (1 - sig)))
+    dweight.copy_((dyf * xhat * s).sum(0))
+
+
+def gated_rmsnorm_ref(x, z, weight, eps=1e-6):
+    """The formula, differentiable by autograd: the test reference (run it in float64)."""
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight * torch.nn.functional.silu(z)

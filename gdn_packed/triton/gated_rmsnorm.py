@@ -1,0 +1,107 @@
+"""Gated RMSNorm, fused Triton kernels (forward and backward).
+
+    y = x * rstd * w * silu(z),   rstd = 1 / sqrt(mean(x^2) + eps)   over the last dim (N)
+
+Inputs are contiguous rows: x, z, dy [M, N] (fp32/bf16/fp16), w [N]. All arithmetic is float32; only
+the loads and the final stores of y, dx, dz convert dtype (so bf16 is also right under the Triton
+interpreter, which only gets bf16 casts right).
+
+Forward grid: (cdiv(M, BLOCK_M),); each program normalises BLOCK_M whole rows (BLOCK_N >= N) and
+writes y [M, N] and rstd [M] float32.
+Backward grid: (P,); program p owns the contiguous rows [p * rows_per_prog, (p + 1) * rows_per_prog),
+walks them BLOCK_M at a time, writes dx and dz and its partial weight gradient dw_partial[p, :]
+(float32). The caller sums dw_partial over p in a fixed order: deterministic, no atomics.
+Names: `b_` block values, `p_` pointers, as in FLA.
+"""
+import torch
+import triton
+import triton.language as tl
+
+MAX_N = 16384
+
+
+@triton.jit
+def gated_rmsnorm_fwd_kernel(x, z, w, y, rstd, M, N, eps,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    i_m = tl.program_id(0)
+    o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_n = tl.arange(0, BLOCK_N)
+    m_m, m_n = o_m < M, o_n < N
+    mask = m_m[:, None] & m_n[None, :]
+    offs = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+    b_x = tl.load(x + offs, mask=mask, other=0.).to(tl.float32)
+    b_z = tl.load(z + offs, mask=mask, other=0.).to(tl.float32)
+    b_w = tl.load(w + o_n, mask=m_n, other=0.).to(tl.float32)
+    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / N + eps)
+    b_y = b_x * b_r[:, None] * b_w[None, :] * (b_z * tl.sigmoid(b_z))
+    tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=mask)
+    tl.store(rstd + o_m, b_r, mask=m_m)
+
+
+@triton.jit
+def gated_rmsnorm_bwd_kernel(dy, x, z, w, rstd, dx, dz, dw_partial, M, N, rows_per_prog,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    i_p = tl.program_id(0)
+    o_n = tl.arange(0, BLOCK_N)
+    m_n = o_n < N
+    b_w = tl.load(w + o_n, mask=m_n, other=0.).to(tl.float32)
+    b_dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    row0 = i_p * rows_per_prog
+    for i in range(0, rows_per_prog, BLOCK_M):
+        o_m = row0 + i + tl.arange(0, BLOCK_M)
+        m_m = o_m < M
+        mask = m_m[:, None] & m_n[None, :]
+        offs = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
+        b_x = tl.load(x + offs, mask=mask, other=0.).to(tl.float32)
+        b_z = tl.load(z + offs, mask=mask, other=0.).to(tl.float32)
+        b_dy = tl.load(dy + offs, mask=mask, other=0.).to(tl.float32)
+        b_r = tl.load(rstd + o_m, mask=m_m, other=0.)
+        b_xhat = b_x * b_r[:, None]
+        b_sig = tl.sigmoid(b_z)
+        b_s = b_z * b_sig
+        b_u = b_dy * b_w[None, :] * b_s
+        b_c = tl.sum(b_u * b_xhat, 1) / N
+        b_dx = b_r[:, None] * (b_u - b_xhat * b_c[:, None])
+        b_dz = b_dy * b_xhat * b_w[None, :] * b_sig * (1 + b_z * (1 - b_sig))
+        tl.store(dx + offs, b_dx.to(dx.dtype.element_ty), mask=mask)
+        tl.store(dz + offs, b_dz.to(dz.dtype.element_ty), mask=mask)
+        b_dw += tl.sum(b_dy * b_xhat * b_s, 0)
+    tl.store(dw_partial + i_p * N + o_n, b_dw, mask=m_n)
+
+
+def _blocks(N):
+    BLOCK_N = triton.next_power_of_2(N)
+    if BLOCK_N > MAX_N:
+        raise ValueError(f"gated_rmsnorm: the normalised dim {N} exceeds the Triton kernel's limit {MAX_N}")
+    BLOCK_M = max(1, min(16, 4096 // BLOCK_N))
+    return BLOCK_M, BLOCK_N, (4 if BLOCK_N <= 1024 else 8)
+
+
+def gated_rmsnorm_fwd_triton(x, z, weight, eps, y, rstd):
+    """x, z, y [M, N] contiguous; weight [N]; rstd [M] float32."""
+    M, N = x.shape
+    BLOCK_M, BLOCK_N, num_warps = _blocks(N)
+    grid = (triton.cdiv(M, BLOCK_M),)
+    gated_rmsnorm_fwd_kernel[grid](x, z, weight, y, rstd, M, N, eps,
+                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps)
+
+
+def _num_programs(device, row_blocks):
+    if device.type == "cuda":
+        cap = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        cap = 4  # interpreter: a few programs, enough to exercise the partial-sum reduction
+    return max(1, min(cap, row_blocks))
+
+
+def gated_rmsnorm_bwd_triton(dy, x, z, weight, rstd, dx, dz, dweight):
+    """Writes dx, dz [M, N] (contiguous) and dweight [N] (weight's dtype), deterministically."""
+    M, N = x.shape
+    BLOCK_M, BLOCK_N, num_warps = _blocks(N)
+    row_blocks = triton.cdiv(M, BLOCK_M)
+    P = _num_programs(x.device, row_blocks)
+    rows_per_prog = triton.cdiv(row_blocks, P) * BLOCK_M
+    dw_partial = torch.empty(P, N, dtype=torch.float32, device=x.device)
+    gated_rmsnorm_bwd_kernel[(P,)](dy, x, z, weight, rstd, dx, dz, dw_partial, M, N, rows_per_prog,
+                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps)
+    dweight.copy_(dw_partial.sum(0))

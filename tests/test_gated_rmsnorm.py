@@ -1,0 +1,103 @@
+"""Gated RMSNorm op: both backends against a float64 autograd reference, opcheck, torch.compile,
+deterministic weight gradient, bad input. The triton backend runs under the Triton interpreter on CPU."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
+
+from gdn_packed.ops._common import triton_usable  # noqa: E402
+from gdn_packed.ops.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_bwd, gated_rmsnorm_fwd  # noqa: E402
+from gdn_packed.testing import poisoned_outputs, rel_err  # noqa: E402
+from gdn_packed.torch_ref.gated_rmsnorm import gated_rmsnorm_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    bool(triton_usable(torch.device(DEVICE))), reason="triton cannot run here"))]
+BUDGET = {torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3, torch.bfloat16: 2e-2}
+
+
+def inputs(shape, dtype, seed=0, requires_grad=True):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=gen) * 3
+    z = torch.randn(*shape, generator=gen) * 2
+    w = 1 + 0.5 * torch.randn(shape[-1], generator=gen)
+    return [t.to(DEVICE, dtype).requires_grad_(requires_grad) for t in (x, z, w)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 37, 4, 32), (3, 5, 2, 64), (1, 1, 1, 24), (100, 128)],
+                         ids=["T37-H4-V32", "B3-T5-H2-V64", "T1-V24", "M100-V128"])
+def test_matches_float64_reference(backend, dtype, shape):
+    x, z, w = inputs(shape, dtype)
+    with poisoned_outputs():
+        y = gated_rmsnorm(x, z, w, eps=1e-6, backend=backend)
+        dy = torch.randn_like(y)
+        gx, gz, gw = torch.autograd.grad(y, (x, z, w), dy)
+    xd, zd, wd = (t.detach().double().requires_grad_() for t in (x, z, w))
+    yd = gated_rmsnorm_ref(xd, zd, wd, 1e-6)
+    rx, rz, rw = torch.autograd.grad(yd, (xd, zd, wd), dy.double())
+    assert y.dtype == dtype and gx.dtype == dtype and gw.dtype == dtype
+    budget = BUDGET[dtype]
+    assert rel_err(y, yd) <= budget
+    for got, ref in ((gx, rx), (gz, rz), (gw, rw)):
+        assert rel_err(got, ref) <= 1.25 * budget
+
+
+def test_zero_rows_give_zero_output_and_finite_grads():
+    x, z, w = inputs((6, 16), torch.float32)
+    x = x.detach().clone()
+    x[2:4] = 0
+    x.requires_grad_()
+    y = gated_rmsnorm(x, z, w, backend="torch")
+    assert torch.equal(y[2:4], torch.zeros_like(y[2:4]))
+    gz = torch.autograd.grad(y.sum(), z)[0]
+    assert torch.equal(gz[2:4], torch.zeros_like(gz[2:4]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weight_gradient_is_deterministic(backend):
+    x, z, w = inputs((300, 48), torch.float32)
+    dy = torch.randn(300, 48, device=DEVICE)
+    grads = [torch.autograd.grad(gated_rmsnorm(x, z, w, backend=backend), w, dy)[0] for _ in range(2)]
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck(backend):
+    x, z, w = inputs((2, 7, 3, 16), torch.float32)
+    torch.library.opcheck(gated_rmsnorm_fwd, (x, z, w, 1e-6, backend))
+    _, rstd = gated_rmsnorm_fwd(x.detach(), z.detach(), w.detach(), 1e-6, backend)
+    dy = torch.randn_like(x)
+    torch.library.opcheck(gated_rmsnorm_bwd, (dy, x.detach(), z.detach(), w.detach(), rstd, backend))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    x, z, w = inputs((2, 9, 4, 32), torch.float32)
+
+    def f(x, z, w):
+        return gated_rmsnorm(x, z, w, eps=1e-5).square().sum()
+
+    eager = torch.autograd.grad(f(x, z, w), (x, z, w))
+    torch._dynamo.reset()
+    comp = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(comp(x, z, w), (x, z, w))
+    for a, b in zip(eager, got):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad, err, match", [
+    (dict(z=torch.randn(2, 5)), ValueError, "z must have shape"),
+    (dict(weight=torch.randn(3)), ValueError, "weight must have shape"),
+    (dict(x=torch.randint(0, 3, (2, 4))), TypeError, "x must have dtype"),
+    (dict(backend="cuda"), NotImplementedError, "backend='cuda'"),
+    (dict(eps=-1.0), ValueError, "eps"),
+])
+def test_bad_input_raises_a_named_error(bad, err, match):
+    args = dict(x=torch.randn(2, 4), z=torch.randn(2, 4), weight=torch.ones(4), eps=1e-6, backend="torch")
+    args.update(bad)
+    with pytest.raises(err, match=match):
+        gated_rmsnorm(**args)
