@@ -30,25 +30,49 @@ def check_shape(name, x, shape, what=""):
         raise ValueError(f"{name} must have shape {tuple(shape)}{what}, got {tuple(x.shape)}")
 
 
+def check_cu_seqlens_meta(cu_seqlens, name: str = "cu_seqlens") -> None:
+    """Metadata-only checks (type, dtype, rank, size). Never synchronises."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.numel() < 1:
+        raise ValueError(f"{name} must have at least 1 element (it is [N+1] for N sequences), got 0")
+
+
+def check_padded_meta(cu_seqlens, cu_seqlens_padded, name: str, padded_name: str) -> None:
+    if not isinstance(cu_seqlens_padded, torch.Tensor):
+        raise TypeError(
+            f"{padded_name} must be a torch.Tensor, got {type(cu_seqlens_padded).__name__}")
+    if cu_seqlens_padded.dtype != cu_seqlens.dtype:
+        raise TypeError(
+            f"{padded_name} must have the same dtype as {name}: "
+            f"got {cu_seqlens_padded.dtype} and {cu_seqlens.dtype}")
+    if cu_seqlens_padded.shape != cu_seqlens.shape:
+        raise ValueError(
+            f"{padded_name} must have the same shape as {name}: "
+            f"got {tuple(cu_seqlens_padded.shape)} and {tuple(cu_seqlens.shape)}")
+    if cu_seqlens_padded.device != cu_seqlens.device:
+        raise ValueError(
+            f"{padded_name} must be on the same device as {name}: "
+            f"got {cu_seqlens_padded.device} and {cu_seqlens.device}")
+
+
 def check_cu_seqlens(cu_seqlens, cu_seqlens_padded, batch, device):
     """Static checks of a cu_seqlens pair; returns N, the number of sequences."""
     if cu_seqlens is None:
         if cu_seqlens_padded is not None:
             raise ValueError("cu_seqlens_padded needs cu_seqlens (the real lengths) as well")
         return batch
-    check_tensor("cu_seqlens", cu_seqlens, dtypes=INDEX_DTYPES, ndim=1, device=device)
-    if cu_seqlens.numel() < 1:
-        raise ValueError("cu_seqlens must hold at least one offset (0)")
+    check_cu_seqlens_meta(cu_seqlens)
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the other inputs are on {device}")
     if batch != 1:
         raise ValueError(f"inputs must have batch size 1 when cu_seqlens is given, got batch {batch}")
     if cu_seqlens_padded is not None:
-        check_tensor("cu_seqlens_padded", cu_seqlens_padded, dtypes=INDEX_DTYPES, ndim=1, device=device)
-        if cu_seqlens_padded.shape != cu_seqlens.shape:
-            raise ValueError("cu_seqlens_padded must have the same shape as cu_seqlens, got "
-                             f"{tuple(cu_seqlens_padded.shape)} and {tuple(cu_seqlens.shape)}")
-        if cu_seqlens_padded.dtype != cu_seqlens.dtype:
-            raise TypeError("cu_seqlens_padded must have the same dtype as cu_seqlens, got "
-                            f"{cu_seqlens_padded.dtype} and {cu_seqlens.dtype}")
+        check_padded_meta(cu_seqlens, cu_seqlens_padded, "cu_seqlens", "cu_seqlens_padded")
     return cu_seqlens.numel() - 1
 
 

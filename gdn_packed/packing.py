@@ -39,6 +39,9 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from gdn_packed._validate import check_cu_seqlens_meta as _check_cu_meta
+from gdn_packed._validate import check_padded_meta as _check_padded_meta
+
 __all__ = [
     "cu_seqlens_from_lengths",
     "lengths_from_cu_seqlens",
@@ -71,36 +74,6 @@ def _check_int(value, name: str, minimum: int = 0) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
-
-
-def _check_cu_meta(cu_seqlens, name: str = "cu_seqlens") -> None:
-    """Metadata-only checks (type, dtype, rank, size). Never synchronises."""
-    if not isinstance(cu_seqlens, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.numel() < 1:
-        raise ValueError(f"{name} must have at least 1 element (it is [N+1] for N sequences), got 0")
-
-
-def _check_padded_meta(cu_seqlens: Tensor, cu_seqlens_padded, name: str, padded_name: str) -> None:
-    if not isinstance(cu_seqlens_padded, Tensor):
-        raise TypeError(
-            f"{padded_name} must be a torch.Tensor, got {type(cu_seqlens_padded).__name__}")
-    if cu_seqlens_padded.dtype != cu_seqlens.dtype:
-        raise TypeError(
-            f"{padded_name} must have the same dtype as {name}: "
-            f"got {cu_seqlens_padded.dtype} and {cu_seqlens.dtype}")
-    if cu_seqlens_padded.shape != cu_seqlens.shape:
-        raise ValueError(
-            f"{padded_name} must have the same shape as {name}: "
-            f"got {tuple(cu_seqlens_padded.shape)} and {tuple(cu_seqlens.shape)}")
-    if cu_seqlens_padded.device != cu_seqlens.device:
-        raise ValueError(
-            f"{padded_name} must be on the same device as {name}: "
-            f"got {cu_seqlens_padded.device} and {cu_seqlens.device}")
 
 
 def _check_mask(mask, name: str = "attention_mask") -> None:

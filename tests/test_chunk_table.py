@@ -225,7 +225,7 @@ def test_op_compiles_without_graph_break():
 @pytest.mark.parametrize("bad,exc,match", [
     (lambda: build_chunk_table(torch.tensor([0.0, 1.0]), None, 4, 64), TypeError, "int32 or int64"),
     (lambda: build_chunk_table(torch.zeros(2, 2, dtype=torch.int32), None, 4, 64), ValueError, "shape"),
-    (lambda: build_chunk_table(torch.zeros(0, dtype=torch.int32), None, 4, 64), ValueError, "shape"),
+    (lambda: build_chunk_table(torch.zeros(0, dtype=torch.int32), None, 4, 64), ValueError, "at least 1"),
     (lambda: build_chunk_table(torch.tensor([0, 4]), torch.tensor([0, 4], dtype=torch.int32), 4, 64),
      TypeError, "cu_seqlens_padded"),
     (lambda: build_chunk_table(torch.tensor([0, 4]), torch.tensor([0, 4, 8]), 4, 64), ValueError,

@@ -14,30 +14,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from gdn_packed._validate import check_cu_seqlens_meta, check_padded_meta
+
 INT32_MAX = 2**31 - 1
 
 
 def _check(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int, chunk_size: int) -> int:
     """Metadata-only validation (no device sync). Returns NC = T // chunk_size + N."""
-    if not isinstance(cu_seqlens, Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
-        raise ValueError(f"cu_seqlens must have shape [N+1] with N >= 0, got {tuple(cu_seqlens.shape)}")
+    check_cu_seqlens_meta(cu_seqlens)
     if cu_seqlens_padded is not None:
-        if not isinstance(cu_seqlens_padded, Tensor):
-            raise TypeError("cu_seqlens_padded must be a torch.Tensor or None, got "
-                            f"{type(cu_seqlens_padded).__name__}")
-        if cu_seqlens_padded.dtype != cu_seqlens.dtype:
-            raise TypeError(f"cu_seqlens_padded must have cu_seqlens' dtype {cu_seqlens.dtype}, got "
-                            f"{cu_seqlens_padded.dtype}")
-        if cu_seqlens_padded.shape != cu_seqlens.shape:
-            raise ValueError(f"cu_seqlens_padded must have cu_seqlens' shape {tuple(cu_seqlens.shape)}, "
-                             f"got {tuple(cu_seqlens_padded.shape)}")
-        if cu_seqlens_padded.device != cu_seqlens.device:
-            raise ValueError(f"cu_seqlens_padded is on {cu_seqlens_padded.device} but cu_seqlens is on "
-                             f"{cu_seqlens.device}")
+        check_padded_meta(cu_seqlens, cu_seqlens_padded, "cu_seqlens", "cu_seqlens_padded")
     if T < 0:
         raise ValueError(f"T must be >= 0, got {T}")
     if chunk_size <= 0:
