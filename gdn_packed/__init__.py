@@ -2,13 +2,16 @@
 
 Public API (DESIGN.md section 4):
     chunk_gated_delta_rule  the chunked gated delta rule over cu_seqlens segments (fwd + bwd)
+    causal_conv1d_varlen    the depthwise causal conv1d restarting at every sequence (fwd + bwd)
     packing                 cu_seqlens helpers, pack/unpack, padded-storage layouts
     cuda_available()        whether the csrc/ kernels (gdn_packed._C) can run here, and why not
 """
 from gdn_packed import packing
 from gdn_packed._cext import cuda_available, cuda_unavailable_reason
 from gdn_packed.ops.chunk_gdr import chunk_gated_delta_rule
+from gdn_packed.ops.conv1d import causal_conv1d_varlen
 
 __version__ = "0.1.0"
 
-__all__ = ["chunk_gated_delta_rule", "packing", "cuda_available", "cuda_unavailable_reason"]
+__all__ = ["chunk_gated_delta_rule", "causal_conv1d_varlen", "packing", "cuda_available",
+           "cuda_unavailable_reason"]

@@ -1,0 +1,237 @@
+"""The varlen depthwise causal conv1d as torch custom ops: the one registration site.
+
+    gdn_packed::conv1d_varlen_fwd (x, weight, bias?, initial_state?, cu_seqlens?, cu_seqlens_padded?,
+                                   silu, backend) -> (y, final_state)
+    gdn_packed::conv1d_varlen_bwd (... same inputs ..., dy, dfinal?) -> (dx, dweight, dbias,
+                                                                         dinitial_state)
+
+x [B, L, D] channel-last (B = 1 when packed), weight [D, W], W <= 8; the semantics are in
+gdn_packed/torch_ref/conv1d.py (torch backend) and csrc/conv1d_varlen.cu (cuda backend). The forward
+saves only its inputs; the backward recomputes the pre-activation. Outputs are allocated here and
+every element is written by the backend. dweight/dbias are deterministic on both backends.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from gdn_packed import _validate as V
+from gdn_packed.ops._common import new_output, resolve_backend
+
+MAX_WIDTH = 8
+ACTIVATIONS = ("silu", "swish", None)
+BACKENDS_IMPLEMENTED = ("cuda", "torch")
+CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FWD_TILE_ROWS = 16    # rows per thread in the CUDA forward (sliding window along the rows)
+BWD_TILE_ROWS = 64    # rows per thread (and per dweight/dbias partial sum) in the CUDA backward
+
+
+def _cu(x, cu_seqlens):
+    B, L = x.shape[:2]
+    if cu_seqlens is None:
+        return torch.arange(B + 1, dtype=torch.int64, device=x.device) * L
+    return cu_seqlens
+
+
+def _num_seqs(x, cu_seqlens):
+    return x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _dtype_code(dtype):
+    return {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtype]
+
+
+def _cuda_common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded):
+    """Contiguous operands and the integer arguments shared by the _C entry points."""
+    T, D = x.shape[0] * x.shape[1], x.shape[2]
+    cu = _cu(x, cu_seqlens).to(torch.int64).contiguous()
+    pad = None if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64).contiguous()
+    xc = x.contiguous()
+    wc = weight.to(torch.float32).contiguous()
+    bc = None if bias is None else bias.to(torch.float32).contiguous()
+    h0 = None if initial_state is None else initial_state.to(x.dtype).contiguous()
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    keep = (cu, pad, xc, wc, bc, h0)
+    args = dict(x=ptr(xc), weight=ptr(wc), bias=ptr(bc), initial_state=ptr(h0), cu_seqlens=ptr(cu),
+                cu_seqlens_padded=ptr(pad), N=cu.shape[0] - 1, T=T, D=D, W=weight.shape[1],
+                dtype=_dtype_code(x.dtype))
+    return keep, args
+
+
+def _launch(fn_name, device, args, host):
+    from gdn_packed._cext import get_C
+
+    C = get_C()
+    if host:
+        getattr(C, fn_name + "_host")(**args)
+        return
+    with torch.cuda.device(device):
+        getattr(C, fn_name)(**args, device=device.index if device.index is not None else
+                            torch.cuda.current_device(), stream=torch.cuda.current_stream(device).cuda_stream)
+
+
+def conv1d_fwd_cuda(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, y, final_state,
+                    *, host=False):
+    """The csrc/ forward; host=True runs the same per-thread bodies in a CPU loop (CPU tensors)."""
+    keep, args = _cuda_common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded)
+    args.update(silu=bool(silu), tile_rows=FWD_TILE_ROWS, y=y.data_ptr(), final_state=final_state.data_ptr())
+    _launch("conv1d_varlen_fwd", x.device, args, host)
+    del keep
+
+
+def conv1d_bwd_cuda(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, dy, dfinal,
+                    dx, dweight, dbias, dinitial_state, *, host=False):
+    """The csrc/ backward: dx, dinitial_state (x's dtype) directly; dweight/dbias [D, W]/[D] float32
+    through per-tile partial sums [ceil(T / BWD_TILE_ROWS), D, W+1] and a fixed-order reduction."""
+    keep, args = _cuda_common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded)
+    T, D, W = args["T"], args["D"], args["W"]
+    tiles = (T + BWD_TILE_ROWS - 1) // BWD_TILE_ROWS
+    partial = torch.empty((tiles, D, W + 1), dtype=torch.float32, device=x.device)
+    dw32 = torch.empty((D, W + 1), dtype=torch.float32, device=x.device)
+    dyc = dy.to(x.dtype).contiguous()
+    dfc = None if dfinal is None else dfinal.to(x.dtype).contiguous()
+    dh0 = dinitial_state if dinitial_state.dtype == x.dtype else torch.empty_like(dinitial_state, dtype=x.dtype)
+    args.update(silu=bool(silu), tile_rows=BWD_TILE_ROWS, dy=dyc.data_ptr(),
+                dfinal=0 if dfc is None else dfc.data_ptr(), dx=dx.data_ptr(), partial=partial.data_ptr(),
+                dweight_bias=dw32.data_ptr(), dinitial_state=dh0.data_ptr())
+    _launch("conv1d_varlen_bwd", x.device, args, host)
+    dweight.copy_(dw32[:, :W])
+    dbias.copy_(dw32[:, W])
+    if dh0 is not dinitial_state:
+        dinitial_state.copy_(dh0)
+    del keep
+
+
+def _impl(backend):
+    if backend == "torch":
+        from gdn_packed.torch_ref import conv1d
+        return conv1d.conv1d_varlen_fwd_torch, conv1d.conv1d_varlen_bwd_torch
+    if backend == "cuda":
+        return conv1d_fwd_cuda, conv1d_bwd_cuda
+    raise NotImplementedError(f"backend={backend!r} has no varlen conv1d")
+
+
+@torch.library.custom_op("gdn_packed::conv1d_varlen_fwd", mutates_args=())
+def conv1d_varlen_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
+                      cu_seqlens: Optional[Tensor], cu_seqlens_padded: Optional[Tensor], silu: bool,
+                      backend: str) -> tuple[Tensor, Tensor]:
+    B, L, D = x.shape
+    W, N = weight.shape[1], _num_seqs(x, cu_seqlens)
+    y = new_output(x.shape, x.dtype, x.device)
+    final_state = new_output((N, D, W - 1), x.dtype, x.device)
+    fwd, _ = _impl(backend)
+    xt = x if backend == "cuda" else x.reshape(B * L, D)
+    yt = y if backend == "cuda" else y.view(B * L, D)
+    fwd(xt, weight, bias, initial_state, _cu(x, cu_seqlens), cu_seqlens_padded, silu, yt, final_state)
+    return y, final_state
+
+
+@conv1d_varlen_fwd.register_fake
+def _(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, backend):
+    N = _num_seqs(x, cu_seqlens)
+    return x.new_empty(x.shape), x.new_empty((N, x.shape[2], weight.shape[1] - 1))
+
+
+@torch.library.custom_op("gdn_packed::conv1d_varlen_bwd", mutates_args=())
+def conv1d_varlen_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial_state: Optional[Tensor],
+                      cu_seqlens: Optional[Tensor], cu_seqlens_padded: Optional[Tensor], silu: bool,
+                      backend: str, dy: Tensor, dfinal: Optional[Tensor]
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    B, L, D = x.shape
+    W, N = weight.shape[1], _num_seqs(x, cu_seqlens)
+    dx = new_output(x.shape, x.dtype, x.device)
+    dweight = new_output(weight.shape, weight.dtype, weight.device)
+    dbias = new_output((D,), weight.dtype if bias is None else bias.dtype, weight.device)
+    dh0 = new_output((N, D, W - 1), x.dtype if initial_state is None else initial_state.dtype, x.device)
+    _, bwd = _impl(backend)
+    if backend == "cuda":
+        bwd(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, dy, dfinal,
+            dx, dweight, dbias, dh0)
+    else:
+        bwd(x.reshape(B * L, D), weight, bias, initial_state, _cu(x, cu_seqlens), cu_seqlens_padded, silu,
+            dy.reshape(B * L, D), dfinal, dx.view(B * L, D), dweight, dbias, dh0)
+    return dx, dweight, dbias, dh0
+
+
+@conv1d_varlen_bwd.register_fake
+def _(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, backend, dy, dfinal):
+    N, D, W = _num_seqs(x, cu_seqlens), x.shape[2], weight.shape[1]
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape),
+            weight.new_empty((D,), dtype=weight.dtype if bias is None else bias.dtype),
+            x.new_empty((N, D, W - 1), dtype=x.dtype if initial_state is None else initial_state.dtype))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, backend = inputs
+    ctx.save_for_backward(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded)
+    ctx.silu, ctx.backend = silu, backend
+
+
+def _backward(ctx, dy, dfinal):
+    x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(x)
+    dx, dweight, dbias, dh0 = conv1d_varlen_bwd(x, weight, bias, initial_state, cu_seqlens,
+                                                cu_seqlens_padded, ctx.silu, ctx.backend, dy, dfinal)
+    return (dx, dweight, None if bias is None else dbias, None if initial_state is None else dh0,
+            None, None, None, None)
+
+
+conv1d_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def causal_conv1d_varlen(x, weight, bias=None, activation="silu", cu_seqlens=None, *, cu_seqlens_padded=None,
+                         initial_state=None, output_final_state=False, backend="auto", validate=False):
+    """Depthwise causal conv1d over packed sequences, restarting at every sequence.
+
+    x [1, T, D] channel-last packed with `cu_seqlens` [N+1] (int32/int64; optional
+    `cu_seqlens_padded` storage offsets, DESIGN.md section 3), or [B, L, D] without (each row one
+    sequence). weight [D, W] or Megatron's/nn.Conv1d's [D, 1, W], 1 <= W <= 8; bias [D] or None;
+    activation "silu" (alias "swish") or None. initial_state [N, D, W-1] in x's dtype: the W-1 inputs
+    before each sequence (oldest first; zeros when None). Returns (y [B, L, D] in x's dtype with exact
+    zeros on padding rows, final_state [N, D, W-1] (the last W-1 inputs of each sequence, preceded by
+    initial-state columns when the sequence is shorter) or None unless output_final_state).
+    Differentiable in x, weight, bias and initial_state; dweight/dbias are deterministic.
+    """
+    weight = _check_inputs(x, weight, bias, activation, cu_seqlens, cu_seqlens_padded, initial_state)
+    if V.want_validate(validate) and cu_seqlens is not None:
+        V.check_cu_seqlens_values(cu_seqlens, cu_seqlens_padded, total_rows=x.shape[1])
+    asked = backend
+    backend = resolve_backend(backend, x.device, have=BACKENDS_IMPLEMENTED)
+    if backend == "cuda" and x.dtype not in CUDA_DTYPES:
+        if asked == "cuda":
+            raise TypeError(f"backend='cuda' supports x of dtype float32/float16/bfloat16, got {x.dtype}")
+        backend = "torch"
+    y, final_state = conv1d_varlen_fwd(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded,
+                                       activation is not None, backend)
+    return y, (final_state if output_final_state else None)
+
+
+def _check_inputs(x, weight, bias, activation, cu_seqlens, cu_seqlens_padded, initial_state):
+    """Static checks; returns weight as [D, W]."""
+    V.check_tensor("x", x, ndim=3)
+    dev = x.device
+    B, L, D = x.shape
+    V.check_tensor("weight", weight, device=dev)
+    if weight.dim() == 3 and weight.shape[1] == 1:
+        weight = weight.squeeze(1)
+    if weight.dim() != 2 or weight.shape[0] != D:
+        raise ValueError(f"weight must have shape [D, W] or [D, 1, W] with D = x.shape[2] = {D}, "
+                         f"got {tuple(weight.shape)}")
+    W = weight.shape[1]
+    if not 1 <= W <= MAX_WIDTH:
+        raise ValueError(f"weight width W = weight.shape[-1] = {W} is outside the supported range "
+                         f"1..{MAX_WIDTH}")
+    if bias is not None:
+        V.check_tensor("bias", bias, ndim=1, device=dev)
+        V.check_shape("bias", bias, (D,), " ([D])")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
+    N = V.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, B, dev)
+    if initial_state is not None:
+        V.check_tensor("initial_state", initial_state, ndim=3, device=dev)
+        if initial_state.dtype != x.dtype:
+            raise TypeError(f"initial_state must have x's dtype {x.dtype} (conv states are stored in the "
+                            f"activation dtype), got {initial_state.dtype}")
+        V.check_shape("initial_state", initial_state, (N, D, W - 1), " ([N, D, W-1])")
+    return weight

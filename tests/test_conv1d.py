@@ -1,0 +1,245 @@
+"""gdn_packed.causal_conv1d_varlen: forward, final state and gradients against F.conv1d run per
+sequence, unpacked, in float64; for the torch backend, the host build of the csrc/ kernels (the same
+per-thread bodies in a CPU loop) and, on a GPU, the CUDA kernels. Plus sequence isolation,
+determinism, the custom ops (opcheck, torch.compile) and input errors."""
+import pytest
+import torch
+
+import gdn_packed
+from gdn_packed import _cext
+from gdn_packed.ops import conv1d as conv_op
+from gdn_packed.ops._common import poisoned_outputs
+from gdn_packed.testing import layout, no_host_sync, real_rows, rel_err
+from gdn_packed.torch_ref.conv1d import causal_conv1d_ref
+
+HAVE_HOST = _cext.built() and hasattr(_cext.get_C(), "conv1d_varlen_fwd_host")
+GPU_REASON = _cext.cuda_unavailable_reason() or ("" if torch.cuda.is_available() else "torch has no CUDA")
+BACKENDS = [
+    "torch",
+    pytest.param("host", marks=pytest.mark.skipif(not HAVE_HOST, reason="gdn_packed._C without conv kernels")),
+    pytest.param("cuda", marks=pytest.mark.skipif(bool(GPU_REASON), reason=f"no GPU: {GPU_REASON}")),
+]
+
+# (lengths, gaps after each sequence or None, tail rows, D)
+PACKINGS = [
+    ([0, 1, 63, 64, 65, 127, 300, 5], None, 0, 16),
+    ([65, 0, 1, 0, 2], [3, 0, 7, 1, 0], 5, 13),       # D not a multiple of any vector width
+    ([127, 1, 63], [1, 64, 0], 9, 8),
+]
+
+
+def pid(p):
+    lens, gaps, tail, D = p
+    return f"N{len(lens)}-T{sum(lens)}-D{D}" + ("-pad" if gaps or tail else "")
+
+
+def conv(backend, x, w, b, act, cu, pad, h0, dy, df):
+    """(y, final, dx, dw, db, dh0) of one backend; the float64 reference when backend='ref'."""
+    if backend == "ref":
+        xs = [t.detach().double().requires_grad_() if t is not None else None for t in (x, w, b, h0)]
+        y, f = causal_conv1d_ref(xs[0], xs[1], xs[2], act, cu, pad, xs[3])
+        loss = (y * dy.double()).sum() + (f * df.double()).sum()
+        grads = torch.autograd.grad(loss, [t for t in xs if t is not None])
+        it = iter(grads)
+        return (y, f) + tuple(next(it) if t is not None else None for t in xs)
+    if backend == "host":   # the csrc/ per-thread bodies run over the whole grid on the CPU
+        return conv_host(x, w, b, act, cu, pad, h0, dy, df)
+    dev = "cuda" if backend == "cuda" else "cpu"
+    to = lambda t: None if t is None else t.detach().to(dev).requires_grad_()  # noqa: E731
+    xs = [to(t) for t in (x, w, b, h0)]
+    with poisoned_outputs():
+        y, f = gdn_packed.causal_conv1d_varlen(xs[0], xs[1], xs[2], act, cu if cu is None else cu.to(dev),
+                                               cu_seqlens_padded=None if pad is None else pad.to(dev),
+                                               initial_state=xs[3], output_final_state=True, backend=backend)
+        loss = (y.float() * dy.to(dev)).sum() + (f.float() * df.to(dev)).sum()
+        grads = torch.autograd.grad(loss, [t for t in xs if t is not None])
+    it = iter(grads)
+    return tuple(t.cpu() for t in (y, f)) + tuple(next(it).cpu() if t is not None else None for t in xs)
+
+
+def conv_host(x, w, b, act, cu, pad, h0, dy, df):
+    B, L, D = x.shape
+    W, N = w.shape[1], (B if cu is None else cu.numel() - 1)
+    full = lambda *s, dt=x.dtype: torch.full(s, float("nan"), dtype=dt)  # noqa: E731
+    y, f = full(B, L, D), full(N, D, W - 1)
+    conv_op.conv1d_fwd_cuda(x, w, b, h0, cu, pad, act is not None, y, f, host=True)
+    dx, dw, db, dh0 = full(B, L, D), full(D, W, dt=w.dtype), full(D, dt=w.dtype), full(N, D, W - 1)
+    conv_op.conv1d_bwd_cuda(x, w, b, h0, cu, pad, act is not None, dy.to(x.dtype), df.to(x.dtype),
+                            dx, dw, db, dh0, host=True)
+    return y, f, dx, dw, (db if b is not None else None), (dh0 if h0 is not None else None)
+
+
+def make(rows, D, W, dtype=torch.float32, N=1, batch=1, bias=True, h0=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    x = r(batch, rows, D).to(dtype)
+    w = (r(D, W) / W ** 0.5)
+    b = r(D) if bias else None
+    s0 = r(N, D, W - 1).to(dtype) if h0 else None
+    dy = r(batch, rows, D)
+    df = r(N, D, W - 1)
+    return x, w, b, s0, dy, df
+
+
+NAMES = ("y", "final_state", "dx", "dweight", "dbias", "dinitial_state")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("W", [2, 3, 4])
+@pytest.mark.parametrize("packing", PACKINGS, ids=pid)
+def test_matches_per_sequence_conv1d(backend, W, packing):
+    lens, gaps, tail, D = packing
+    cu, pad, rows = layout(lens, gaps=gaps, tail=tail)
+    h0 = W != 3
+    x, w, b, s0, dy, df = make(rows, D, W, N=len(lens), h0=h0, bias=W != 2, seed=W)
+    act = "silu" if W != 4 else None
+    got = conv(backend, x, w, b, act, cu, pad, s0, dy, df)
+    ref = conv("ref", x, w, b, act, cu, pad, s0, dy, df)
+    for name, a, r in zip(NAMES, got, ref):
+        assert (a is None) == (r is None), name
+        if a is not None:
+            assert rel_err(a, r) <= 1e-5, f"{name}: {rel_err(a, r):.3g}"
+    pad_rows = ~real_rows(cu, pad, rows)
+    assert torch.equal(got[0][0, pad_rows], torch.zeros_like(got[0][0, pad_rows]))   # y exactly 0
+    assert torch.equal(got[2][0, pad_rows], torch.zeros_like(got[2][0, pad_rows]))   # dx exactly 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_low_precision(backend, dtype):
+    cu, pad, rows = layout([37, 0, 5, 70], gaps=[2, 1, 0, 0], tail=3)
+    x, w, b, s0, dy, df = make(rows, 24, 4, dtype, N=4)
+    got = conv(backend, x, w, b, "silu", cu, pad, s0, dy, df)
+    ref = conv("ref", x, w, b, "silu", cu, pad, s0, dy, df)
+    for name, a, r in zip(NAMES, got, ref):
+        assert rel_err(a, r) <= 1e-2, f"{name}: {rel_err(a, r):.3g}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_without_cu_seqlens(backend):
+    x, w, b, s0, dy, df = make(33, 12, 4, batch=3, N=3)
+    got = conv(backend, x, w, b, "silu", None, None, s0, dy, df)
+    ref = conv("ref", x, w, b, "silu", None, None, s0, dy, df)
+    for name, a, r in zip(NAMES, got, ref):
+        assert rel_err(a, r) <= 1e-5, f"{name}: {rel_err(a, r):.3g}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sequences_never_mix(backend):
+    """Huge values in sequence 1 leave sequences 0 and 2 (outputs and gradients) bit-unchanged."""
+    cu, pad, rows = layout([9, 6, 9], gaps=[0, 2, 0], tail=1)
+    x, w, b, s0, dy, df = make(rows, 10, 4, N=3)
+    base = conv(backend, x, w, b, "silu", cu, pad, s0, dy, df)
+    x2, s2, dy2, df2 = x.clone(), s0.clone(), dy.clone(), df.clone()
+    x2[0, 9:15], s2[1], dy2[0, 9:17], df2[1] = 1e30, -1e30, 1e30, 1e30
+    hot = conv(backend, x2, w, b, "silu", cu, pad, s2, dy2, df2)
+    others = torch.ones(rows, dtype=torch.bool)
+    others[9:17] = False
+    for i in (0, 2):   # outputs, dx (row-indexed) and per-sequence states of the other sequences
+        assert torch.equal(base[1][i], hot[1][i]) and torch.equal(base[5][i], hot[5][i])
+    assert torch.equal(base[0][0, others], hot[0][0, others])
+    assert torch.equal(base[2][0, others], hot[2][0, others])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weight_and_bias_grads_are_deterministic(backend):
+    cu, pad, rows = layout([300, 1, 127, 0, 64], gaps=None, tail=0)
+    x, w, b, s0, dy, df = make(rows, 40, 4, N=5)
+    runs = [conv(backend, x, w, b, "silu", cu, pad, s0, dy, df) for _ in range(3)]
+    for r in runs[1:]:
+        assert torch.equal(r[3], runs[0][3]) and torch.equal(r[4], runs[0][4])
+
+
+def test_final_state_feeds_the_next_call():
+    """Splitting sequences in two and carrying the conv state reproduces the unsplit conv."""
+    cu, _, rows = layout([50, 2, 40])
+    x, w, b, _, _, _ = make(rows, 12, 4, N=3)
+    y, _ = gdn_packed.causal_conv1d_varlen(x, w, b, cu_seqlens=cu)
+    cut = torch.tensor([20, 1, 15])
+    lens = torch.tensor([50, 2, 40])
+    xa = torch.cat([x[:, s:s + n] for s, n in zip([0, 50, 52], cut.tolist())], 1)
+    xb = torch.cat([x[:, s + n:s + m] for s, n, m in zip([0, 50, 52], cut.tolist(), lens.tolist())], 1)
+    cua = torch.cat([torch.zeros(1), cut.cumsum(0)]).int()
+    cub = torch.cat([torch.zeros(1), (lens - cut).cumsum(0)]).int()
+    ya, fa = gdn_packed.causal_conv1d_varlen(xa, w, b, cu_seqlens=cua, output_final_state=True)
+    yb, _ = gdn_packed.causal_conv1d_varlen(xb, w, b, cu_seqlens=cub, initial_state=fa)
+    for i, (s, n, m) in enumerate(zip([0, 50, 52], cut.tolist(), lens.tolist())):
+        sa, sb = int(cua[i]), int(cub[i])
+        assert torch.allclose(y[:, s:s + n], ya[:, sa:sa + n], atol=1e-6)
+        assert torch.allclose(y[:, s + n:s + m], yb[:, sb:sb + m - n], atol=1e-6)
+
+
+def test_megatron_weight_layout():
+    cu, _, rows = layout([7, 9])
+    x, w, b, _, _, _ = make(rows, 6, 4, N=2)
+    y1, _ = gdn_packed.causal_conv1d_varlen(x, w, b, cu_seqlens=cu)
+    y2, _ = gdn_packed.causal_conv1d_varlen(x, w[:, None, :], b, cu_seqlens=cu)
+    assert torch.equal(y1, y2)
+
+
+def _op_args():
+    cu, pad, rows = layout([5, 0, 11, 1], gaps=[1, 0, 2, 0], tail=2)
+    x, w, b, s0, dy, df = make(rows, 6, 4, N=4)
+    return x, w, b, s0, cu, pad, dy, df
+
+
+def test_opcheck_forward():
+    x, w, b, s0, cu, pad, _, _ = _op_args()
+    args = (x.requires_grad_(), w.requires_grad_(), b.requires_grad_(), s0.requires_grad_(), cu, pad, True, "torch")
+    torch.library.opcheck(conv_op.conv1d_varlen_fwd, args)
+
+
+def test_opcheck_backward():
+    x, w, b, s0, cu, pad, dy, df = _op_args()
+    torch.library.opcheck(conv_op.conv1d_varlen_bwd, (x, w, b, s0, cu, pad, True, "torch", dy, df))
+
+
+def test_torch_compile_fullgraph_and_no_host_sync():
+    x, w, b, s0, cu, pad, _, _ = _op_args()
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, s0)]
+
+    def f(x, w, b, s0):
+        y, fs = gdn_packed.causal_conv1d_varlen(x, w, b, cu_seqlens=cu, cu_seqlens_padded=pad,
+                                                initial_state=s0, output_final_state=True)
+        return y.square().sum() + fs.sum()
+
+    eager = torch.autograd.grad(f(*leaves), leaves)
+    torch._dynamo.reset()
+    comp = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves), leaves)
+    for a, c in zip(eager, comp):
+        assert torch.equal(a, c)
+    with no_host_sync():
+        torch.autograd.grad(f(*leaves), leaves)
+
+
+def _good():
+    cu, _, rows = layout([3, 7])
+    x, w, b, s0, _, _ = make(rows, 6, 4, N=2)
+    return dict(x=x, weight=w, bias=b, initial_state=s0, cu_seqlens=cu)
+
+
+BAD = {
+    "int-x": (dict(x=torch.zeros(1, 10, 6, dtype=torch.int32)), TypeError, "x must"),
+    "2d-x": (dict(x=torch.zeros(10, 6)), ValueError, "x must"),
+    "W-9": (dict(weight=torch.zeros(6, 9), initial_state=torch.zeros(2, 6, 8)), ValueError, "W = .*9"),
+    "weight-D": (dict(weight=torch.zeros(5, 4)), ValueError, "weight"),
+    "bias-shape": (dict(bias=torch.zeros(5)), ValueError, "bias"),
+    "h0-shape": (dict(initial_state=torch.zeros(3, 6, 3)), ValueError, "initial_state"),
+    "h0-dtype": (dict(initial_state=torch.zeros(2, 6, 3, dtype=torch.bfloat16)), TypeError, "initial_state"),
+    "float-cu": (dict(cu_seqlens=torch.tensor([0.0, 3.0, 10.0])), TypeError, "cu_seqlens"),
+    "activation": (dict(activation="relu"), ValueError, "activation"),
+    "backend": (dict(backend="fast"), ValueError, "backend"),
+    "meta-weight": (dict(weight=torch.zeros(6, 4, device="meta")), ValueError, "weight"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_names_the_argument(name):
+    change, exc, match = BAD[name]
+    with pytest.raises(exc, match=match):
+        gdn_packed.causal_conv1d_varlen(**{**_good(), **change})
+
+
+def test_cuda_backend_on_cpu_tensors_is_refused():
+    with pytest.raises((ValueError, RuntimeError), match="cuda"):
+        gdn_packed.causal_conv1d_varlen(**_good(), backend="cuda")
