@@ -3,7 +3,7 @@ algorithm that the Triton and CUDA kernels are checked against (DESIGN.md sectio
 
 Layout. Inputs are flattened packed rows: q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV];
 initial_state [N, HV, K, V]; the chunk table (gdn_packed.ops.chunk_table) says which rows form each
-chunk. Every chunk is gathered into a [NC, H, G, C, *] block (G = HV // H value heads per qk-head, so
+chunk. Every chunk is gathered into a [H, G, NC, C, *] block (G = HV // H value heads per qk-head, so
 GVA is a broadcast over the G axis, never a copy of q/k). Rows of a chunk past its length are zeros
 with g = beta = 0: such a row leaves the state untouched and receives no gradient.
 
@@ -43,31 +43,36 @@ def _l2norm_bwd(x, dy, eps: float = 1e-6):
 class Chunks:
     """Row indices of every chunk, and the gather/scatter between packed rows and chunk blocks.
 
-    rows [NC, C]: the packed row of each chunk row, T (one past the end) for rows past the length.
-    Blocks are [NC, H, G, C, *]: chunk, qk-head, value head within the group, row, feature.
+    rows [NC, C]: the packed row of each chunk row (clamped into range; `mask` says which are real).
+    Blocks are [H, G, NC, C, *]: qk-head, value head within the group, chunk, row, feature; the
+    batch dims lead so every matmul below runs on contiguous [C, *] tiles.
     """
 
     def __init__(self, table, T, C):
         pos = torch.arange(C, device=table.device)
         self.mask = pos[None, :] < table[:, 3:4].long()
-        self.rows = torch.where(self.mask, table[:, 2:3].long() + pos[None, :], torch.full_like(pos, T))
+        rows = table[:, 2:3].long() + pos[None, :]
+        self.rows = torch.where(self.mask, rows, torch.full_like(rows, T))   # T: "no row"
+        self.safe_rows = self.rows.clamp_max(max(T - 1, 0)).reshape(-1)
         self.table, self.T, self.C, self.NC = table, T, C, table.shape[0]
 
     def gather(self, x, H, dt):
-        """x [T, H*G, *f] (or [T, H, *f] with G = 1) -> [NC, H, G, C, *f] in dtype dt, 0 past the length."""
+        """x [T, H*G, *f] (or [T, H, *f] with G = 1) -> [H, G, NC, C, *f] in dtype dt, 0 past the length."""
         f = x.shape[2:]
-        xp = torch.cat([x.to(dt), x.new_zeros(1, *x.shape[1:], dtype=dt)])   # row T reads as zeros
-        b = xp.index_select(0, self.rows.reshape(-1)).view(self.NC, self.C, H, -1, *f)
-        return b.movedim(1, 3)
+        if self.T == 0:
+            return x.new_zeros(H, x.shape[1] // H, self.NC, self.C, *f, dtype=dt)
+        src = x.reshape(self.T, H, -1, *f).movedim(0, 2)                     # [H, G, T, *f] (a view)
+        b = src.index_select(2, self.safe_rows).to(dt).view(H, -1, self.NC, self.C, *f)
+        return b.mul_(self.mask.view(self.NC, self.C, *(1,) * len(f)))
 
     def scatter(self, vals, out):
-        """vals [NC, H, G, C, *f] -> out [T, H*G, *f]. Every row of `out` is written: chunk rows in
+        """vals [H, G, NC, C, *f] -> out [T, H*G, *f]. Every row of `out` is written: chunk rows in
         place, all other rows (padding) with exact zeros, whatever `out` held before."""
-        NC, H, G, C = vals.shape[:4]
-        flat = vals.movedim(3, 1).reshape(NC * C, H * G, *vals.shape[4:])
-        buf = torch.zeros(self.T + 1, *flat.shape[1:], dtype=out.dtype, device=out.device)
-        buf.index_copy_(0, self.rows.reshape(-1), flat.to(out.dtype))
-        out.copy_(buf[: self.T])
+        H, G, NC, C = vals.shape[:4]
+        f = vals.shape[4:]
+        buf = torch.zeros(H, G, self.T + 1, *f, dtype=out.dtype, device=out.device)
+        buf.index_copy_(2, self.rows.reshape(-1), vals.reshape(H, G, NC * C, *f).to(out.dtype))
+        out.view(self.T, H, G, *f).copy_(buf[:, :, : self.T].movedim(2, 0))
 
 
 class SlotOrder:
@@ -99,19 +104,19 @@ def with_scratch(x):
 @dataclass
 class Forward:
     """Per-chunk quantities of the forward, kept for the output and recomputed by the backward."""
-    q: torch.Tensor         # [NC, H, 1, C, K] (after l2norm when asked)
-    k: torch.Tensor         # [NC, H, 1, C, K]
-    v: torch.Tensor         # [NC, H, G, C, V]
-    beta: torch.Tensor      # [NC, H, G, C]
-    E: torch.Tensor         # [NC, H, G, C, C]   exp(gamma_r - gamma_s), r >= s
-    Tinv: torch.Tensor      # [NC, H, G, C, C]   (I + A)^-1
-    W: torch.Tensor         # [NC, H, G, C, K]
-    eg: torch.Tensor        # [NC, H, G, C]      exp(gamma)
-    eGg: torch.Tensor       # [NC, H, G, C]      exp(Gamma - gamma)
-    eG: torch.Tensor        # [NC, H, G]         exp(Gamma)
-    M: torch.Tensor         # [NC, H, G, C, C]   (Q K^T) * E
-    S_in: torch.Tensor      # [NC, H, G, K, V]   state entering each chunk
-    Vnew: torch.Tensor      # [NC, H, G, C, V]
+    q: torch.Tensor         # [H, 1, NC, C, K] (after l2norm when asked)
+    k: torch.Tensor         # [H, 1, NC, C, K]
+    v: torch.Tensor         # [H, G, NC, C, V]
+    beta: torch.Tensor      # [H, G, NC, C]
+    E: torch.Tensor         # [H, G, NC, C, C]   exp(gamma_r - gamma_s), r >= s
+    Tinv: torch.Tensor      # [H, G, NC, C, C]   (I + A)^-1
+    W: torch.Tensor         # [H, G, NC, C, K]
+    eg: torch.Tensor        # [H, G, NC, C]      exp(gamma)
+    eGg: torch.Tensor       # [H, G, NC, C]      exp(Gamma - gamma)
+    eG: torch.Tensor        # [H, G, NC]         exp(Gamma)
+    M: torch.Tensor         # [H, G, NC, C, C]   (Q K^T) * E
+    S_in: torch.Tensor      # [H, G, NC, K, V]   state entering each chunk
+    Vnew: torch.Tensor      # [H, G, NC, C, V]
     S_final: torch.Tensor   # [N, H, G, K, V]
 
 
@@ -144,14 +149,14 @@ def chunk_forward(ch, q, k, v, g, beta, cu_chunks, initial_state, use_l2norm):
     S0 = with_scratch(torch.zeros(N, H, G, K, V, dtype=dt, device=q.device) if initial_state is None
                       else initial_state.to(dt).reshape(N, H, G, K, V))
     final = S0.clone()                                         # zero-length sequences keep S0
-    S_in, Vnew = S0.new_empty(NC, H, G, K, V), torch.empty_like(U)
+    S_in, Vnew = S0.new_empty(H, G, NC, K, V), torch.empty_like(U)
     so = SlotOrder(ch.table, cu_chunks)
     S = S0[N]
     for j in range(NC):
         S = torch.where(so.is_first[j:j + 1], S0.index_select(0, so.first[j:j + 1])[0], S)
-        S_in[j] = S
-        Vnew[j] = U[j] - W[j] @ S
-        S = eG[j][..., None, None] * S + Kd[j].transpose(-1, -2) @ Vnew[j]
+        S_in[:, :, j] = S
+        Vnew[:, :, j] = U[:, :, j] - W[:, :, j] @ S
+        S = eG[:, :, j, None, None] * S + Kd[:, :, j].transpose(-1, -2) @ Vnew[:, :, j]
         final.index_copy_(0, so.last[j:j + 1], S[None])
     return Forward(qc, kc, vc, bc, E, Tinv, W, eg, eGg, eG, M, S_in, Vnew, final[:N])
 
@@ -190,9 +195,9 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
     dS = dST[N]
     for j in reversed(range(NC)):
         dS = torch.where(so.is_last[j:j + 1], dST.index_select(0, so.last[j:j + 1])[0], dS)
-        dSn[j] = dS
-        dvn = dVnew[j] + Kd[j] @ dS
-        dS = f.eG[j][..., None, None] * dS + dS_loc[j] - f.W[j].transpose(-1, -2) @ dvn
+        dSn[:, :, j] = dS
+        dvn = dVnew[:, :, j] + Kd[:, :, j] @ dS
+        dS = f.eG[:, :, j, None, None] * dS + dS_loc[:, :, j] - f.W[:, :, j].transpose(-1, -2) @ dvn
         dS0.index_copy_(0, so.first[j:j + 1], dS[None])
     dh0.copy_(dS0[:N].reshape(dh0.shape))
 
@@ -224,7 +229,7 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
     dgamma[..., -1] += tau.sum(-1) + f.eG * (S * dSn).sum((-2, -1))
     dG = dgamma.flip(-1).cumsum(-1).flip(-1)
 
-    dQ, dK = dQ.sum(2, keepdim=True), dK.sum(2, keepdim=True)  # GVA: sum over the value heads
+    dQ, dK = dQ.sum(1, keepdim=True), dK.sum(1, keepdim=True)  # GVA: sum over the value heads
     if use_l2norm:
         dQ = _l2norm_bwd(ch.gather(q, H, dt), dQ)
         dK = _l2norm_bwd(ch.gather(k, H, dt), dK)
