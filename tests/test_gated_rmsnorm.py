@@ -1,17 +1,13 @@
 """Gated RMSNorm op: both backends against a float64 autograd reference, opcheck, torch.compile,
-deterministic weight gradient, bad input. The triton backend runs under the Triton interpreter on CPU."""
-import os
-
+deterministic weight gradient, bad input. Without a GPU the triton backend runs under the Triton
+interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is defined
-
-from gdn_packed.ops._common import triton_usable  # noqa: E402
-from gdn_packed.ops.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_bwd, gated_rmsnorm_fwd  # noqa: E402
-from gdn_packed.testing import poisoned_outputs, rel_err  # noqa: E402
-from gdn_packed.torch_ref.gated_rmsnorm import gated_rmsnorm_ref  # noqa: E402
+from gdn_packed.ops._common import triton_usable
+from gdn_packed.ops.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_bwd, gated_rmsnorm_fwd
+from gdn_packed.testing import poisoned_outputs, rel_err
+from gdn_packed.torch_ref.gated_rmsnorm import gated_rmsnorm_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(

@@ -1,0 +1,35 @@
+"""The one place where a layer input becomes packed: every layer runs on `[1, R, ...]` rows with
+`cu_seqlens` (and optional `cu_seqlens_padded`), whatever layout the caller used."""
+import torch
+
+from gdn_packed import packing
+
+
+def as_packed(x, cu_seqlens=None, cu_seqlens_padded=None, attention_mask=None):
+    """Return (x_packed [1, R, ...], cu_seqlens, cu_seqlens_padded, restore), where `restore` maps a
+    packed output [1, R, ...] back to x's layout.
+
+    * attention_mask [B, L] with x [B, L, ...]: the real tokens are packed (host sync: their count),
+      restore scatters them back, 0 on padding.
+    * neither mask nor cu_seqlens, x [B, L, ...]: each row is one sequence (a view, no copy, no sync).
+    * cu_seqlens (+ cu_seqlens_padded) with x [1, R, ...]: already packed, passed through.
+    """
+    if attention_mask is not None:
+        if cu_seqlens is not None or cu_seqlens_padded is not None:
+            raise ValueError("pass either attention_mask (padded [B, L] input) or cu_seqlens (packed "
+                             "[1, T] input), not both")
+        B, L = attention_mask.shape
+        xp, cu = packing.pack(x, attention_mask)
+        return xp, cu, None, lambda y: packing.unpack(y, cu, B, L, attention_mask)
+    if cu_seqlens is None:
+        if cu_seqlens_padded is not None:
+            raise ValueError("cu_seqlens_padded needs cu_seqlens (the real lengths) as well")
+        if x.dim() < 2:
+            raise ValueError(f"input must be [B, L, ...], got shape {tuple(x.shape)}")
+        B, L = x.shape[:2]
+        cu = torch.arange(B + 1, dtype=torch.int32, device=x.device) * L
+        return x.reshape(1, B * L, *x.shape[2:]), cu, None, lambda y: y.reshape(B, L, *y.shape[2:])
+    if x.dim() < 2 or x.shape[0] != 1:
+        raise ValueError(f"packed input with cu_seqlens must have batch size 1 ([1, T, ...]), "
+                         f"got shape {tuple(x.shape)}")
+    return x, cu_seqlens, cu_seqlens_padded, lambda y: y
