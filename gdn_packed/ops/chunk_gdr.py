@@ -20,7 +20,7 @@ from gdn_packed.ops.chunk_table import build_chunk_table
 
 CHUNK_SIZE = 64
 MAX_HEAD_DIM = 256
-BACKENDS_IMPLEMENTED = ("torch",)
+BACKENDS_IMPLEMENTED = ("triton", "torch")
 
 
 def _impl(backend):

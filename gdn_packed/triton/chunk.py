@@ -1,0 +1,110 @@
+"""Host side of the Triton chunked gated delta rule: launch configs and the backend entry points that
+gdn_packed.ops.chunk_gdr dispatches to (same signatures as gdn_packed.torch_ref.chunk).
+
+Launch configs come from a fixed heuristic on (K, V, dtype, GPU), never from autotuning a shape, so
+the launch sequence is the same for every cu_seqlens of the same T and N (CUDA-graph safe) and the
+set of compiled kernels is known ahead of time (tests/test_triton_aot.py compiles all of them):
+  prep   (chunk_prep_kernel):          BK = min(64, K padded to a power of two); 4 warps; 2 stages.
+  state  (chunk_state_output_kernel):  BK = K padded to a power of two (the whole state row block).
+         BV = 32 when V is a multiple of 32, else 16: at the hot shape (K = V = 128) a [128, 32] fp32
+         state is 32 registers per thread for one warpgroup and 1x32768 with HV = 32 gives 128
+         programs, about one per H200 SM; a larger BV would idle half the SMs on long sequences.
+         num_warps 4 (one warpgroup: wgmma M = 64 = C), 8 when K = 256 (a [256, 32] state is 64
+         registers per thread at 4 warps plus the operand tiles). num_stages 2 (the next chunk's q, k,
+         v, Tm, M are loaded while this one computes) when the per-stage tiles fit the SM's shared
+         memory (227 KB on sm_90, 163 KB on sm_80/86/89, 99 KB otherwise), else 1.
+         SPLIT (state operands as bf16 hi + lo): on for bf16, where one rounding of S costs ~4e-3
+         relative error; off for fp16 (11-bit mantissa) and fp32.
+Under the Triton interpreter the same function gives the one config used.
+"""
+import torch
+import triton
+
+from gdn_packed.triton.chunk_fwd import chunk_prep_kernel, chunk_state_output_kernel
+
+CHUNK = 64
+
+_SMEM_KB = {9: 227, 8: 163}
+
+
+def _pow2(x):
+    return triton.next_power_of_2(x)
+
+
+def _smem_kb(device):
+    if device.type != "cuda":
+        return _SMEM_KB[9]
+    major, minor = torch.cuda.get_device_capability(device)
+    return 227 if major >= 9 else 163 if (major, minor) in ((8, 0), (8, 6), (8, 7), (8, 9)) else 99
+
+
+def prep_config(K, dtype):
+    return dict(BK=min(64, _pow2(K)), num_warps=4, num_stages=2)
+
+
+def state_config(K, V, dtype, smem_kb=227):
+    BK = _pow2(K)
+    BV = 32 if V % 32 == 0 else 16
+    esize = torch.finfo(dtype).bits // 8
+    C = CHUNK
+    # one pipeline stage holds q, k [C, BK], v [C, BV] in the input dtype and Tm, M [C, C] fp32
+    stage_kb = (2 * C * BK * esize + C * BV * esize + 2 * C * C * 4) / 1024
+    return dict(BK=BK, BV=BV, SPLIT=dtype != torch.float32,
+                num_warps=8 if BK >= 256 else 4,
+                num_stages=2 if 2 * stage_kb + 32 <= smem_kb else 1)
+
+
+def all_configs():
+    """Every (kernel, constexprs, options) the dispatcher can launch on sm_90, for the AOT check."""
+    out = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for K in (16, 32, 48, 64, 128, 256):
+            p = prep_config(K, dtype)
+            out.append(("prep", dtype, K, None, p))
+            for V in (16, 32, 48, 64, 128, 256):
+                out.append(("state", dtype, K, V, state_config(K, V, dtype)))
+    return out
+
+
+def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
+                         o, final_state):
+    """Writes o [T, HV, V] (every row: padding rows 0) and final_state [N, HV, K, V] float32.
+
+    q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV]; table int32 [NC, 4]; cu_chunks int32 [N+1];
+    initial_state [N, HV, K, V] or None. Two launches, grids from T, N and the shapes only."""
+    if C != CHUNK:
+        raise ValueError(f"the Triton kernels are written for chunk size {CHUNK}, got {C}")
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    N, NC = cu_chunks.numel() - 1, table.shape[0]
+    if not (o.is_contiguous() and final_state.is_contiguous()):
+        raise ValueError("o and final_state must be contiguous")
+    if N == 0:
+        o.zero_()               # no sequence: every row is padding
+        return
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    h0 = final_state if initial_state is None else initial_state.to(torch.float32).contiguous()
+    t_mat = torch.empty(NC, HV, C, C, dtype=torch.float32, device=q.device)
+    m_mat = torch.empty_like(t_mat)
+    l2 = bool(use_l2norm)
+    if NC > 0:
+        p = prep_config(K, q.dtype)
+        chunk_prep_kernel[(NC, HV)](q, k, g, beta, table, t_mat, m_mat, scale, H=H, HV=HV, K=K,
+                                    BK=p["BK"], C=C, USE_L2=l2, num_warps=p["num_warps"],
+                                    num_stages=p["num_stages"])
+    s = state_config(K, V, q.dtype, _smem_kb(q.device))
+    chunk_state_output_kernel[(N, HV, triton.cdiv(V, s["BV"]))](
+        q, k, v, g, beta, table, cu_chunks, t_mat, m_mat, h0, o, final_state, scale, T,
+        H=H, HV=HV, K=K, V=V, BK=s["BK"], BV=s["BV"], C=C, USE_L2=l2,
+        HAS_H0=initial_state is not None, SPLIT=s["SPLIT"], num_warps=s["num_warps"],
+        num_stages=s["num_stages"])
+
+
+def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
+                         do, dht, dq, dk, dv, dg, dbeta, dh0):
+    """Backward of backend="triton": NOT a Triton kernel yet. Until the Triton backward lands it runs
+    the torch backend's analytic chunked backward (gdn_packed.torch_ref.chunk.chunk_gdr_bwd_torch) on
+    the same tensors, so autograd works with backend="triton" but the backward runs at PyTorch speed."""
+    from gdn_packed.torch_ref.chunk import chunk_gdr_bwd_torch
+    chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
+                        do, dht, dq, dk, dv, dg, dbeta, dh0)

@@ -1,0 +1,302 @@
+"""Triton forward of the chunked gated delta rule over the device-side chunk table (DESIGN.md section 2).
+
+Per chunk (C = 64 rows, gamma = cumsum g from the chunk start, E[r,s] = exp(gamma_r - gamma_s), r >= s):
+    A = strict_lower(diag(beta) (K K^T) * E),  Tm = (I + A)^-1,  M = scale * causal(Q K^T) * E
+    Vnew   = Tm diag(beta) (V - diag(e^gamma) K S)     (= U - W S, with W and U never formed)
+    O      = scale * diag(e^gamma) Q S + M Vnew
+    S_next = e^Gamma S + K^T diag(e^(Gamma - gamma)) Vnew
+With use_qk_l2norm, q and k enter every dot raw and the row factors 1/sqrt(|x|^2 + 1e-6) are applied
+to the fp32 results (QK^T, KK^T, KS, QS) or folded into the other operand (K^T Vnew), so normalised
+q/k are never rounded to the input dtype.
+
+Two kernels (`b_` = a block of values in registers, `p_`/`*_off` = pointers/offsets):
+  chunk_prep_kernel          grid (NC, HV), one program per chunk slot and value head, all parallel.
+      in  q, k [T, H, K], g, beta [T, HV], table [NC, 4]
+      out Tm, M [NC, HV, C, C] float32 (lower triangle only: Tm r >= s block-lower, M r >= s)
+      Tm: the four 16x16 diagonal blocks by forward substitution, the six blocks below them by
+      T_ij = -T_ii sum_{k=j..i-1} A_ik T_kj (fp32, input_precision="ieee").
+  chunk_state_output_kernel  grid (N, HV, cdiv(V, BV)), one program per sequence, value head and
+      V-block, looping over the sequence's chunk slots cu_chunks[n]..cu_chunks[n+1] with the state
+      block S [K, BV] in float32 registers. It writes o for every real row, the final state, and zeros
+      on the padding rows that follow the sequence (program n = 0 also those before the first one).
+      in  q, k, v [T, HV, V], g, beta, table, cu_chunks [N+1], Tm, M, initial state [N, HV, K, V]
+      out o [T, HV, V] (v's dtype), final state [N, HV, K, V] float32
+Unused slots (length 0) and sequences without chunks exit at once; the grids depend only on T, N and
+the shapes. GVA: value head hv reads qk-head hv // (HV // H).
+
+Fusion plan, from bytes moved per (token, value head) at K = V = 128, bf16, GVA 2 (q/k shared by two
+value heads through L2, so 128 B each); the floor is q + k + v + o + g + beta = 776 B:
+  - FLA-style five passes (A = KK^T -> inverse -> W, U -> state pass writing h per chunk and v_new ->
+    output pass re-reading q, k, h, v_new): A 256 B + Ai 128 B + W, U 512 B written and re-read, h
+    (K*V*2/C = 512 B) and v_new 256 B written and re-read: ~4 kB, ~5x the floor.
+  - Here W and U are never materialised (Vnew = Tm (beta (V - e^gamma K S)) costs the state pass one
+    extra 64x64xBV dot instead of reading 512 B), and the output is produced inside the state pass,
+    where S is already in registers, so neither h nor v_new goes to memory. What remains between the
+    two kernels is Tm and M: 2 x 64 fp32 = 512 B written once and read once (lower triangles only
+    are touched: ~330 B). Total ~ 776 + 2 x 330 + ~130 (q, k read twice) ~ 1.6 kB, ~2x the floor.
+  - Not fused: the inverse into the state pass. It is independent of S but costs ~5 us of latency per
+    chunk; in the sequential loop it would multiply by the chunk count instead of running in parallel.
+  - The gate cumsum is recomputed by both kernels from g (64 floats) instead of being stored.
+The price of fusing the output into the state pass: Q S and M Vnew (and the 4 V-blocks each reading
+q, k, Tm, M through L2) sit in the sequential loop. The state pass has N*HV*V/BV programs (128 at
+1x32768, HV=32, BV=32: about one per H200 SM), so its per-chunk latency, not bandwidth, bounds it.
+
+Numerics (what is rounded): inputs q, k, v are used exactly (bf16/fp16 operands of tl.dot with fp32
+accumulation); gate sums, exponentials, Tm, M, the state and all dot results are float32. The state S,
+its update term and Vnew enter tensor-core dots in the input dtype, either rounded once or (SPLIT,
+used for bf16) as a hi + lo pair of the input dtype, which makes those dots ~fp32-exact at twice the
+dot cost. Tm X and M Vnew are fp32 dots (tf32 on the GPU, exact under the interpreter). o is rounded
+to v's dtype once, at the store. fp32 inputs: every dot is fp32 (tf32 on the GPU).
+"""
+import triton
+import triton.language as tl
+
+from gdn_packed.triton.segments import chunk_rows, padding_after, padding_before_first
+
+
+@triton.jit
+def _mm_ieee(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _inv_unit_lower16(a):
+    """(I + a)^-1 for a strictly lower-triangular fp32 [16, 16] block, by forward substitution."""
+    r = tl.arange(0, 16)
+    t = (r[:, None] == r[None, :]).to(tl.float32)
+    for i in tl.static_range(1, 16):
+        a_i = tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)      # row i of a, by column s
+        upd = tl.sum(a_i[:, None] * t, axis=0)                       # sum_s a[i, s] t[s, :]
+        t = tl.where(r[:, None] == i, t - upd[None, :], t)
+    return t
+
+
+@triton.jit
+def _a_block(kk, b_beta, g_r, g_s, DIAG: tl.constexpr):
+    """A block: beta_r kk[r, s] exp(gamma_r - gamma_s), strictly lower on a diagonal block."""
+    r = tl.arange(0, 16)
+    d = g_r[:, None] - g_s[None, :]
+    if DIAG:
+        lower = r[:, None] > r[None, :]
+        return tl.where(lower, b_beta[:, None] * kk * tl.exp(tl.where(lower, d, 0.0)), 0.0)
+    return b_beta[:, None] * kk * tl.exp(d)
+
+
+@triton.jit
+def _store16(p, b, i: tl.constexpr, j: tl.constexpr, C: tl.constexpr):
+    r = tl.arange(0, 16)
+    tl.store(p + (16 * i + r)[:, None] * C + (16 * j + r)[None, :], b)
+
+
+@triton.jit
+def _rows_tile(p, rows, rmask, stride, cols, cmask):
+    return tl.load(p + rows[:, None] * stride + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def chunk_prep_kernel(q, k, g, beta, table, t_out, m_out, scale,
+                      H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                      C: tl.constexpr, USE_L2: tl.constexpr):
+    tl.static_assert(C == 64)
+    j = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    h = hv // (HV // H)
+    start, length = chunk_rows(table, j, C)
+    if length == 0:
+        return
+    rc = tl.arange(0, C)
+    r16 = tl.arange(0, 16)
+    rows, rmask = start + rc, rc < length
+    rows0, rows1, rows2, rows3 = start + r16, start + 16 + r16, start + 32 + r16, start + 48 + r16
+    m0, m1, m2, m3 = r16 < length, 16 + r16 < length, 32 + r16 < length, 48 + r16 < length
+    p_q, p_k = q + h * K, k + h * K
+
+    qk = tl.zeros([C, C], dtype=tl.float32)
+    kk00 = tl.zeros([16, 16], dtype=tl.float32)
+    kk10, kk11, kk20, kk21, kk22 = kk00, kk00, kk00, kk00, kk00
+    kk30, kk31, kk32, kk33 = kk00, kk00, kk00, kk00
+    ssq = tl.zeros([C], dtype=tl.float32)
+    ssk = ssq
+    ssk0 = tl.zeros([16], dtype=tl.float32)
+    ssk1, ssk2, ssk3 = ssk0, ssk0, ssk0
+    for kb in range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        cm = cols < K
+        b_q = _rows_tile(p_q, rows, rmask, H * K, cols, cm)
+        b_k = _rows_tile(p_k, rows, rmask, H * K, cols, cm)
+        b_k0 = _rows_tile(p_k, rows0, m0, H * K, cols, cm)
+        b_k1 = _rows_tile(p_k, rows1, m1, H * K, cols, cm)
+        b_k2 = _rows_tile(p_k, rows2, m2, H * K, cols, cm)
+        b_k3 = _rows_tile(p_k, rows3, m3, H * K, cols, cm)
+        qk = tl.dot(b_q, tl.trans(b_k), qk)
+        kk00 = tl.dot(b_k0, tl.trans(b_k0), kk00)
+        kk10 = tl.dot(b_k1, tl.trans(b_k0), kk10)
+        kk11 = tl.dot(b_k1, tl.trans(b_k1), kk11)
+        kk20 = tl.dot(b_k2, tl.trans(b_k0), kk20)
+        kk21 = tl.dot(b_k2, tl.trans(b_k1), kk21)
+        kk22 = tl.dot(b_k2, tl.trans(b_k2), kk22)
+        kk30 = tl.dot(b_k3, tl.trans(b_k0), kk30)
+        kk31 = tl.dot(b_k3, tl.trans(b_k1), kk31)
+        kk32 = tl.dot(b_k3, tl.trans(b_k2), kk32)
+        kk33 = tl.dot(b_k3, tl.trans(b_k3), kk33)
+        if USE_L2:
+            ssq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+            ssk += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+            ssk0 += tl.sum(b_k0.to(tl.float32) * b_k0.to(tl.float32), axis=1)
+            ssk1 += tl.sum(b_k1.to(tl.float32) * b_k1.to(tl.float32), axis=1)
+            ssk2 += tl.sum(b_k2.to(tl.float32) * b_k2.to(tl.float32), axis=1)
+            ssk3 += tl.sum(b_k3.to(tl.float32) * b_k3.to(tl.float32), axis=1)
+
+    # gates: gamma per 16-row group (offset by the sums of the groups before it) and over the chunk
+    b_g = tl.load(g + rows * HV + hv, mask=rmask, other=0.0).to(tl.float32)
+    gam = tl.cumsum(b_g, axis=0)
+    g0 = tl.load(g + rows0 * HV + hv, mask=m0, other=0.0).to(tl.float32)
+    g1 = tl.load(g + rows1 * HV + hv, mask=m1, other=0.0).to(tl.float32)
+    g2 = tl.load(g + rows2 * HV + hv, mask=m2, other=0.0).to(tl.float32)
+    g3 = tl.load(g + rows3 * HV + hv, mask=m3, other=0.0).to(tl.float32)
+    s0 = tl.sum(g0, axis=0)
+    s1 = s0 + tl.sum(g1, axis=0)
+    s2 = s1 + tl.sum(g2, axis=0)
+    gam0, gam1 = tl.cumsum(g0, axis=0), tl.cumsum(g1, axis=0) + s0
+    gam2, gam3 = tl.cumsum(g2, axis=0) + s1, tl.cumsum(g3, axis=0) + s2
+    be0 = tl.load(beta + rows0 * HV + hv, mask=m0, other=0.0).to(tl.float32)
+    be1 = tl.load(beta + rows1 * HV + hv, mask=m1, other=0.0).to(tl.float32)
+    be2 = tl.load(beta + rows2 * HV + hv, mask=m2, other=0.0).to(tl.float32)
+    be3 = tl.load(beta + rows3 * HV + hv, mask=m3, other=0.0).to(tl.float32)
+    if USE_L2:
+        rk0, rk1 = 1.0 / tl.sqrt(ssk0 + 1e-6), 1.0 / tl.sqrt(ssk1 + 1e-6)
+        rk2, rk3 = 1.0 / tl.sqrt(ssk2 + 1e-6), 1.0 / tl.sqrt(ssk3 + 1e-6)
+        kk00, kk10, kk11 = kk00 * rk0[None, :], kk10 * rk0[None, :], kk11 * rk1[None, :]
+        kk20, kk21, kk22 = kk20 * rk0[None, :], kk21 * rk1[None, :], kk22 * rk2[None, :]
+        kk30, kk31 = kk30 * rk0[None, :], kk31 * rk1[None, :]
+        kk32, kk33 = kk32 * rk2[None, :], kk33 * rk3[None, :]
+        be0, be1, be2, be3 = be0 * rk0, be1 * rk1, be2 * rk2, be3 * rk3
+
+    # M = scale * causal(Q K^T) * E
+    causal = rc[:, None] >= rc[None, :]
+    b_m = tl.where(causal, qk * tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0) * scale
+    if USE_L2:
+        b_m = b_m * (1.0 / tl.sqrt(ssq + 1e-6))[:, None] * (1.0 / tl.sqrt(ssk + 1e-6))[None, :]
+    tm_off = (j * HV + hv) * C * C
+    tl.store(m_out + tm_off + rc[:, None] * C + rc[None, :], b_m, mask=causal)
+
+    # Tm = (I + A)^-1 by 16x16 blocks
+    t00 = _inv_unit_lower16(_a_block(kk00, be0, gam0, gam0, True))
+    t11 = _inv_unit_lower16(_a_block(kk11, be1, gam1, gam1, True))
+    t22 = _inv_unit_lower16(_a_block(kk22, be2, gam2, gam2, True))
+    t33 = _inv_unit_lower16(_a_block(kk33, be3, gam3, gam3, True))
+    a10 = _a_block(kk10, be1, gam1, gam0, False)
+    a21 = _a_block(kk21, be2, gam2, gam1, False)
+    a32 = _a_block(kk32, be3, gam3, gam2, False)
+    a20 = _a_block(kk20, be2, gam2, gam0, False)
+    a31 = _a_block(kk31, be3, gam3, gam1, False)
+    a30 = _a_block(kk30, be3, gam3, gam0, False)
+    t10 = -_mm_ieee(t11, _mm_ieee(a10, t00))
+    t21 = -_mm_ieee(t22, _mm_ieee(a21, t11))
+    t32 = -_mm_ieee(t33, _mm_ieee(a32, t22))
+    t20 = -_mm_ieee(t22, _mm_ieee(a20, t00) + _mm_ieee(a21, t10))
+    t31 = -_mm_ieee(t33, _mm_ieee(a31, t11) + _mm_ieee(a32, t21))
+    t30 = -_mm_ieee(t33, _mm_ieee(a30, t00) + _mm_ieee(a31, t10) + _mm_ieee(a32, t20))
+    p_t = t_out + tm_off
+    _store16(p_t, t00, 0, 0, C)
+    _store16(p_t, t10, 1, 0, C)
+    _store16(p_t, t11, 1, 1, C)
+    _store16(p_t, t20, 2, 0, C)
+    _store16(p_t, t21, 2, 1, C)
+    _store16(p_t, t22, 2, 2, C)
+    _store16(p_t, t30, 3, 0, C)
+    _store16(p_t, t31, 3, 1, C)
+    _store16(p_t, t32, 3, 2, C)
+    _store16(p_t, t33, 3, 3, C)
+
+
+@triton.jit
+def _dot_state(a, b, SPLIT: tl.constexpr):
+    """a (input dtype, exact) @ b (fp32) on tensor cores: b rounded to a's dtype once, or (SPLIT) as
+    hi + lo parts so the product is ~fp32-exact."""
+    b_hi = b.to(a.dtype)
+    acc = tl.dot(a, b_hi)
+    if SPLIT:
+        acc = tl.dot(a, (b - b_hi.to(tl.float32)).to(a.dtype), acc)
+    return acc
+
+
+@triton.jit
+def _zero_rows(o, a, b, hv, cv, vmask, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+               C: tl.constexpr):
+    """o[a:b, hv, cv] = 0 (a, b int64 scalars)."""
+    rc = tl.arange(0, C)
+    zeros = tl.zeros([C, BV], dtype=o.dtype.element_ty)
+    for it in range(0, tl.cdiv(b - a, C)):
+        rows = a + it * C + rc
+        tl.store(o + rows[:, None] * (HV * V) + hv * V + cv[None, :], zeros,
+                 mask=(rows < b)[:, None] & vmask[None, :])
+
+
+@triton.jit(do_not_specialize=["T_rows"])
+def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, h0, o, ht, scale, T_rows,
+                              H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                              BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                              USE_L2: tl.constexpr, HAS_H0: tl.constexpr, SPLIT: tl.constexpr):
+    n = tl.program_id(0)
+    hv = tl.program_id(1)
+    iv = tl.program_id(2)
+    N = tl.num_programs(0)
+    h = hv // (HV // H)
+    rk = tl.arange(0, BK)
+    kmask = rk < K
+    cv = iv * BV + tl.arange(0, BV)
+    vmask = cv < V
+    rc = tl.arange(0, C)
+    causal = rc[:, None] >= rc[None, :]
+    s_off = (n * HV + hv).to(tl.int64) * (K * V) + rk[:, None] * V + cv[None, :]
+    smask = kmask[:, None] & vmask[None, :]
+    if HAS_H0:
+        b_s = tl.load(h0 + s_off, mask=smask, other=0.0)
+    else:
+        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+
+    c0 = tl.load(cu_chunks + n)
+    c1 = tl.load(cu_chunks + n + 1)
+    for it in range(0, c1 - c0):
+        j = (c0 + it).to(tl.int64)
+        start, length = chunk_rows(table, j, C)
+        rows, rmask = start + rc, rc < length
+        b_g = tl.load(g + rows * HV + hv, mask=rmask, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta + rows * HV + hv, mask=rmask, other=0.0).to(tl.float32)
+        gam = tl.cumsum(b_g, axis=0)
+        gam_end = tl.sum(b_g, axis=0)
+        eg = tl.exp(gam)
+        qk_off = rows[:, None] * (H * K) + h * K + rk[None, :]
+        qk_mask = rmask[:, None] & kmask[None, :]
+        b_k = tl.load(k + qk_off, mask=qk_mask, other=0.0)
+        b_q = tl.load(q + qk_off, mask=qk_mask, other=0.0)
+        v_off = rows[:, None] * (HV * V) + hv * V + cv[None, :]
+        v_mask = rmask[:, None] & vmask[None, :]
+        b_v = tl.load(v + v_off, mask=v_mask, other=0.0).to(tl.float32)
+        tm_off = (j * HV + hv) * (C * C) + rc[:, None] * C + rc[None, :]
+        b_t = tl.load(t_in + tm_off, mask=causal, other=0.0)
+        b_m = tl.load(m_in + tm_off, mask=causal, other=0.0)
+
+        b_ks = _dot_state(b_k, b_s, SPLIT)                       # K S      [C, BV]
+        b_qs = _dot_state(b_q, b_s, SPLIT)                       # Q S      [C, BV]
+        w_k = tl.exp(gam_end - gam)                              # row weights of the state update
+        if USE_L2:
+            rnk = 1.0 / tl.sqrt(tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1) + 1e-6)
+            rnq = 1.0 / tl.sqrt(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1) + 1e-6)
+            b_ks = b_ks * rnk[:, None]
+            b_qs = b_qs * rnq[:, None]
+            w_k = w_k * rnk
+        b_x = b_beta[:, None] * (b_v - eg[:, None] * b_ks)
+        b_vn = tl.dot(b_t, b_x)                                  # Vnew     [C, BV]
+        b_o = (scale * eg)[:, None] * b_qs + tl.dot(b_m, b_vn)
+        tl.store(o + v_off, b_o.to(o.dtype.element_ty), mask=v_mask)
+        b_s = b_s * tl.exp(gam_end) + _dot_state(tl.trans(b_k), b_vn * w_k[:, None], SPLIT)
+    tl.store(ht + s_off, b_s, mask=smask)
+
+    a, b = padding_after(table, cu_chunks, n, N, T_rows)
+    _zero_rows(o, a, b, hv, cv, vmask, HV, V, BV, C)
+    if n == 0:
+        first = padding_before_first(table, cu_chunks, N, T_rows)
+        _zero_rows(o, first * 0, first, hv, cv, vmask, HV, V, BV, C)
