@@ -27,4 +27,35 @@ std::string chunk_table_host(std::uintptr_t cu, std::uintptr_t padded, bool inde
 // Size checks shared by both ("" when the sizes are valid).
 std::string chunk_table_check_sizes(int64_t N, int64_t T, int64_t C);
 
+// ---- conv1d_varlen.cu -----------------------------------------------------------------------------
+// Pointers are device pointers (host pointers for the host mirror) as integers; 0 means "none".
+struct ConvParams {
+  std::uintptr_t x = 0, weight = 0, bias = 0, initial_state = 0, cu_seqlens = 0, cu_seqlens_padded = 0;
+  int64_t N = 0, T = 0, D = 0;
+  int W = 0;
+  int dtype = 0;          // 0 float32, 1 float16, 2 bfloat16 (x, y, states, dy, dx)
+  bool silu = false;
+  int64_t tile_rows = 0;  // rows per thread; the backward's partial sums are per tile
+  std::uintptr_t y = 0, final_state = 0;                                    // forward outputs
+  std::uintptr_t dy = 0, dfinal = 0, dx = 0, partial = 0, dweight_bias = 0, dinitial_state = 0;  // backward
+};
+// Forward (bwd = false) or backward (bwd = true); host = true runs the per-thread bodies in a CPU
+// loop instead of launching on `stream` of `device`.
+std::string conv1d_varlen(const ConvParams& p, bool bwd, bool host, int device, std::uintptr_t stream);
+std::string conv1d_varlen_check(const ConvParams& p, bool bwd);
+
+// ---- recurrent_gdr.cu -----------------------------------------------------------------------------
+struct RecurrentParams {
+  std::uintptr_t q = 0, k = 0, v = 0, g = 0, beta = 0, cu_seqlens = 0, cu_seqlens_padded = 0;
+  std::uintptr_t initial_state = 0;  // [N, HV, K, V] float32, or the state pool [P, HV, K, V]
+  std::uintptr_t final_state = 0;    // [N, HV, K, V] float32 (0: not written); the pool in pool mode
+  std::uintptr_t state_indices = 0;  // int64 [N] (0: per-sequence states)
+  std::uintptr_t o = 0;
+  int64_t N = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
+  int dtype = 0;                     // of q, k, v, o; g and beta are float32
+  float scale = 1.f;
+  bool l2norm = false;
+};
+std::string recurrent_gdr(const RecurrentParams& p, bool host, int device, std::uintptr_t stream);
+
 }  // namespace gdn

@@ -18,8 +18,78 @@ namespace {
 
 void raise_if(const std::string& err) {
   if (err.empty()) return;
-  if (err.rfind("chunk_table: ", 0) == 0) throw std::runtime_error(err);
+  if (err.rfind("chunk_table: ", 0) == 0 || err.find("cudaError") != std::string::npos)
+    throw std::runtime_error(err);
   throw py::value_error(err);
+}
+
+gdn::ConvParams conv_params(py::kwargs kw) {
+  gdn::ConvParams p;
+  auto ptr = [&](const char* name, std::uintptr_t* dst) {
+    if (kw.contains(name)) *dst = kw[name].cast<std::uintptr_t>();
+  };
+  ptr("x", &p.x); ptr("weight", &p.weight); ptr("bias", &p.bias); ptr("initial_state", &p.initial_state);
+  ptr("cu_seqlens", &p.cu_seqlens); ptr("cu_seqlens_padded", &p.cu_seqlens_padded);
+  ptr("y", &p.y); ptr("final_state", &p.final_state); ptr("dy", &p.dy); ptr("dfinal", &p.dfinal);
+  ptr("dx", &p.dx); ptr("partial", &p.partial); ptr("dweight_bias", &p.dweight_bias);
+  ptr("dinitial_state", &p.dinitial_state);
+  p.N = kw["N"].cast<int64_t>();
+  p.T = kw["T"].cast<int64_t>();
+  p.D = kw["D"].cast<int64_t>();
+  p.W = kw["W"].cast<int>();
+  p.dtype = kw["dtype"].cast<int>();
+  p.silu = kw["silu"].cast<bool>();
+  p.tile_rows = kw["tile_rows"].cast<int64_t>();
+  return p;
+}
+
+gdn::RecurrentParams recurrent_params(py::kwargs kw) {
+  gdn::RecurrentParams p;
+  auto ptr = [&](const char* name, std::uintptr_t* dst) {
+    if (kw.contains(name)) *dst = kw[name].cast<std::uintptr_t>();
+  };
+  ptr("q", &p.q); ptr("k", &p.k); ptr("v", &p.v); ptr("g", &p.g); ptr("beta", &p.beta);
+  ptr("cu_seqlens", &p.cu_seqlens); ptr("cu_seqlens_padded", &p.cu_seqlens_padded);
+  ptr("initial_state", &p.initial_state); ptr("final_state", &p.final_state);
+  ptr("state_indices", &p.state_indices); ptr("o", &p.o);
+  p.N = kw["N"].cast<int64_t>();
+  p.T = kw["T"].cast<int64_t>();
+  p.H = kw["H"].cast<int64_t>();
+  p.HV = kw["HV"].cast<int64_t>();
+  p.K = kw["K"].cast<int64_t>();
+  p.V = kw["V"].cast<int64_t>();
+  p.dtype = kw["dtype"].cast<int>();
+  p.scale = kw["scale"].cast<float>();
+  p.l2norm = kw["l2norm"].cast<bool>();
+  return p;
+}
+
+// Device launch: the kwargs plus device= and stream=; host mirror: the kwargs only.
+template <typename P, typename F>
+void def_kernel(py::module_& m, const char* name, P (*params)(py::kwargs), F run, const char* doc) {
+  m.def(name, [params, run](py::kwargs kw) {
+          const int device = kw["device"].cast<int>();
+          const auto stream = kw["stream"].cast<std::uintptr_t>();
+          kw.attr("pop")("device");
+          kw.attr("pop")("stream");
+          const P p = params(kw);
+          std::string err;
+          {
+            py::gil_scoped_release nogil;
+            err = run(p, false, device, stream);
+          }
+          raise_if(err);
+        }, doc);
+  m.def((std::string(name) + "_host").c_str(), [params, run](py::kwargs kw) {
+          const P p = params(kw);
+          std::string err;
+          {
+            py::gil_scoped_release nogil;
+            err = run(p, true, 0, 0);
+          }
+          raise_if(err);
+        }, (std::string(doc) + " Host mirror: the same per-thread bodies over the whole grid in a CPU "
+            "loop (host pointers).").c_str());
 }
 
 }  // namespace
@@ -66,6 +136,22 @@ PYBIND11_MODULE(_C, m) {
         py::arg("device"), py::arg("stream"),
         "Build the chunk table on the GPU (device pointers as ints; cu_seqlens_padded=0 means None). "
         "table: int32 [T//chunk_size+N, 4], cu_chunks: int32 [N+1]. Asynchronous on `stream`.");
+
+  def_kernel(m, "conv1d_varlen_fwd", &conv_params,
+             [](const gdn::ConvParams& p, bool host, int dev, std::uintptr_t s) {
+               return gdn::conv1d_varlen(p, false, host, dev, s);
+             },
+             "Varlen causal conv1d forward (keyword arguments: see gdn_packed/ops/conv1d.py).");
+  def_kernel(m, "conv1d_varlen_bwd", &conv_params,
+             [](const gdn::ConvParams& p, bool host, int dev, std::uintptr_t s) {
+               return gdn::conv1d_varlen(p, true, host, dev, s);
+             },
+             "Varlen causal conv1d backward (keyword arguments: see gdn_packed/ops/conv1d.py).");
+  def_kernel(m, "recurrent_gdr_fwd", &recurrent_params,
+             [](const gdn::RecurrentParams& p, bool host, int dev, std::uintptr_t s) {
+               return gdn::recurrent_gdr(p, host, dev, s);
+             },
+             "Recurrent gated delta rule forward (keyword arguments: see gdn_packed/ops/recurrent_gdr.py).");
 
   m.def("chunk_table_host",
         [](std::uintptr_t cu_seqlens, std::uintptr_t cu_seqlens_padded, bool index_int64, int64_t N,

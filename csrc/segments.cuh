@@ -69,6 +69,62 @@ GDN_HD int64_t find_segment(const int32_t* cc, int64_t n, int64_t j) {
   return lo;
 }
 
+// ---- Row-level segment lookup (conv1d_varlen.cu, recurrent_gdr.cu) ---------------------------------
+// Which sequence a packed row belongs to: the same rule as gdn_packed.packing._locate. Sequence i owns
+// rows [base_i, base_i + len_i); every other row is padding (seq = -1). For a valid layout
+// (non-decreasing bases, base_{i+1} >= base_i + len_i) this is exact; for a corrupt one the answer is
+// some sequence with base <= row < base + len (callers still bound every row they read to [0, T)).
+struct RowLoc {
+  int64_t seq;   // sequence index, -1 for a padding row
+  int64_t pos;   // position within the sequence
+  int64_t len;   // real length of the sequence
+  int64_t base;  // storage offset of the sequence
+};
+
+GDN_HD RowLoc padding_row() { return RowLoc{-1, 0, 0, 0}; }
+
+// The last i in [0, N] with base_i <= r (so a zero-length sequence never hides the next one).
+template <typename I>
+GDN_HD RowLoc locate_row(const I* cu, const I* padded, int64_t N, int64_t r) {
+  if (N <= 0 || seq_base(cu, padded, 0) > r) return padding_row();
+  int64_t lo = 0, hi = N + 1;  // invariant: base_lo <= r, answer in [lo, hi)
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (seq_base(cu, padded, mid) <= r) lo = mid; else hi = mid;
+  }
+  if (lo >= N) return padding_row();
+  const int64_t base = seq_base(cu, padded, lo);
+  const int64_t len = seq_len(cu, lo);
+  if (r - base >= len) return padding_row();
+  return RowLoc{lo, r - base, len, base};
+}
+
+// Row r given the location of row r - 1: a step within the sequence, else a fresh lookup.
+template <typename I>
+GDN_HD RowLoc next_row(const RowLoc& prev, const I* cu, const I* padded, int64_t N, int64_t r) {
+  if (prev.seq >= 0 && prev.pos + 1 < prev.len) return RowLoc{prev.seq, prev.pos + 1, prev.len, prev.base};
+  return locate_row(cu, padded, N, r);
+}
+
+// Sequence i's location record at position 0 (its base and length), without a search.
+template <typename I>
+GDN_HD RowLoc seq_start(const I* cu, const I* padded, int64_t i) {
+  return RowLoc{i, 0, seq_len(cu, i), seq_base(cu, padded, i)};
+}
+
+// Rows [begin, end) of sequence i clamped to the tensor: a corrupt layout never yields a row outside
+// [0, T). `pad_end` is where the padding that follows the sequence stops (the next base, or T).
+template <typename I>
+GDN_HD void seq_rows(const I* cu, const I* padded, int64_t N, int64_t T, int64_t i, int64_t* begin,
+                     int64_t* end, int64_t* pad_end) {
+  const int64_t base = seq_base(cu, padded, i);
+  const int64_t b = clamp64(base, 0, T);
+  const int64_t e = base >= T ? T : clamp64(base + min64(seq_len(cu, i), T), b, T);  // no overflow
+  *begin = b;
+  *end = e;
+  *pad_end = i + 1 < N ? clamp64(seq_base(cu, padded, i + 1), e, T) : T;
+}
+
 // One slot of the chunk table: writes row j (4 int32) from cu_chunks [N+1] (already built).
 template <typename I>
 GDN_HD void chunk_table_slot(const I* cu, const I* padded, const int32_t* cu_chunks, int64_t N,

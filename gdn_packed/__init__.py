@@ -5,6 +5,7 @@ Public API (DESIGN.md section 4):
     causal_conv1d_varlen    the depthwise causal conv1d restarting at every sequence (fwd + bwd)
     gated_rmsnorm           rmsnorm(x) * weight * silu(z), the GDN output gate (fwd + bwd)
     layers                  GatedDeltaNet, GatedAttention, HybridLM on packed input
+    fused_recurrent_gated_delta_rule  the token-by-token recurrence (decode; per-sequence or pooled states)
     packing                 cu_seqlens helpers, pack/unpack, padded-storage layouts
     cuda_available()        whether the csrc/ kernels (gdn_packed._C) can run here, and why not
 """
@@ -12,6 +13,7 @@ from gdn_packed import packing
 from gdn_packed._cext import cuda_available, cuda_unavailable_reason
 from gdn_packed.ops.chunk_gdr import chunk_gated_delta_rule
 from gdn_packed.ops.conv1d import causal_conv1d_varlen
+from gdn_packed.ops.recurrent_gdr import fused_recurrent_gated_delta_rule
 from gdn_packed.ops.gated_rmsnorm import gated_rmsnorm
 from gdn_packed import layers  # noqa: E402  (after the ops it is built on)
 

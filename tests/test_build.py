@@ -16,6 +16,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
 ARCHS = ("sm_80", "sm_90a")
+# every kernel family of csrc/ must show up in the ptxas report (so none escapes the spill check)
+KERNEL_FAMILIES = ("chunk_count_scan_kernel", "chunk_table_fill_kernel", "conv1d_fwd_kernel", "conv1d_bwd_kernel",
+                   "conv1d_final_state_kernel", "conv1d_bwd_state_kernel", "conv1d_wgrad_reduce_kernel",
+                   "recurrent_gdr_fwd_kernel")
 
 
 def find_nvcc():
@@ -111,6 +115,8 @@ def test_csrc_compiles_without_spills(ptxas_report, capsys):
             print(f"{names[r['name']][:58]:<58} {r['arch']:<7} {r['registers']!s:>4} {r['smem']:>6} "
                   f"{r['spill']:>5} {r['stack']:>5}")
     kernels = {r["name"] for r in recs}
+    missing = [f for f in KERNEL_FAMILIES if not any(f in names[k] for k in kernels)]
+    assert not missing, f"kernels missing from the ptxas report: {missing}"
     for k in kernels:
         assert {r["arch"] for r in recs if r["name"] == k} >= set(ARCHS), f"{names[k]} not built for {ARCHS}"
     bad = [f"{names[r['name']]} {r['arch']}: spill {r['spill']} B, stack {r['stack']} B"
@@ -144,7 +150,9 @@ def test_extension_imports_when_built():
         pytest.skip("gdn_packed._C not built: " + _cext.cuda_unavailable_reason())
     from gdn_packed import _C
 
-    for fn in ("chunk_table", "chunk_table_host", "cuda_runtime_version", "device_count", "cuda_status"):
+    for fn in ("chunk_table", "chunk_table_host", "cuda_runtime_version", "device_count", "cuda_status",
+               "conv1d_varlen_fwd", "conv1d_varlen_fwd_host", "conv1d_varlen_bwd", "conv1d_varlen_bwd_host",
+               "recurrent_gdr_fwd", "recurrent_gdr_fwd_host"):
         assert hasattr(_C, fn), fn
     assert _C.cuda_runtime_version() >= 12000
     assert _C.cuda_runtime_version() == _C.cuda_compiled_version()  # static cudart

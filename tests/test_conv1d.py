@@ -105,6 +105,19 @@ def test_matches_per_sequence_conv1d(backend, W, packing):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("W", [1, 5, 8])
+def test_other_widths_on_a_noncontiguous_view(backend, W):
+    cu, pad, rows = layout([0, 9, 1, 20], gaps=[1, 0, 2, 0], tail=2)
+    x, w, b, s0, dy, df = make(rows, 8, W, N=4, seed=W)
+    x = torch.cat([x, x.flip(-1)], -1)[..., 8:]
+    assert not x.is_contiguous()
+    got = conv(backend, x, w, b, "silu", cu, pad, s0, dy, df)
+    ref = conv("ref", x, w, b, "silu", cu, pad, s0, dy, df)
+    for name, a, r in zip(NAMES, got, ref):
+        assert rel_err(a, r) <= 1e-5, f"{name}: {rel_err(a, r):.3g}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_low_precision(backend, dtype):
     cu, pad, rows = layout([37, 0, 5, 70], gaps=[2, 1, 0, 0], tail=3)

@@ -1,0 +1,77 @@
+// Element types, 16-byte vector packs and launch helpers shared by the elementwise-style kernel files
+// (conv1d_varlen.cu, recurrent_gdr.cu). All conversions are `__host__ __device__` (cuda_fp16/bf16
+// provide host versions), so the host mirrors of the kernels run the exact per-thread bodies.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <string>
+
+#include "segments.cuh"
+
+namespace gdn {
+
+// dtype codes used by the Python side: 0 float32, 1 float16, 2 bfloat16
+enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+GDN_HD float to_f(float x) { return x; }
+GDN_HD float to_f(__half x) { return __half2float(x); }
+GDN_HD float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> GDN_HD T from_f(float x);
+template <> GDN_HD float from_f<float>(float x) { return x; }
+template <> GDN_HD __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> GDN_HD __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// VEC consecutive elements, aligned to their size: one LDG/STG of up to 16 bytes.
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+template <typename T, int VEC>
+GDN_HD void load_vec(const T* p, float (&out)[VEC]) {
+  const Pack<T, VEC> pk = *reinterpret_cast<const Pack<T, VEC>*>(p);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) out[i] = to_f(pk.v[i]);
+}
+
+template <typename T, int VEC>
+GDN_HD void store_vec(T* p, const float (&in)[VEC]) {
+  Pack<T, VEC> pk;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) pk.v[i] = from_f<T>(in[i]);
+  *reinterpret_cast<Pack<T, VEC>*>(p) = pk;
+}
+
+GDN_HD bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
+inline std::string describe_cuda(cudaError_t e) {
+  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+}
+
+// Make `device` current for this module's own (static) cudart; "" or "<what>: cudaError...".
+inline std::string use_device(int device, const char* what) {
+  int cur = -1;
+  cudaError_t e = cudaGetDevice(&cur);
+  if (e == cudaSuccess && cur != device) e = cudaSetDevice(device);
+  if (e == cudaSuccess) return "";
+  (void)cudaGetLastError();
+  return std::string(what) + ": " + describe_cuda(e);
+}
+
+// The launch status as "" or "<what>: cudaError..." (clears a non-sticky error).
+inline std::string launch_status(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return "";
+  return std::string(what) + ": " + describe_cuda(e);
+}
+
+inline unsigned blocks_for(int64_t threads, int block) {
+  return static_cast<unsigned>((threads + block - 1) / block);
+}
+
+}  // namespace gdn

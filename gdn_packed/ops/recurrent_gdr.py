@@ -1,0 +1,209 @@
+"""The recurrent (token-by-token) gated delta rule as torch custom ops: the decode / verify /
+short-prefill path (forward only; train with chunk_gated_delta_rule).
+
+    gdn_packed::recurrent_gdr_fwd      (q, k, v, g, beta, initial_state?, cu_seqlens?, cu_seqlens_padded?,
+                                        scale, use_qk_l2norm, output_final_state, backend)
+                                        -> (o, final_state [N, HV, K, V] or [0, HV, K, V])
+    gdn_packed::recurrent_gdr_fwd_pool (q, k, v, g, beta, state_pool!, state_indices, cu_seqlens?,
+                                        cu_seqlens_padded?, scale, use_qk_l2norm, backend) -> o
+                                        (updates state_pool [P, HV, K, V] in place)
+
+Backends: torch (gdn_packed/torch_ref/recurrent.py) and cuda (csrc/recurrent_gdr.cu, K <= 128).
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from gdn_packed import _validate as V
+from gdn_packed.ops._common import new_output, resolve_backend
+
+MAX_HEAD_DIM = 256
+CUDA_MAX_K = 128
+CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BACKENDS_IMPLEMENTED = ("cuda", "torch")
+
+
+def _cu(q, cu_seqlens):
+    B, L = q.shape[:2]
+    if cu_seqlens is None:
+        return torch.arange(B + 1, dtype=torch.int64, device=q.device) * L
+    return cu_seqlens
+
+
+def _num_seqs(q, cu_seqlens):
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def recurrent_fwd_cuda(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, initial_state, state_indices, scale,
+                       use_qk_l2norm, o, final_state, *, host=False):
+    """The csrc/ kernel on rows q, k [T, H, K], v [T, HV, V]; host=True runs the same per-thread body
+    in a CPU loop (CPU tensors). Pool mode: state_indices given, initial_state = final_state = pool."""
+    from gdn_packed._cext import get_C
+
+    T, H, K = q.shape
+    HV, Vd = v.shape[1], v.shape[2]
+    keep = [x.contiguous() for x in (q, k, v)] + [x.to(torch.float32).contiguous() for x in (g, beta)]
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    pad = None if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64).contiguous()
+    idx = None if state_indices is None else state_indices.to(torch.int64).contiguous()
+    h0 = None if initial_state is None else initial_state.contiguous()
+    keep += [cu, pad, idx, h0]
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    if state_indices is not None and h0 is not initial_state:
+        raise ValueError("the state pool must be contiguous")
+    args = dict(q=ptr(keep[0]), k=ptr(keep[1]), v=ptr(keep[2]), g=ptr(keep[3]), beta=ptr(keep[4]),
+                cu_seqlens=ptr(cu), cu_seqlens_padded=ptr(pad), initial_state=ptr(h0),
+                final_state=ptr(h0 if state_indices is not None else final_state), state_indices=ptr(idx),
+                o=o.data_ptr(), N=cu.shape[0] - 1, T=T, H=H, HV=HV, K=K, V=Vd,
+                dtype={torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[q.dtype], scale=float(scale),
+                l2norm=bool(use_qk_l2norm))
+    if cu.shape[0] == 1:   # no sequence: every row is padding
+        o.zero_()
+    C = get_C()
+    if host:
+        C.recurrent_gdr_fwd_host(**args)
+    else:
+        dev = q.device
+        with torch.cuda.device(dev):
+            C.recurrent_gdr_fwd(**args, device=dev.index if dev.index is not None else torch.cuda.current_device(),
+                                stream=torch.cuda.current_stream(dev).cuda_stream)
+    del keep
+
+
+def _impl(backend):
+    if backend == "torch":
+        from gdn_packed.torch_ref.recurrent import recurrent_gdr_fwd_torch
+        return recurrent_gdr_fwd_torch
+    if backend == "cuda":
+        return recurrent_fwd_cuda
+    raise NotImplementedError(f"backend={backend!r} has no recurrent gated delta rule")
+
+
+def _rows(x):
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+@torch.library.custom_op("gdn_packed::recurrent_gdr_fwd", mutates_args=())
+def recurrent_gdr_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
+                      cu_seqlens: Optional[Tensor], cu_seqlens_padded: Optional[Tensor], scale: float,
+                      use_qk_l2norm: bool, output_final_state: bool, backend: str) -> tuple[Tensor, Tensor]:
+    N, HV, K, Vd = _num_seqs(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3]
+    o = new_output(v.shape, v.dtype, v.device)
+    final_state = new_output((N if output_final_state else 0, HV, K, Vd), torch.float32, v.device)
+    _impl(backend)(_rows(q), _rows(k), _rows(v), _rows(g), _rows(beta), _cu(q, cu_seqlens), cu_seqlens_padded,
+                   initial_state, None, scale, use_qk_l2norm, _rows(o), final_state if output_final_state else None)
+    return o, final_state
+
+
+@recurrent_gdr_fwd.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, use_qk_l2norm, output_final_state,
+      backend):
+    N = _num_seqs(q, cu_seqlens) if output_final_state else 0
+    return v.new_empty(v.shape), v.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32)
+
+
+@torch.library.custom_op("gdn_packed::recurrent_gdr_fwd_pool", mutates_args=("state_pool",))
+def recurrent_gdr_fwd_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state_pool: Tensor,
+                           state_indices: Tensor, cu_seqlens: Optional[Tensor],
+                           cu_seqlens_padded: Optional[Tensor], scale: float, use_qk_l2norm: bool,
+                           backend: str) -> Tensor:
+    o = new_output(v.shape, v.dtype, v.device)
+    _impl(backend)(_rows(q), _rows(k), _rows(v), _rows(g), _rows(beta), _cu(q, cu_seqlens), cu_seqlens_padded,
+                   state_pool, state_indices, scale, use_qk_l2norm, _rows(o), state_pool)
+    return o
+
+
+@recurrent_gdr_fwd_pool.register_fake
+def _(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, cu_seqlens_padded, scale, use_qk_l2norm, backend):
+    return v.new_empty(v.shape)
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                                     cu_seqlens=None, *, cu_seqlens_padded=None, state_indices=None,
+                                     use_qk_l2norm_in_kernel=False, backend="auto", validate=False):
+    """The gated delta rule one token at a time over packed sequences (DESIGN.md sections 2-3).
+
+    q, k [B, T, H, K]; v [B, T, HV, V]; g (log-decay), beta [B, T, HV]; HV a multiple of H (GVA);
+    `cu_seqlens` / `cu_seqlens_padded` as in chunk_gated_delta_rule (B = 1 when given).
+    States, float32, either
+      - per sequence: initial_state [N, HV, K, V] or None; returns (o, final_state [N, HV, K, V] or
+        None unless output_final_state), or
+      - a pool: initial_state [P, HV, K, V] with state_indices [N] (int32/int64): sequence i starts
+        from pool[state_indices[i]] and writes its final state back there, in place; an index < 0
+        starts from zeros and writes nothing. Non-negative indices must be distinct within a call
+        (validate=True checks that and index < P). Returns (o, the pool if output_final_state else None).
+    o has v's dtype; padding rows are 0. Forward only (no autograd).
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, state_indices, scale)
+    if V.want_validate(validate):
+        if cu_seqlens is not None:
+            V.check_cu_seqlens_values(cu_seqlens, cu_seqlens_padded, total_rows=q.shape[1])
+        if state_indices is not None:
+            _check_indices_values(state_indices, initial_state.shape[0])
+    asked = backend
+    backend = resolve_backend(backend, q.device, have=BACKENDS_IMPLEMENTED)
+    if backend == "cuda" and (q.dtype not in CUDA_DTYPES or q.shape[3] > CUDA_MAX_K):
+        if asked == "cuda":
+            raise ValueError(f"backend='cuda' needs q of dtype float32/float16/bfloat16 and K <= {CUDA_MAX_K}, "
+                             f"got {q.dtype} and K = {q.shape[3]}")
+        backend = "torch"
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    l2 = bool(use_qk_l2norm_in_kernel)
+    if state_indices is not None:
+        o = recurrent_gdr_fwd_pool(q, k, v, g, beta, initial_state, state_indices, cu_seqlens, cu_seqlens_padded,
+                                   scale, l2, backend)
+        return o, (initial_state if output_final_state else None)
+    o, final_state = recurrent_gdr_fwd(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, l2,
+                                       bool(output_final_state), backend)
+    return o, (final_state if output_final_state else None)
+
+
+def _check_indices_values(state_indices, P):
+    idx = state_indices.detach().to("cpu", torch.int64)
+    if idx.numel() and int(idx.max()) >= P:
+        raise ValueError(f"state_indices must be < the state pool size P = {P}, got max {int(idx.max())}")
+    used = idx[idx >= 0]
+    if used.unique().numel() != used.numel():
+        raise ValueError("state_indices must not repeat a non-negative slot within one call")
+
+
+def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, state_indices, scale):
+    V.check_tensor("q", q, ndim=4)
+    dev = q.device
+    V.check_tensor("k", k, ndim=4, device=dev)
+    V.check_tensor("v", v, ndim=4, device=dev)
+    V.check_tensor("g", g, ndim=3, device=dev)
+    V.check_tensor("beta", beta, ndim=3, device=dev)
+    B, T, H, K = q.shape
+    HV, Vd = v.shape[2], v.shape[3]
+    V.check_shape("k", k, q.shape, " (the shape of q)")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v must have batch and length {(B, T)} like q, got v.shape {tuple(v.shape)}")
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"the number of value heads (v.shape[2] = {HV}) must be a positive multiple "
+                         f"of the number of qk heads (q.shape[2] = {H})")
+    for name, d in (("K (q.shape[3])", K), ("V (v.shape[3])", Vd)):
+        if not 0 < d <= MAX_HEAD_DIM:
+            raise ValueError(f"head dim {name} = {d} is outside the supported range 1..{MAX_HEAD_DIM}")
+    V.check_shape("g", g, (B, T, HV), " ([B, T, HV] like v)")
+    V.check_shape("beta", beta, (B, T, HV), " ([B, T, HV] like v)")
+    N = V.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, B, dev)
+    if state_indices is not None:
+        V.check_tensor("state_indices", state_indices, dtypes=V.INDEX_DTYPES, ndim=1, device=dev)
+        V.check_shape("state_indices", state_indices, (N,), " ([N], one slot per sequence)")
+        if initial_state is None:
+            raise ValueError("state_indices needs the state pool as initial_state [P, HV, K, V]")
+        V.check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4, device=dev)
+        if tuple(initial_state.shape[1:]) != (HV, K, Vd):
+            raise ValueError(f"initial_state (the state pool) must have shape [P, {HV}, {K}, {Vd}], got "
+                             f"{tuple(initial_state.shape)}")
+        if not initial_state.is_contiguous():
+            raise ValueError("initial_state (the state pool) must be contiguous: it is updated in place")
+    elif initial_state is not None:
+        V.check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4, device=dev)
+        V.check_shape("initial_state", initial_state, (N, HV, K, Vd), " ([N, HV, K, V])")
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")

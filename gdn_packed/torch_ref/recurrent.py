@@ -1,0 +1,82 @@
+"""The recurrent (token-by-token) gated delta rule over packed sequences in PyTorch: the CPU path of
+`fused_recurrent_gated_delta_rule` and the statement csrc/recurrent_gdr.cu is checked against.
+
+Layout: q, k [T, H, K], v [T, HV, V], g, beta [T, HV] flattened packed rows; sequence i owns rows
+[base_i, base_i + len_i). All sequences advance together, one token per step (DESIGN.md section 2):
+    S~ = exp(g_t) S,  u = beta_t (v_t - S~^T k_t),  S = S~ + k_t u^T,  o_t = scale S^T q_t
+A sequence past its end takes a step with k = 0, beta = 0, g = 0, which leaves S unchanged. GVA is a
+broadcast over the value heads of a qk-head (never a copy of q/k). States are float32 (float64 for
+float64 inputs); o is rounded to v's dtype at the end; padding rows are 0.
+
+Step count: on CPU tensors the longest sequence's length (read on the host, which has no device to
+wait for); on other devices the static bound T, so nothing reads cu_seqlens back.
+"""
+import torch
+
+from gdn_packed.torch_ref.naive import l2norm
+
+
+def _steps(lens, T):
+    if lens.numel() == 0:
+        return 0
+    return int(lens.max()) if lens.device.type == "cpu" else T
+
+
+def recurrent_gdr_fwd_torch(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, initial_state, state_indices,
+                            scale, use_qk_l2norm, o, final_state):
+    """Writes o [T, HV, V] and, when given, final_state [N, HV, K, V]. With state_indices [N] the
+    states come from and go back to the pool `initial_state` [P, HV, K, V] (index < 0: zeros, no
+    write-back); `final_state` is then the pool itself."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    G = HV // H
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cu = cu_seqlens.to(torch.int64)
+    base = (cu if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64))[:-1]
+    lens = (cu[1:] - cu[:-1]).clamp_min(0)
+    N = lens.numel()
+
+    qs, ks = q.to(dt), k.to(dt)
+    if use_qk_l2norm:
+        qs, ks = l2norm(qs), l2norm(ks)
+    zero_row = lambda x: torch.cat([x.to(dt), x.new_zeros(1, *x.shape[1:], dtype=dt)])  # noqa: E731
+    qp, kp, vp, gp, bp = (zero_row(x) for x in (qs, ks, v, g, beta))    # row T reads as zeros
+
+    if state_indices is not None:
+        slot = state_indices.to(torch.int64)
+        pool = initial_state
+        S = pool[slot.clamp_min(0)].to(dt)
+        S = torch.where((slot >= 0)[:, None, None, None], S, torch.zeros_like(S))
+    elif initial_state is not None:
+        S = initial_state.to(dt).clone()
+    else:
+        S = torch.zeros(N, HV, K, V, dtype=dt, device=q.device)
+    S = S.view(N, H, G, K, V)
+
+    out = torch.zeros(T + 1, HV, V, dtype=dt, device=q.device)          # row T collects idle steps
+    for t in range(_steps(lens, T)):
+        rows = base + t
+        live = (t < lens) & (rows >= 0) & (rows < T)
+        rows = torch.where(live, rows, torch.full_like(rows, T))
+        qt, kt = qp[rows], kp[rows]                                      # [N, H, K]
+        vt = vp[rows].view(N, H, G, V)
+        decay = torch.exp(gp[rows]).view(N, H, G, 1, 1)
+        bt = bp[rows].view(N, H, G, 1)
+        S = S * decay
+        u = bt * (vt - torch.einsum("nhgkv,nhk->nhgv", S, kt))
+        S = S + kt[:, :, None, :, None] * u[:, :, :, None, :]
+        out[rows] = scale * torch.einsum("nhgkv,nhk->nhgv", S, qt).reshape(N, HV, V)
+    o.copy_(out[:T])
+
+    S = S.reshape(N, HV, K, V)
+    if state_indices is not None:   # pool[slot] = S for slot >= 0 (distinct slots), without a host sync
+        P = pool.shape[0]
+        owner = torch.full((P + 1,), -1, dtype=torch.int64, device=q.device)
+        owner.scatter_(0, torch.where(slot >= 0, slot, torch.full_like(slot, P)),
+                       torch.arange(N, device=q.device))
+        owner = owner[:P]
+        if N > 0:
+            upd = S[owner.clamp_min(0)].to(pool.dtype)
+            pool.copy_(torch.where((owner >= 0)[:, None, None, None], upd, pool))
+    elif final_state is not None:
+        final_state.copy_(S)
