@@ -346,6 +346,28 @@ def test_hf_qwen3_next_weights_map_one_to_one():
     assert torch.equal(layer.in_proj.weight, out["in_proj.weight"])
 
 
+def test_gdn_matches_hf_qwen3_next_after_loading_its_weights(monkeypatch):
+    M = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    from transformers import Qwen3NextConfig
+    for name in ("torch_chunk_gated_delta_rule", "causal_conv1d_fn"):  # HF's plain torch paths, not FLA
+        fn = getattr(M, name)
+        monkeypatch.setattr(M, name, getattr(fn, "__wrapped__", fn))
+    cfg = Qwen3NextConfig(hidden_size=48, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=8, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+                          num_hidden_layers=1, layer_types=["linear_attention"])
+    torch.manual_seed(0)
+    hf = M.Qwen3NextGatedDeltaNet(cfg, layer_idx=0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+        hf.A_log.uniform_(-2, 0)
+    ours = GatedDeltaNet(48, 2, 4, 16, 8, layer_norm_eps=1e-6)
+    ours.load_hf_state_dict(hf.state_dict())
+    x = torch.randn(1, 20, 48)
+    with torch.no_grad():
+        assert rel_err(ours(x), hf(x)) <= 1e-5
+
+
 # ---- attention --------------------------------------------------------------------------------------
 def test_attention_backend_is_visible_and_positions_restart():
     torch.manual_seed(0)
