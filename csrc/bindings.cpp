@@ -61,6 +61,7 @@ gdn::RecurrentParams recurrent_params(py::kwargs kw) {
   p.dtype = kw["dtype"].cast<int>();
   p.scale = kw["scale"].cast<float>();
   p.l2norm = kw["l2norm"].cast<bool>();
+  if (kw.contains("pool_size")) p.pool_size = kw["pool_size"].cast<int64_t>();
   return p;
 }
 

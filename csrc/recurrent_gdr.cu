@@ -5,8 +5,8 @@
 // Inputs: q, k [T, H, K], v [T, HV, V] (float32 / float16 / bfloat16, contiguous), g, beta [T, HV]
 // float32, cu_seqlens (+ padded) int64 [N+1]. GVA: v-head h reads qk-head h / (HV / H).
 // States: per sequence (initial_state [N, HV, K, V] in, final_state [N, HV, K, V] out, both optional)
-// or a pool [P, HV, K, V] updated in place through state_indices [N] (index < 0: start from zeros,
-// no write-back; the non-negative indices of one call must be distinct).
+// or a pool [P, HV, K, V] updated in place through state_indices [N] (an index outside [0, P): start
+// from zeros, no write-back; the valid indices of one call must be distinct).
 // Output o [T, HV, V] in q's dtype: every row is written (padding rows with 0).
 //
 // Grid: one thread per (sequence, v-head, state column j); j is the fastest index, so a warp reads a
@@ -36,6 +36,7 @@ struct RecArgs {
   const float* h0;
   float* ht;
   const int64_t* idx;
+  int64_t P;
   T* o;
   int64_t N, T_, H, HV, K, V;
   float scale;
@@ -52,7 +53,7 @@ GDN_HD void recurrent_thread(const RecArgs<T>& a, int64_t n, int64_t hv, int64_t
   float* dst = nullptr;
   if (a.idx != nullptr) {
     const int64_t slot = a.idx[n];
-    if (slot >= 0) {
+    if (slot >= 0 && slot < a.P) {
       src = a.h0 + slot * state_size;
       dst = a.ht + slot * state_size;
     }
@@ -154,6 +155,7 @@ std::string run(const RecurrentParams& p, bool host, cudaStream_t stream) {
   a.h0 = reinterpret_cast<const float*>(p.initial_state);
   a.ht = reinterpret_cast<float*>(p.final_state);
   a.idx = reinterpret_cast<const int64_t*>(p.state_indices);
+  a.P = p.pool_size;
   a.o = reinterpret_cast<T*>(p.o);
   a.N = p.N;
   a.T_ = p.T;

@@ -107,7 +107,8 @@ def test_batched_without_cu_seqlens(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_state_pool_with_negative_indices(backend):
+@pytest.mark.parametrize("oob", [False, True], ids=["neg", "neg-and-oob"])
+def test_state_pool_with_negative_indices(backend, oob):
     """Sequence i starts from pool[idx[i]] and writes back there; -1: zeros and no write-back; every
     other slot is untouched."""
     cu, pad, rows = layout([4, 0, 7, 3], gaps=[1, 2, 0, 0], tail=2)
@@ -115,12 +116,14 @@ def test_state_pool_with_negative_indices(backend):
     pool = torch.randn(6, 4, 16, 8) * 0.1
     idx = torch.tensor([5, -1, 0, 2], dtype=torch.int32)
     h0 = torch.where((idx >= 0)[:, None, None, None], pool[idx.clamp_min(0).long()], torch.zeros(1))
+    if oob:   # without validate=True an index >= P behaves like -1 (never an out-of-bounds access)
+        idx[1] = 6
     ro, rfs = reference_gdr(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, cu_seqlens_padded=pad)
     before = pool.clone()
     o, after = recurrent(backend, q, k, v, g, beta, pool, cu, pad, idx=idx)
     assert rel_err(o, ro) <= 1e-5
     for i, s in enumerate(idx.tolist()):
-        if s >= 0:
+        if 0 <= s < pool.shape[0]:
             assert rel_err(after[s], rfs[i]) <= 1e-5
     for s in (1, 3, 4):
         assert torch.equal(after[s], before[s])

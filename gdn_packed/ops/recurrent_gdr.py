@@ -55,7 +55,7 @@ def recurrent_fwd_cuda(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, initial_
     args = dict(q=ptr(keep[0]), k=ptr(keep[1]), v=ptr(keep[2]), g=ptr(keep[3]), beta=ptr(keep[4]),
                 cu_seqlens=ptr(cu), cu_seqlens_padded=ptr(pad), initial_state=ptr(h0),
                 final_state=ptr(h0 if state_indices is not None else final_state), state_indices=ptr(idx),
-                o=o.data_ptr(), N=cu.shape[0] - 1, T=T, H=H, HV=HV, K=K, V=Vd,
+                pool_size=0 if state_indices is None else initial_state.shape[0], o=o.data_ptr(), N=cu.shape[0] - 1, T=T, H=H, HV=HV, K=K, V=Vd,
                 dtype={torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[q.dtype], scale=float(scale),
                 l2norm=bool(use_qk_l2norm))
     if cu.shape[0] == 1:   # no sequence: every row is padding
@@ -131,8 +131,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
         None unless output_final_state), or
       - a pool: initial_state [P, HV, K, V] with state_indices [N] (int32/int64): sequence i starts
         from pool[state_indices[i]] and writes its final state back there, in place; an index < 0
-        starts from zeros and writes nothing. Non-negative indices must be distinct within a call
-        (validate=True checks that and index < P). Returns (o, the pool if output_final_state else None).
+        (or >= P) starts from zeros and writes nothing. Valid indices must be distinct within a call
+        (validate=True checks that and rejects indices >= P).
+        Returns (o, the pool if output_final_state else None).
     o has v's dtype; padding rows are 0. Forward only (no autograd).
     """
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, state_indices, scale)

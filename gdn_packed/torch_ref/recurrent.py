@@ -25,8 +25,8 @@ def _steps(lens, T):
 def recurrent_gdr_fwd_torch(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, initial_state, state_indices,
                             scale, use_qk_l2norm, o, final_state):
     """Writes o [T, HV, V] and, when given, final_state [N, HV, K, V]. With state_indices [N] the
-    states come from and go back to the pool `initial_state` [P, HV, K, V] (index < 0: zeros, no
-    write-back); `final_state` is then the pool itself."""
+    states come from and go back to the pool `initial_state` [P, HV, K, V] (index outside [0, P):
+    zeros, no write-back); `final_state` is then the pool itself."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     G = HV // H
@@ -43,9 +43,11 @@ def recurrent_gdr_fwd_torch(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, ini
     qp, kp, vp, gp, bp = (zero_row(x) for x in (qs, ks, v, g, beta))    # row T reads as zeros
 
     if state_indices is not None:
-        slot = state_indices.to(torch.int64)
         pool = initial_state
-        S = pool[slot.clamp_min(0)].to(dt)
+        P = pool.shape[0]
+        slot = state_indices.to(torch.int64)
+        slot = torch.where((slot >= 0) & (slot < P), slot, torch.full_like(slot, -1))  # outside: no slot
+        S = pool[slot.clamp(0, max(P - 1, 0))].to(dt) if P > 0 else pool.new_zeros(N, HV, K, V, dtype=dt)
         S = torch.where((slot >= 0)[:, None, None, None], S, torch.zeros_like(S))
     elif initial_state is not None:
         S = initial_state.to(dt).clone()
@@ -70,7 +72,6 @@ def recurrent_gdr_fwd_torch(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, ini
 
     S = S.reshape(N, HV, K, V)
     if state_indices is not None:   # pool[slot] = S for slot >= 0 (distinct slots), without a host sync
-        P = pool.shape[0]
         owner = torch.full((P + 1,), -1, dtype=torch.int64, device=q.device)
         owner.scatter_(0, torch.where(slot >= 0, slot, torch.full_like(slot, P)),
                        torch.arange(N, device=q.device))
