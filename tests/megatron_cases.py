@@ -1,0 +1,539 @@
+"""Megatron-dependent checks of gdn_packed.megatron, run by tests/test_megatron.py in subprocesses.
+
+    python tests/megatron_cases.py CASE PORT     ->  last stdout line: RESULT {json}
+
+Megatron on CPU needs a gloo process group, a patched torch.cuda.current_device, TORCHDYNAMO_DISABLE=1
+and (for Megatron's own block, the oracle) fla-core under the Triton interpreter; all of that stays
+inside this process. Cases (each returns measurements; the asserts live in test_megatron.py):
+    oracle  Megatron's block vs ours, fp32 and bf16, on SBHD batch 2, THD, THD with alignment padding
+    packed  ours alone in deterministic mode: packing, padding, run-to-run, host syncs, SBHD batches
+    module  constructor/spec/checkpoint contract: init, sharded_state_dict, errors, spec helper,
+            TransformerLayer integration
+    tp      TP=2 (and TP=2 + sequence parallel) over gloo with two CPU processes vs TP=1
+"""
+import json
+import os
+import sys
+
+os.environ["TORCHDYNAMO_DISABLE"] = "1"          # Megatron's jit_fuser is torch.compile
+os.environ.setdefault("TRITON_INTERPRET", "1")   # fla-core (Megatron's kernels) on CPU
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+HIDDEN, HK, HV, DK, DV, W = 128, 2, 4, 32, 32, 4
+LENGTHS = [70, 1, 64, 65]            # THD: odd lengths, a 1-token sequence, a chunk edge
+LENGTHS_PADDED = [70, 1, 64, 45]     # THD + cu_seqlens_q_padded, each padded to a multiple of 16
+ALIGN = 16
+
+
+def setup(port, rank=0, world_size=1):
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+
+
+def config(dtype=torch.float32, **kw):
+    from megatron.core.transformer import TransformerConfig
+    args = dict(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, ffn_hidden_size=2 * HIDDEN,
+        linear_conv_kernel_dim=W, linear_key_head_dim=DK, linear_value_head_dim=DV,
+        linear_num_key_heads=HK, linear_num_value_heads=HV, normalization="RMSNorm",
+        use_cpu_initialization=True, perform_initialization=False, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, activation_func=F.silu, add_bias_linear=False)
+    return TransformerConfig(**{**args, **kw})
+
+
+def local_submodules(out_norm=None):
+    """The local (non-TE) GDN submodules: Megatron's local backend has no fused LN + linear."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    return GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=out_norm or LocalSpecProvider().layer_norm(rms_norm=True),
+        out_proj=RowParallelLinear)
+
+
+class PlainRMSNorm:
+    """torch.nn.RMSNorm as an out_norm spec. Megatron's local norm (WrappedTorchNorm) refuses
+    config.sequence_parallel, and Transformer Engine's TENorm is not installable here."""
+
+    def __new__(cls, config, hidden_size, eps):
+        return torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+
+
+def pgs(tp=None, cp=None):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    world = dist.group.WORLD
+    return ProcessGroupCollection(tp=tp or world, cp=cp or world)
+
+
+def build(cls, cfg, pg=None, out_norm=None, **kw):
+    return cls(cfg, local_submodules(out_norm), layer_number=1, pg_collection=pg or pgs(), **kw)
+
+
+def full_weights(seed=0, conv_bias=False):
+    """Random full (TP=1) weights, keyed like the block's state_dict, float32."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    in_dim = 2 * HK * DK + 2 * HV * DV + 2 * HV
+    conv_dim = 2 * HK * DK + HV * DV
+    sd = {
+        "dt_bias": 1.0 + 0.3 * r(HV),
+        "A_log": torch.empty(HV).uniform_(1, 16, generator=gen).log(),
+        "in_proj.weight": 0.08 * r(in_dim, HIDDEN),
+        "conv1d.weight": 0.3 * r(conv_dim, 1, W),
+        "out_norm.weight": 1.0 + 0.1 * r(DV),
+        "out_proj.weight": 0.08 * r(HIDDEN, HV * DV),
+    }
+    if conv_bias:
+        sd["conv1d.bias"] = 0.1 * r(conv_dim)
+    return sd
+
+
+def load(block, sd):
+    own = block.state_dict()
+    block.load_state_dict({k: (sd[k].to(own[k].dtype) if k in sd else own[k]) for k in own},
+                          strict=True)
+
+
+def layout(lengths, align=None):
+    """cu_seqlens, cu_seqlens_padded (None without align), total rows, real-row mask."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    if align is None:
+        pad = cu
+    else:
+        pad = [0]
+        for n in lengths:
+            pad.append(pad[-1] + -(-n // align) * align)
+    real = torch.zeros(pad[-1], dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        real[pad[i]: pad[i] + n] = True
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    pad_t = None if align is None else torch.tensor(pad, dtype=torch.int32)
+    return cu_t, pad_t, pad[-1], real
+
+
+def thd_params(cu, cu_padded=None):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded)
+
+
+def scenario(name, dtype, seed=1):
+    """(x [s, b, HIDDEN], packed_seq_params or None, loss weights like the output, real-row mask
+    [s, b] or None). Inputs are nonzero on padding rows too; loss weights are 0 there."""
+    gen = torch.Generator().manual_seed(seed)
+    if name == "sbhd_b2":
+        x, psp, real = torch.randn(80, 2, HIDDEN, generator=gen), None, None
+    else:
+        cu, pad, rows, real = layout(LENGTHS if name == "thd" else LENGTHS_PADDED,
+                                     None if name == "thd" else ALIGN)
+        x, psp, real = torch.randn(rows, 1, HIDDEN, generator=gen), thd_params(cu, pad), real[:, None]
+    wts = torch.randn(x.shape, generator=gen)
+    if real is not None:
+        wts = wts * real[..., None]
+    return x.to(dtype), psp, wts, real
+
+
+def fwd_bwd(block, x, psp, wts):
+    """out [s, b, h], input grad, {param: grad} of loss = sum(out * wts) (float32 sum)."""
+    block.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    out, bias = block(x, None, packed_seq_params=psp)
+    assert bias is None
+    (out.float() * wts).sum().backward()
+    return out.detach(), x.grad, {n: p.grad.detach().clone() for n, p in block.named_parameters()}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    if not torch.isfinite(a).all():
+        return float("inf")
+    n = b.norm().item()
+    return (a - b).norm().item() / n if n > 0 else (a - b).norm().item()
+
+
+def on_real(t, real):
+    return t if real is None else t[real]
+
+
+# ------------------------------------------------------------------------------------------------
+def case_oracle():
+    """Megatron's block (fla-core under the interpreter) vs ours, ours loaded strictly from
+    Megatron's state_dict, both also measured against ours in float64 (the reference: our torch
+    kernels and Megatron's linears run in float64 on the same weights).
+    fp32 on SBHD batch 2, THD and THD + cu_seqlens_q_padded; bf16 on THD + padding, where the
+    reference runs on the bf16-rounded weights and inputs."""
+    import triton_shim  # noqa: F401
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGDN
+
+    from gdn_packed.megatron import GatedDeltaNet
+    res = {}
+
+    def pair(dtype, sd):
+        meg = build(MegatronGDN, config(dtype))
+        load(meg, sd)
+        ours = build(GatedDeltaNet, config(dtype))
+        ours.load_state_dict(meg.state_dict(), strict=True)
+        ref = build(GatedDeltaNet, config(torch.float64))
+        load(ref, {k: v.double() for k, v in meg.state_dict().items() if torch.is_tensor(v)})
+        return meg, ours, ref
+
+    def errs(result, ref, real):
+        out, dx, g = result[:3]
+        e = dict(out=rel(on_real(out, real), on_real(ref[0], real)),
+                 dx=rel(on_real(dx, real), on_real(ref[1], real)),
+                 grads={n: rel(g[n], ref[2][n]) for n in ref[2]})
+        # A_log and dt_bias gradients are sums over all tokens that nearly cancel: their error is
+        # also given relative to the sum of the magnitudes of the per-token terms (the scale an
+        # fp32 sum of exact terms would be accurate to)
+        e["gate_grads_vs_terms"] = {n: (g[n].double() - ref[2][n]).norm().item() / ref[3][n].norm().item()
+                                    for n in ("A_log", "dt_bias")}
+        return e
+
+    def gated_run(block, x, psp, wts):
+        """fwd_bwd of one of our blocks, plus the gradients of the per-token gates g and beta and
+        the per-head sums of |per-token gradient terms| of A_log (dg * g) and dt_bias
+        (dg * -exp(A_log) * sigmoid(a + dt_bias))."""
+        store, gates = {}, block._gates
+
+        def capture(a, b):
+            g, beta = gates(a, b)
+            g.retain_grad()
+            beta.retain_grad()
+            store.update(a=a, g=g, beta=beta)
+            return g, beta
+        block._gates = capture
+        out, dx, grads = fwd_bwd(block, x, psp, wts)
+        del block._gates
+        g, dg, a = store["g"].detach(), store["g"].grad, store["a"].detach()
+        sig = torch.sigmoid(a + block.dt_bias.detach())
+        terms = {"A_log": (dg * g).abs(), "dt_bias": (dg * -block.A_log.detach().exp() * sig).abs()}
+        return (out, dx, grads, {n: t.reshape(-1, t.shape[-1]).sum(0) for n, t in terms.items()},
+                {"g": dg, "beta": store["beta"].grad})
+
+    meg, ours, ref = pair(torch.float32, full_weights())
+    for name in ("sbhd_b2", "thd", "thd_padded"):
+        x, psp, wts, real = scenario(name, torch.float32)
+        m, o, r = fwd_bwd(meg, x, psp, wts), gated_run(ours, x, psp, wts), gated_run(ref, x.double(), psp, wts)
+        res[f"fp32_{name}"] = dict(vs_megatron=errs(o, m + (r[3],), real), ours_vs_fp64=errs(o, r, real),
+                                   megatron_vs_fp64=errs(m, r, real),
+                                   ours_gate_grads_vs_fp64={n: rel(on_real(o[4][n].transpose(0, 1), real), on_real(r[4][n].transpose(0, 1), real))
+                                                            for n in ("g", "beta")})
+        if real is not None:
+            pad = ~real
+            res[f"fp32_{name}"].update(
+                pad_rows=int(pad.sum()),
+                ours_pad_out_absmax=o[0][pad].abs().max().item() if pad.any() else 0.0,
+                ours_pad_dx_absmax=o[1][pad].abs().max().item() if pad.any() else 0.0,
+                megatron_pad_out_absmax=m[0][pad].abs().max().item() if pad.any() else 0.0)
+
+    meg, ours, ref = pair(torch.bfloat16, full_weights())
+    x, psp, wts, real = scenario("thd_padded", torch.bfloat16)
+    m, o, r = fwd_bwd(meg, x, psp, wts), gated_run(ours, x, psp, wts), gated_run(ref, x.double(), psp, wts)
+    res["bf16_thd_padded"] = dict(ours_vs_fp64=errs(o, r, real), megatron_vs_fp64=errs(m, r, real),
+                                  ours_gate_grads_vs_fp64={n: rel(on_real(o[4][n].transpose(0, 1), real), on_real(r[4][n].transpose(0, 1), real))
+                                                           for n in ("g", "beta")},
+                                  ours_pad_out_absmax=o[0][~real].abs().max().item())
+    return res
+
+
+def case_packed():
+    """Ours alone, config.deterministic_mode=True: packed THD (with alignment padding, a zero-length
+    sequence and a padding tail) equals each sequence run alone, bit for bit; gradients are
+    bit-identical run to run; the forward+backward does no host sync; SBHD batch 3 equals its rows
+    run one by one.
+
+    Bitwise packing needs sequences of >= 12 tokens: MKL's GEMM in Megatron's linear layers takes
+    another path for 1-11 rows (not row-invariant in the last bit; our kernels are), so sequences
+    that short are compared with a tolerance instead."""
+    from gdn_packed.megatron import GatedDeltaNet
+    from gdn_packed.testing import no_host_sync
+    res = {}
+    ours = build(GatedDeltaNet, config(deterministic_mode=True), conv_bias=True)
+    load(ours, full_weights(conv_bias=True))
+    gen = torch.Generator().manual_seed(3)
+
+    for tag, lengths in (("", [70, 12, 0, 64, 45]), ("short_", [70, 1, 0, 5, 45])):
+        tail = 7
+        cu, pad, rows, real = layout(lengths, ALIGN)
+        rows += tail
+        real = torch.cat([real, torch.zeros(tail, dtype=torch.bool)])
+        x = torch.randn(rows, 1, HIDDEN, generator=gen)
+        wts = torch.randn(x.shape, generator=gen)
+        psp = thd_params(cu, pad)
+        with no_host_sync():
+            out, dx, grads = fwd_bwd(ours, x, psp, wts)
+        res[tag + "host_sync_free"] = True
+        out2, dx2, grads2 = fwd_bwd(ours, x, psp, wts)
+        res[tag + "run_to_run_bitwise"] = (torch.equal(out, out2) and torch.equal(dx, dx2)
+                                           and all(torch.equal(grads[n], grads2[n]) for n in grads))
+        res[tag + "pad_out_zero"] = bool((out[~real] == 0).all())
+        res[tag + "pad_dx_zero"] = bool((dx[~real] == 0).all())
+        res[tag + "finite"] = bool(torch.isfinite(out).all() and torch.isfinite(dx).all())
+
+        # each sequence alone, as a one-sequence THD batch without padding
+        alone_out, alone_dx = torch.zeros_like(out), torch.zeros_like(dx)
+        alone_grads = {n: torch.zeros_like(g) for n, g in grads.items()}
+        for i, n in enumerate(lengths):
+            if n == 0:
+                continue
+            s = int(pad[i])
+            one = thd_params(torch.tensor([0, n], dtype=torch.int32))
+            o, d, g = fwd_bwd(ours, x[s:s + n], one, wts[s:s + n])
+            alone_out[s:s + n], alone_dx[s:s + n] = o, d
+            for k in g:
+                alone_grads[k] += g[k]
+        res[tag + "packed_vs_alone_out_bitwise"] = torch.equal(out[real], alone_out[real])
+        res[tag + "packed_vs_alone_dx_bitwise"] = torch.equal(dx[real], alone_dx[real])
+        res[tag + "packed_vs_alone_out_rel"] = rel(out[real], alone_out[real])
+        res[tag + "packed_vs_alone_dx_rel"] = rel(dx[real], alone_dx[real])
+        # parameter gradients are sums over tokens: same terms, another summation order
+        res[tag + "packed_vs_alone_grads_rel"] = max(rel(grads[n], alone_grads[n]) for n in grads)
+
+    # SBHD batch 3 == each batch row alone
+    xb = torch.randn(50, 3, HIDDEN, generator=gen)
+    wb = torch.randn(xb.shape, generator=gen)
+    ob, db, _ = fwd_bwd(ours, xb, None, wb)
+    rows_out = [fwd_bwd(ours, xb[:, j:j + 1], None, wb[:, j:j + 1]) for j in range(3)]
+    res["sbhd_b3_vs_rows_out_bitwise"] = all(torch.equal(ob[:, j:j + 1], rows_out[j][0]) for j in range(3))
+    res["sbhd_b3_vs_rows_dx_rel"] = max(rel(db[:, j:j + 1], rows_out[j][1]) for j in range(3))
+    # one SBHD row == the same sequence as THD
+    ot, _, _ = fwd_bwd(ours, xb[:, :1], thd_params(torch.tensor([0, 50], dtype=torch.int32)),
+                       wb[:, :1])
+    res["sbhd_vs_thd_out_bitwise"] = torch.equal(rows_out[0][0], ot)
+    return res
+
+
+class _FakeGroup:
+    """A stand-in process group of a given size (for the CP refusal check)."""
+
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return 0
+
+
+def case_module():
+    """Construction contract: parameters, seeded init, state_dict and sharded_state_dict identical to
+    Megatron's; clear errors for CP > 1, batch > 1 THD and non-SiLU configs; the spec helper."""
+    import contextlib
+
+    import megatron.core.ssm.gated_delta_net.common as meg_common
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGDN
+
+    import gdn_packed.megatron.gdn as ours_mod
+    from gdn_packed.megatron import GatedDeltaNet, use_packed_gdn
+    res = {}
+
+    # seeded initialisation (perform_initialization=True); the CUDA RNG tracker has no CPU state,
+    # so both blocks draw from the CPU generator through a pass-through tracker
+    class _CpuTracker:
+        def fork(self, *a, **kw):
+            return contextlib.nullcontext()
+    meg_common.get_cuda_rng_tracker = ours_mod.get_cuda_rng_tracker = lambda *a, **kw: _CpuTracker()
+    sds = {}
+    for cls in (MegatronGDN, GatedDeltaNet):
+        torch.manual_seed(123)
+        m = build(cls, config(perform_initialization=True), conv_init=0.2, conv_bias=True,
+                  A_init_range=(2, 8))
+        sds[cls.__module__] = (m.state_dict(), [(n, tuple(p.shape), p.dtype) for n, p in
+                                                m.named_parameters()], m)
+    (msd, mparams, meg), (osd, oparams, ours) = sds.values()
+    res["param_names_shapes_dtypes_equal"] = mparams == oparams
+    res["state_dict_keys_equal"] = list(msd) == list(osd)
+    res["seeded_init_bitwise"] = all(
+        torch.equal(msd[k], osd[k]) if torch.is_tensor(msd[k]) else msd[k] == osd[k] for k in msd)
+    res["state_dict_keys"] = list(osd)
+    res["tp_attrs_equal"] = all(
+        getattr(dict(meg.named_parameters())[n], a, None) == getattr(dict(ours.named_parameters())[n], a, None)
+        for n, _, _ in mparams for a in ("tensor_model_parallel", "partition_dim"))
+
+    # sharded_state_dict: same keys and the same sharded tensors after the factories are built
+    res["sharded_state_dict_equal"] = _sharded_view(meg) == _sharded_view(ours)
+    res["sharded_keys"] = sorted(_sharded_view(ours))
+
+    # errors
+    def err(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return None
+    res["cp2_error"] = err(lambda: build(GatedDeltaNet, config(), pgs(cp=_FakeGroup(2))))
+    res["gelu_error"] = err(lambda: build(GatedDeltaNet, config(activation_func=F.gelu)))
+    res["thd_batch2_error"] = err(lambda: ours(
+        torch.randn(10, 2, HIDDEN), None, packed_seq_params=thd_params(torch.tensor([0, 10], dtype=torch.int32))))
+
+    # spec helper: Megatron's own spec builders with our block in place of theirs
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_gated_delta_net_module_spec,
+    )
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    from gdn_packed.megatron import get_hybrid_stack_spec
+    hybrid = get_hybrid_stack_spec()
+    res["hybrid_spec_module"] = hybrid.submodules.gdn_layer.submodules.self_attention.module.__module__
+    res["hybrid_spec_original_untouched"] = (
+        hybrid_stack_spec.submodules.gdn_layer.submodules.self_attention.module is MegatronGDN)
+    from megatron.core.models.backends import LocalSpecProvider
+    # (without Transformer Engine installed, Megatron's default backend choice fails: pass one)
+    gdn_spec = use_packed_gdn(get_gated_delta_net_module_spec(config(), LocalSpecProvider()))
+    res["gdn_spec_module"] = gdn_spec.module.__module__
+    res["gdn_spec_metainfo"] = gdn_spec.metainfo
+    res["no_gdn_error"] = err(lambda: use_packed_gdn(hybrid.submodules.mlp_layer))
+
+    # integration: a Megatron TransformerLayer built from a spec with our block, THD input
+    res.update(_transformer_layer_run())
+    return res
+
+
+def _sharded_view(block):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    out = {}
+    sharded = block.sharded_state_dict(prefix="layer.", metadata={"dp_cp_group": dist.group.WORLD})
+    for key, t in sharded.items():
+        items = t.build() if isinstance(t, ShardedTensorFactory) else [t]
+        for sh in items:
+            out[sh.key] = (type(sh).__name__, tuple(sh.global_shape), tuple(sh.global_offset),
+                           tuple(getattr(sh, "local_shape", ())),
+                           tuple(getattr(sh, "axis_fragmentations", ())), str(sh.replica_id),
+                           str(getattr(sh, "dtype", "")))
+    return out
+
+
+def _transformer_layer_run():
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    from gdn_packed.megatron import GatedDeltaNet
+    from megatron.core.models.backends import LocalSpecProvider
+    cfg = config(hidden_dropout=0.0)
+    spec = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=LocalSpecProvider().layer_norm(rms_norm=True),
+        self_attention=ModuleSpec(module=GatedDeltaNet, submodules=local_submodules()),
+        self_attn_bda=get_bias_dropout_add))
+    layer = build_module(spec, config=cfg, layer_number=1, pg_collection=pgs())
+    cu, pad, rows, real = layout(LENGTHS_PADDED, ALIGN)
+    x = torch.randn(rows, 1, HIDDEN, requires_grad=True)
+    out = layer(x, attention_mask=None, packed_seq_params=thd_params(cu, pad))
+    out = out[0] if isinstance(out, tuple) else out
+    out.sum().backward()
+    # residual stream: padding rows pass through unchanged (our block adds exactly 0 there)
+    return {"layer_out_shape": list(out.shape),
+            "layer_pad_rows_are_residual": torch.equal(out[~real], x[~real].detach()),
+            "layer_grad_finite": bool(torch.isfinite(x.grad).all())}
+
+
+# ------------------------------------------------------------------------------------------------
+def _shard(sd, rank, tp):
+    """Rank `rank`'s TP shard of full weights: per-section split of in_proj and conv1d (as
+    Megatron's ColumnParallelLinear lays out [q k v z b a] per rank), dim-0 split of A_log/dt_bias,
+    input-dim split of out_proj; out_norm replicated."""
+    def part(t, dim=0):
+        n = t.shape[dim] // tp
+        return t.narrow(dim, rank * n, n)
+    qk, v, hv = HK * DK, HV * DV, HV
+    sec = lambda t, sizes: torch.cat([part(p) for p in torch.split(t, sizes)])  # noqa: E731
+    out = {"dt_bias": part(sd["dt_bias"]), "A_log": part(sd["A_log"]),
+           "in_proj.weight": sec(sd["in_proj.weight"], [qk, qk, v, v, hv, hv]),
+           "conv1d.weight": sec(sd["conv1d.weight"], [qk, qk, v]),
+           "out_norm.weight": sd["out_norm.weight"], "out_proj.weight": part(sd["out_proj.weight"], 1)}
+    if "conv1d.bias" in sd:
+        out["conv1d.bias"] = sec(sd["conv1d.bias"], [qk, qk, v])
+    return out
+
+
+def _tp_worker(rank, port, path):
+    """One of two ranks: TP=1 (a one-rank group) and TP=2 (+ SP) of our block on the same weights
+    and input; rank 0 gathers the TP=2 results and writes the comparison to `path`."""
+    setup(port, rank, 2)
+    from megatron.core import parallel_state
+    parallel_state._set_global_memory_buffer()  # the SP all-gather buffer of the parallel linears
+
+    from gdn_packed.megatron import GatedDeltaNet
+    solo = [dist.new_group([r]) for r in range(2)][rank]
+    sd = full_weights(conv_bias=True)
+    x, psp, wts, real = scenario("thd_padded", torch.float32)
+    rows = x.shape[0]
+    ref = build(GatedDeltaNet, config(), pgs(tp=solo, cp=solo), PlainRMSNorm, conv_bias=True)
+    load(ref, sd)
+    r_out, r_dx, r_g = fwd_bwd(ref, x, psp, wts)
+    res = {}
+    for sp in (False, True):
+        tp = build(GatedDeltaNet, config(tensor_model_parallel_size=2, sequence_parallel=sp),
+                   pgs(cp=solo), PlainRMSNorm, conv_bias=True)
+        load(tp, _shard(sd, rank, 2))
+        if sp:  # sequence parallel: each rank holds a contiguous slice of the rows
+            n = rows // 2
+            xs, ws = x[rank * n:(rank + 1) * n], wts[rank * n:(rank + 1) * n]
+        else:
+            xs, ws = x, wts
+        out, dx, grads = fwd_bwd(tp, xs, psp, ws)
+        if sp:
+            out, dx = _gather_rows(out), _gather_rows(dx)
+        # every rank's shard of every gradient, reassembled into full-size tensors
+        full = {}
+        for name, g in grads.items():
+            parts = [torch.empty_like(g) for _ in range(2)]
+            dist.all_gather(parts, g.contiguous())
+            full[name] = parts
+        if rank == 0:
+            shards = [_shard(r_g, r, 2) for r in range(2)]
+            key = "tp2_sp" if sp else "tp2"
+            res[key] = dict(out=rel(out, r_out), dx=rel(dx, r_dx),
+                            grads={n: max(rel(full[n][r], shards[r][n]) for r in range(2))
+                                   for n in full if n != "out_norm.weight"},
+                            out_norm_grad=rel(full["out_norm.weight"][0], r_g["out_norm.weight"]),
+                            out_norm_grad_same_on_ranks=torch.equal(*full["out_norm.weight"]),
+                            pad_out_zero=bool((out[~real] == 0).all()))
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(res, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _gather_rows(t):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return torch.cat(parts)
+
+
+def case_tp(port):
+    import tempfile
+
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "tp.json")
+        mp.spawn(_tp_worker, args=(port, path), nprocs=2, join=True)
+        with open(path) as f:
+            return json.load(f)
+
+
+def main():
+    case, port = sys.argv[1], int(sys.argv[2])
+    if case == "tp":
+        result = case_tp(port)
+    else:
+        setup(port)
+        result = {"oracle": case_oracle, "packed": case_packed, "module": case_module}[case]()
+        dist.destroy_process_group()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""gdn_packed.megatron.GatedDeltaNet against megatron-core 0.19.2's own block (issue 7).
+
+Megatron on CPU needs a gloo process group, a patched torch.cuda.current_device and
+TORCHDYNAMO_DISABLE=1, none of which may leak into this session: every case runs in a subprocess
+(tests/megatron_cases.py) that prints its measurements as JSON; the assertions are here.
+"""
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HAVE_MEGATRON = importlib.util.find_spec("megatron") is not None and \
+    importlib.util.find_spec("megatron.core") is not None
+HAVE_FLA = importlib.util.find_spec("fla") is not None
+
+pytestmark = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not installed "
+                                "(pip install --no-deps --ignore-requires-python megatron-core==0.19.2)")
+needs_fla = pytest.mark.skipif(not HAVE_FLA, reason="fla-core (Megatron's kernels, the oracle) is not "
+                               "installed")
+
+FP32 = 1e-5               # DESIGN.md section 7, fp32 on CPU
+BF16_OUT, BF16_GRAD = 2e-2, 2.5e-2
+SCENARIOS = ("sbhd_b2", "thd", "thd_padded")
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_case(case, timeout=600):
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="1", TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "megatron_cases.py"), case,
+                           str(_free_port())], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=os.path.dirname(HERE))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"case {case} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return run_case("oracle")
+
+
+@pytest.fixture(scope="module")
+def packed():
+    return run_case("packed")
+
+
+@pytest.fixture(scope="module")
+def module():
+    return run_case("module")
+
+
+@pytest.fixture(scope="module")
+def tp():
+    return run_case("tp")
+
+
+# --- against Megatron's block --------------------------------------------------------------------
+@needs_fla
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_fp32_matches_megatron(oracle, scenario):
+    """Output, input gradient and the projection/conv/norm weight gradients agree with Megatron's
+    block to 1e-5 (on real rows)."""
+    vs = oracle[f"fp32_{scenario}"]["vs_megatron"]
+    assert vs["out"] <= FP32 and vs["dx"] <= FP32, vs
+    for name, e in vs["grads"].items():
+        if name not in ("A_log", "dt_bias"):
+            assert e <= FP32, (name, e)
+
+
+@needs_fla
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_fp32_gate_parameter_grads_closer_to_fp64_than_megatron(oracle, scenario):
+    """A_log / dt_bias gradients are sums over all tokens that nearly cancel, and Megatron's (FLA's
+    dg) is ~1e-3 off float64 there, so they cannot agree to 1e-5. Instead: the per-token gradients of
+    the gates (dg, dbeta) are within the fp32 budget of float64, and our A_log / dt_bias gradients
+    are closer to float64 than Megatron's."""
+    r = oracle[f"fp32_{scenario}"]
+    ours, meg = r["ours_vs_fp64"], r["megatron_vs_fp64"]
+    assert ours["out"] <= FP32 and ours["dx"] <= FP32
+    for name, e in r["ours_gate_grads_vs_fp64"].items():
+        assert e <= FP32, (name, e)
+    for name in ("A_log", "dt_bias"):
+        assert ours["grads"][name] < meg["grads"][name], (name, ours["grads"][name], meg["grads"][name])
+
+
+@needs_fla
+def test_padding_rows_zero_where_megatron_computes_on_them(oracle):
+    """cu_seqlens_q_padded: ours skips the alignment padding (exact zeros out, zero input grads);
+    Megatron hands the padded offsets to its kernels and writes nonzero values there."""
+    r = oracle["fp32_thd_padded"]
+    assert r["pad_rows"] > 0
+    assert r["ours_pad_out_absmax"] == 0.0 and r["ours_pad_dx_absmax"] == 0.0
+    assert r["megatron_pad_out_absmax"] > 0.0
+    assert oracle["bf16_thd_padded"]["ours_pad_out_absmax"] == 0.0
+
+
+@needs_fla
+def test_bf16_within_budget_and_not_worse_than_megatron(oracle):
+    """bf16, THD with padding, both blocks against float64 on the same bf16 weights and inputs."""
+    ours, meg = oracle["bf16_thd_padded"]["ours_vs_fp64"], oracle["bf16_thd_padded"]["megatron_vs_fp64"]
+    assert ours["out"] <= BF16_OUT and ours["dx"] <= BF16_GRAD, ours
+    assert ours["out"] <= meg["out"] and ours["dx"] <= meg["dx"], (ours, meg)
+    for name, e in oracle["bf16_thd_padded"]["ours_gate_grads_vs_fp64"].items():
+        assert e <= BF16_GRAD, (name, e)
+    for name, e in ours["grads"].items():
+        assert e <= BF16_GRAD, (name, e)
+        if name in ("A_log", "dt_bias"):   # token sums: a statistical tie is allowed
+            assert e <= 1.25 * meg["grads"][name], (name, e, meg["grads"][name])
+        else:
+            assert e <= meg["grads"][name], (name, e, meg["grads"][name])
+
+
+# --- ours alone: packing semantics -----------------------------------------------------------------
+def test_packed_equals_each_sequence_alone_bitwise(packed):
+    """Deterministic mode on CPU, THD with alignment padding, a zero-length sequence and a padding
+    tail: outputs and input gradients of each sequence are bit-identical to running it alone."""
+    assert packed["packed_vs_alone_out_bitwise"], packed["packed_vs_alone_out_rel"]
+    assert packed["packed_vs_alone_dx_bitwise"], packed["packed_vs_alone_dx_rel"]
+    assert packed["packed_vs_alone_grads_rel"] <= FP32
+
+
+def test_packed_short_sequences_equal_alone(packed):
+    """Sequences of 1-11 tokens: MKL's GEMM inside Megatron's linears is not row-invariant in the
+    last bit for so few rows, so these are compared to fp32 round-off."""
+    for key in ("short_packed_vs_alone_out_rel", "short_packed_vs_alone_dx_rel",
+                "short_packed_vs_alone_grads_rel"):
+        assert packed[key] <= FP32, (key, packed[key])
+
+
+@pytest.mark.parametrize("tag", ["", "short_"])
+def test_padding_zero_run_to_run_bitwise_no_host_sync(packed, tag):
+    assert packed[tag + "finite"]
+    assert packed[tag + "pad_out_zero"] and packed[tag + "pad_dx_zero"]
+    assert packed[tag + "run_to_run_bitwise"]
+    assert packed[tag + "host_sync_free"]
+
+
+def test_sbhd_any_batch(packed):
+    """SBHD (no packed params), batch 3: each batch row equals that row run alone, and a row equals
+    the same sequence given as THD."""
+    assert packed["sbhd_b3_vs_rows_out_bitwise"]
+    assert packed["sbhd_b3_vs_rows_dx_rel"] <= FP32
+    assert packed["sbhd_vs_thd_out_bitwise"]
+
+
+# --- module contract -----------------------------------------------------------------------------
+@needs_fla
+def test_parameters_init_and_state_dict_match_megatron(module):
+    assert module["param_names_shapes_dtypes_equal"]
+    assert module["state_dict_keys_equal"]
+    assert module["seeded_init_bitwise"]
+    assert module["tp_attrs_equal"]
+
+
+@needs_fla
+def test_sharded_state_dict_matches_megatron(module):
+    assert module["sharded_state_dict_equal"]
+    keys = module["sharded_keys"]
+    for part in ("query", "key", "value", "z", "beta", "alpha"):
+        assert f"layer.in_proj.weight.{part}" in keys
+    for part in ("query", "key", "value"):
+        assert f"layer.conv1d.weight.{part}" in keys
+
+
+def test_clear_errors(module):
+    assert module["cp2_error"].startswith("NotImplementedError") and "context parallel" in module["cp2_error"]
+    assert module["gelu_error"].startswith("ValueError") and "silu" in module["gelu_error"]
+    assert module["thd_batch2_error"].startswith("ValueError") and "batch 1" in module["thd_batch2_error"]
+    assert module["no_gdn_error"].startswith("ValueError")
+
+
+def test_spec_helpers(module):
+    assert module["hybrid_spec_module"] == "gdn_packed.megatron.gdn"
+    assert module["hybrid_spec_original_untouched"]
+    assert module["gdn_spec_module"] == "gdn_packed.megatron.gdn"
+    assert module["gdn_spec_metainfo"] == {"fuse_input_layernorm": True}
+
+
+def test_inside_megatron_transformer_layer(module):
+    """Built from a TransformerLayer spec, THD with padding: padding rows keep the residual."""
+    assert module["layer_out_shape"] == [208, 1, 128]
+    assert module["layer_pad_rows_are_residual"]
+    assert module["layer_grad_finite"]
+
+
+# --- tensor parallel -----------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["tp2", "tp2_sp"])
+def test_tensor_parallel_2_equals_1(tp, mode):
+    """Two gloo CPU ranks (with and without sequence parallelism) vs TP=1 on the same weights, THD
+    with padding: outputs, input grads and every rank's weight-gradient shard agree; the replicated
+    out_norm weight gets the full gradient on every rank."""
+    r = tp[mode]
+    assert r["out"] <= FP32 and r["dx"] <= FP32, r
+    for name, e in r["grads"].items():
+        assert e <= FP32, (name, e)
+    assert r["out_norm_grad"] <= FP32 and r["out_norm_grad_same_on_ranks"]
+    assert r["pad_out_zero"]
