@@ -38,8 +38,13 @@ def _smem_kb(device):
     return 227 if major >= 9 else 163 if (major, minor) in ((8, 0), (8, 6), (8, 7), (8, 9)) else 99
 
 
+def split_planes(dtype):
+    """Whether Tm, M and the state enter the bf16/fp16 tensor-core dots as hi + lo pairs."""
+    return dtype != torch.float32
+
+
 def prep_config(K, dtype):
-    return dict(BK=min(64, _pow2(K)), num_warps=4, num_stages=2)
+    return dict(BK=min(64, _pow2(K)), SPLIT=split_planes(dtype), num_warps=4, num_stages=2)
 
 
 def state_config(K, V, dtype, smem_kb=227):
@@ -49,7 +54,7 @@ def state_config(K, V, dtype, smem_kb=227):
     C = CHUNK
     # one pipeline stage holds q, k [C, BK], v [C, BV] in the input dtype and Tm, M [C, C] fp32
     stage_kb = (2 * C * BK * esize + C * BV * esize + 2 * C * C * 4) / 1024
-    return dict(BK=BK, BV=BV, SPLIT=dtype != torch.float32,
+    return dict(BK=BK, BV=BV, SPLIT=split_planes(dtype),
                 num_warps=8 if BK >= 256 else 4,
                 num_stages=2 if 2 * stage_kb + 32 <= smem_kb else 1)
 
@@ -84,17 +89,21 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
         return
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     h0 = final_state if initial_state is None else initial_state.to(torch.float32).contiguous()
-    t_mat = torch.empty(NC, HV, C, C, dtype=torch.float32, device=q.device)
+    s = state_config(K, V, q.dtype, _smem_kb(q.device))
+    # Tm and M: fp32, or (SPLIT) hi and lo planes in the input dtype
+    t_mat = torch.empty(NC, HV, 1 + s["SPLIT"], C, C, device=q.device,
+                        dtype=q.dtype if s["SPLIT"] else torch.float32)
     m_mat = torch.empty_like(t_mat)
     l2 = bool(use_l2norm)
+    # 1 / sqrt(|q_r|^2 + eps), 1 / sqrt(|k_r|^2 + eps) per chunk row (l2norm only)
+    rnorm = torch.empty(NC if l2 else 0, HV, 2, C, dtype=torch.float32, device=q.device)
     if NC > 0:
         p = prep_config(K, q.dtype)
-        chunk_prep_kernel[(NC, HV)](q, k, g, beta, table, t_mat, m_mat, scale, H=H, HV=HV, K=K,
-                                    BK=p["BK"], C=C, USE_L2=l2, num_warps=p["num_warps"],
-                                    num_stages=p["num_stages"])
-    s = state_config(K, V, q.dtype, _smem_kb(q.device))
+        chunk_prep_kernel[(NC, HV)](q, k, g, beta, table, t_mat, m_mat, rnorm, scale, H=H, HV=HV, K=K,
+                                    BK=p["BK"], C=C, USE_L2=l2, SPLIT=s["SPLIT"],
+                                    num_warps=p["num_warps"], num_stages=p["num_stages"])
     chunk_state_output_kernel[(N, HV, triton.cdiv(V, s["BV"]))](
-        q, k, v, g, beta, table, cu_chunks, t_mat, m_mat, h0, o, final_state, scale, T,
+        q, k, v, g, beta, table, cu_chunks, t_mat, m_mat, rnorm, h0, o, final_state, scale, T,
         H=H, HV=HV, K=K, V=V, BK=s["BK"], BV=s["BV"], C=C, USE_L2=l2,
         HAS_H0=initial_state is not None, SPLIT=s["SPLIT"], num_warps=s["num_warps"],
         num_stages=s["num_stages"])

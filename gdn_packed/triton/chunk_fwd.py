@@ -55,8 +55,8 @@ from gdn_packed.triton.segments import chunk_rows, padding_after, padding_before
 
 
 @triton.jit
-def _mm_ieee(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+def _mm_f32(a, b):
+    return tl.dot(a, b, input_precision="tf32x3")
 
 
 @triton.jit
@@ -78,14 +78,26 @@ def _a_block(kk, b_beta, g_r, g_s, DIAG: tl.constexpr):
     d = g_r[:, None] - g_s[None, :]
     if DIAG:
         lower = r[:, None] > r[None, :]
-        return tl.where(lower, b_beta[:, None] * kk * tl.exp(tl.where(lower, d, 0.0)), 0.0)
-    return b_beta[:, None] * kk * tl.exp(d)
+        a = tl.where(lower, b_beta[:, None] * kk * tl.exp(tl.where(lower, d, 0.0)), 0.0)
+    else:
+        a = b_beta[:, None] * kk * tl.exp(d)
+    return a
 
 
 @triton.jit
-def _store16(p, b, i: tl.constexpr, j: tl.constexpr, C: tl.constexpr):
+def _store_planes(p, off, b, mask, SPLIT: tl.constexpr, C: tl.constexpr):
+    """Store fp32 b in p's dtype at p + off; with SPLIT also the rounding remainder in the plane after
+    (p + C*C + off), so that hi + lo carries b to ~16 bits more than one plane."""
+    hi = b.to(p.dtype.element_ty)
+    tl.store(p + off, hi, mask=mask)
+    if SPLIT:
+        tl.store(p + C * C + off, (b - hi.to(tl.float32)).to(p.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store16(p, b, i: tl.constexpr, j: tl.constexpr, SPLIT: tl.constexpr, C: tl.constexpr):
     r = tl.arange(0, 16)
-    tl.store(p + (16 * i + r)[:, None] * C + (16 * j + r)[None, :], b)
+    _store_planes(p, (16 * i + r)[:, None] * C + (16 * j + r)[None, :], b, None, SPLIT, C)
 
 
 @triton.jit
@@ -95,9 +107,9 @@ def _rows_tile(p, rows, rmask, stride, cols, cmask):
 
 
 @triton.jit
-def chunk_prep_kernel(q, k, g, beta, table, t_out, m_out, scale,
+def chunk_prep_kernel(q, k, g, beta, table, t_out, m_out, rn_out, scale,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                      C: tl.constexpr, USE_L2: tl.constexpr):
+                      C: tl.constexpr, USE_L2: tl.constexpr, SPLIT: tl.constexpr):
     tl.static_assert(C == 64)
     j = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
@@ -177,9 +189,12 @@ def chunk_prep_kernel(q, k, g, beta, table, t_out, m_out, scale,
     causal = rc[:, None] >= rc[None, :]
     b_m = tl.where(causal, qk * tl.exp(tl.where(causal, gam[:, None] - gam[None, :], 0.0)), 0.0) * scale
     if USE_L2:
-        b_m = b_m * (1.0 / tl.sqrt(ssq + 1e-6))[:, None] * (1.0 / tl.sqrt(ssk + 1e-6))[None, :]
-    tm_off = (j * HV + hv) * C * C
-    tl.store(m_out + tm_off + rc[:, None] * C + rc[None, :], b_m, mask=causal)
+        rnq, rnk = 1.0 / tl.sqrt(ssq + 1e-6), 1.0 / tl.sqrt(ssk + 1e-6)
+        b_m = b_m * rnq[:, None] * rnk[None, :]
+        tl.store(rn_out + (j * HV + hv) * (2 * C) + rc, rnq)
+        tl.store(rn_out + (j * HV + hv) * (2 * C) + C + rc, rnk)
+    tm_off = (j * HV + hv) * ((1 + SPLIT) * C * C)
+    _store_planes(m_out + tm_off, rc[:, None] * C + rc[None, :], b_m, None, SPLIT, C)
 
     # Tm = (I + A)^-1 by 16x16 blocks
     t00 = _inv_unit_lower16(_a_block(kk00, be0, gam0, gam0, True))
@@ -192,23 +207,30 @@ def chunk_prep_kernel(q, k, g, beta, table, t_out, m_out, scale,
     a20 = _a_block(kk20, be2, gam2, gam0, False)
     a31 = _a_block(kk31, be3, gam3, gam1, False)
     a30 = _a_block(kk30, be3, gam3, gam0, False)
-    t10 = -_mm_ieee(t11, _mm_ieee(a10, t00))
-    t21 = -_mm_ieee(t22, _mm_ieee(a21, t11))
-    t32 = -_mm_ieee(t33, _mm_ieee(a32, t22))
-    t20 = -_mm_ieee(t22, _mm_ieee(a20, t00) + _mm_ieee(a21, t10))
-    t31 = -_mm_ieee(t33, _mm_ieee(a31, t11) + _mm_ieee(a32, t21))
-    t30 = -_mm_ieee(t33, _mm_ieee(a30, t00) + _mm_ieee(a31, t10) + _mm_ieee(a32, t20))
+    t10 = -_mm_f32(t11, _mm_f32(a10, t00))
+    t21 = -_mm_f32(t22, _mm_f32(a21, t11))
+    t32 = -_mm_f32(t33, _mm_f32(a32, t22))
+    t20 = -_mm_f32(t22, _mm_f32(a20, t00) + _mm_f32(a21, t10))
+    t31 = -_mm_f32(t33, _mm_f32(a31, t11) + _mm_f32(a32, t21))
+    t30 = -_mm_f32(t33, _mm_f32(a30, t00) + _mm_f32(a31, t10) + _mm_f32(a32, t20))
     p_t = t_out + tm_off
-    _store16(p_t, t00, 0, 0, C)
-    _store16(p_t, t10, 1, 0, C)
-    _store16(p_t, t11, 1, 1, C)
-    _store16(p_t, t20, 2, 0, C)
-    _store16(p_t, t21, 2, 1, C)
-    _store16(p_t, t22, 2, 2, C)
-    _store16(p_t, t30, 3, 0, C)
-    _store16(p_t, t31, 3, 1, C)
-    _store16(p_t, t32, 3, 2, C)
-    _store16(p_t, t33, 3, 3, C)
+    _store16(p_t, t00, 0, 0, SPLIT, C)
+    _store16(p_t, t10, 1, 0, SPLIT, C)
+    _store16(p_t, t11, 1, 1, SPLIT, C)
+    _store16(p_t, t20, 2, 0, SPLIT, C)
+    _store16(p_t, t21, 2, 1, SPLIT, C)
+    _store16(p_t, t22, 2, 2, SPLIT, C)
+    _store16(p_t, t30, 3, 0, SPLIT, C)
+    _store16(p_t, t31, 3, 1, SPLIT, C)
+    _store16(p_t, t32, 3, 2, SPLIT, C)
+    _store16(p_t, t33, 3, 3, SPLIT, C)
+    zero = tl.zeros([16, 16], dtype=tl.float32)
+    _store16(p_t, zero, 0, 1, SPLIT, C)
+    _store16(p_t, zero, 0, 2, SPLIT, C)
+    _store16(p_t, zero, 0, 3, SPLIT, C)
+    _store16(p_t, zero, 1, 2, SPLIT, C)
+    _store16(p_t, zero, 1, 3, SPLIT, C)
+    _store16(p_t, zero, 2, 3, SPLIT, C)
 
 
 @triton.jit
@@ -219,6 +241,20 @@ def _dot_state(a, b, SPLIT: tl.constexpr):
     acc = tl.dot(a, b_hi)
     if SPLIT:
         acc = tl.dot(a, (b - b_hi.to(tl.float32)).to(a.dtype), acc)
+    return acc
+
+
+@triton.jit
+def _dot_pair(a_hi, a_lo, b, SPLIT: tl.constexpr):
+    """(a_hi + a_lo) @ b for fp32 b: with SPLIT three products of hi/lo parts in a_hi's dtype (the
+    lo x lo term, ~2^-16 relative, is dropped); else a_hi @ b in fp32 (tf32 on the GPU)."""
+    if SPLIT:
+        b_hi = b.to(a_hi.dtype)
+        acc = tl.dot(a_hi, b_hi)
+        acc = tl.dot(a_lo, b_hi, acc)
+        acc = tl.dot(a_hi, (b - b_hi.to(tl.float32)).to(a_hi.dtype), acc)
+    else:
+        acc = tl.dot(a_hi, b)
     return acc
 
 
@@ -235,7 +271,8 @@ def _zero_rows(o, a, b, hv, cv, vmask, HV: tl.constexpr, V: tl.constexpr, BV: tl
 
 
 @triton.jit(do_not_specialize=["T_rows"])
-def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, h0, o, ht, scale, T_rows,
+def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, rn_in, h0, o, ht, scale,
+                              T_rows,
                               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                               USE_L2: tl.constexpr, HAS_H0: tl.constexpr, SPLIT: tl.constexpr):
@@ -249,7 +286,6 @@ def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, h0
     cv = iv * BV + tl.arange(0, BV)
     vmask = cv < V
     rc = tl.arange(0, C)
-    causal = rc[:, None] >= rc[None, :]
     s_off = (n * HV + hv).to(tl.int64) * (K * V) + rk[:, None] * V + cv[None, :]
     smask = kmask[:, None] & vmask[None, :]
     if HAS_H0:
@@ -275,22 +311,27 @@ def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, h0
         v_off = rows[:, None] * (HV * V) + hv * V + cv[None, :]
         v_mask = rmask[:, None] & vmask[None, :]
         b_v = tl.load(v + v_off, mask=v_mask, other=0.0).to(tl.float32)
-        tm_off = (j * HV + hv) * (C * C) + rc[:, None] * C + rc[None, :]
-        b_t = tl.load(t_in + tm_off, mask=causal, other=0.0)
-        b_m = tl.load(m_in + tm_off, mask=causal, other=0.0)
+        tm_off = (j * HV + hv) * ((1 + SPLIT) * C * C) + rc[:, None] * C + rc[None, :]
+        b_t = tl.load(t_in + tm_off)
+        b_m = tl.load(m_in + tm_off)
+        if SPLIT:
+            b_t_lo = tl.load(t_in + C * C + tm_off)
+            b_m_lo = tl.load(m_in + C * C + tm_off)
+        else:
+            b_t_lo, b_m_lo = b_t, b_m
 
         b_ks = _dot_state(b_k, b_s, SPLIT)                       # K S      [C, BV]
         b_qs = _dot_state(b_q, b_s, SPLIT)                       # Q S      [C, BV]
         w_k = tl.exp(gam_end - gam)                              # row weights of the state update
         if USE_L2:
-            rnk = 1.0 / tl.sqrt(tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1) + 1e-6)
-            rnq = 1.0 / tl.sqrt(tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1) + 1e-6)
+            rnq = tl.load(rn_in + (j * HV + hv) * (2 * C) + rc)
+            rnk = tl.load(rn_in + (j * HV + hv) * (2 * C) + C + rc)
             b_ks = b_ks * rnk[:, None]
             b_qs = b_qs * rnq[:, None]
             w_k = w_k * rnk
         b_x = b_beta[:, None] * (b_v - eg[:, None] * b_ks)
-        b_vn = tl.dot(b_t, b_x)                                  # Vnew     [C, BV]
-        b_o = (scale * eg)[:, None] * b_qs + tl.dot(b_m, b_vn)
+        b_vn = _dot_pair(b_t, b_t_lo, b_x, SPLIT)                # Vnew     [C, BV]
+        b_o = (scale * eg)[:, None] * b_qs + _dot_pair(b_m, b_m_lo, b_vn, SPLIT)
         tl.store(o + v_off, b_o.to(o.dtype.element_ty), mask=v_mask)
         b_s = b_s * tl.exp(gam_end) + _dot_state(tl.trans(b_k), b_vn * w_k[:, None], SPLIT)
     tl.store(ht + s_off, b_s, mask=smask)
