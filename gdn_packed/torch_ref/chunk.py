@@ -131,9 +131,13 @@ def chunk_forward(ch, q, k, v, g, beta, cu_chunks, initial_state, use_l2norm):
     vc = ch.gather(v, H, dt)
     gc, bc = ch.gather(g, H, dt), ch.gather(beta, H, dt)
 
+    # Gate sums in fp32 without forming gamma_r - gamma_s from two long cumulative sums (with fast
+    # decay gamma reaches -1e3 within a chunk and that difference would lose ~1e-4 of the exponent):
+    # seg[r, s] = sum_{s < t <= r} g_t is summed directly, and so is Gamma - gamma_r = seg[C-1, r].
     gamma = gc.cumsum(-1)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    E = torch.exp((gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")))
+    seg = (gc[..., :, None] * ~causal.T).cumsum(-2)
+    E = torch.exp(seg.masked_fill(~causal, float("-inf")))
     A = (bc[..., :, None] * (kc @ kc.transpose(-1, -2)) * E).tril(-1)
     eye = torch.eye(C, dtype=dt, device=q.device)
     Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
@@ -143,7 +147,7 @@ def chunk_forward(ch, q, k, v, g, beta, cu_chunks, initial_state, use_l2norm):
     M = (qc @ kc.transpose(-1, -2)) * E
     Gamma = gamma[..., -1]
     eG = torch.exp(Gamma)
-    eGg = torch.exp(Gamma[..., None] - gamma)
+    eGg = torch.exp(seg[..., -1, :])
     Kd = eGg[..., None] * kc
 
     S0 = with_scratch(torch.zeros(N, H, G, K, V, dtype=dt, device=q.device) if initial_state is None
@@ -222,12 +226,18 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
           + (dKK + tr(dKK)) @ kc)
     dV = bc[..., None] * TdU
     dB = eg * (TdW * kc).sum(-1) + (TdU * vc).sum(-1) + (dA * KK * E).sum(-1)
+    # dg_r = sum_{t >= r} dgamma_t (DESIGN.md section 2), summed so that no large terms cancel:
+    #   sum_{t >= r} (rowsum X - colsum X)_t  =  sum_{t >= r, s < r} X[t, s]
+    #   sum_{t >= r} (-tau_t) + sum_t tau_t   =  sum_{t < r} tau_t
+    # (with fast decay the first forms lose ~1e-5 in fp32 to cancellation, these do not)
     X = (dM * QK + dA * bc[..., :, None] * KK) * E
     tau = f.eGg * (kc * VdS).sum(-1)
-    dgamma = (X.sum(-1) - X.sum(-2) + eg * (dO * (scale * qc @ S)).sum(-1)
-              + eg * (TdW * bc[..., None] * kc).sum(-1) - tau)
-    dgamma[..., -1] += tau.sum(-1) + f.eG * (S * dSn).sum((-2, -1))
-    dG = dgamma.flip(-1).cumsum(-1).flip(-1)
+    local = eg * ((dO * (scale * qc @ S)).sum(-1) + (TdW * bc[..., None] * kc).sum(-1))
+    X_below = X.flip(-2).cumsum(-2).flip(-2)                    # [r, s] = sum_{t >= r} X[t, s]
+    strict = torch.ones(ch.C, ch.C, dtype=torch.bool, device=q.device).tril(-1)
+    dG = (local.flip(-1).cumsum(-1).flip(-1) + (X_below * strict).sum(-1)
+          + torch.nn.functional.pad(tau.cumsum(-1)[..., :-1], (1, 0))
+          + (f.eG * (S * dSn).sum((-2, -1)))[..., None])
 
     dQ, dK = dQ.sum(1, keepdim=True), dK.sum(1, keepdim=True)  # GVA: sum over the value heads
     if use_l2norm:
