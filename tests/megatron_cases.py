@@ -217,14 +217,19 @@ def case_oracle():
         return (out, dx, grads, {n: t.reshape(-1, t.shape[-1]).sum(0) for n, t in terms.items()},
                 {"g": dg, "beta": store["beta"].grad})
 
+    def gate_errs(result, ref, real):
+        """Per-token dg and dbeta against float64 (gates are [B, S, hv]; real is [S, B])."""
+        return {n: rel(on_real(result[4][n].transpose(0, 1), real), on_real(ref[4][n].transpose(0, 1), real))
+                for n in ("g", "beta")}
+
     meg, ours, ref = pair(torch.float32, full_weights())
     for name in ("sbhd_b2", "thd", "thd_padded"):
         x, psp, wts, real = scenario(name, torch.float32)
-        m, o, r = fwd_bwd(meg, x, psp, wts), gated_run(ours, x, psp, wts), gated_run(ref, x.double(), psp, wts)
+        m, o, r = (fwd_bwd(meg, x, psp, wts), gated_run(ours, x, psp, wts),
+                   gated_run(ref, x.double(), psp, wts))
         res[f"fp32_{name}"] = dict(vs_megatron=errs(o, m + (r[3],), real), ours_vs_fp64=errs(o, r, real),
                                    megatron_vs_fp64=errs(m, r, real),
-                                   ours_gate_grads_vs_fp64={n: rel(on_real(o[4][n].transpose(0, 1), real), on_real(r[4][n].transpose(0, 1), real))
-                                                            for n in ("g", "beta")})
+                                   ours_gate_grads_vs_fp64=gate_errs(o, r, real))
         if real is not None:
             pad = ~real
             res[f"fp32_{name}"].update(
@@ -237,8 +242,7 @@ def case_oracle():
     x, psp, wts, real = scenario("thd_padded", torch.bfloat16)
     m, o, r = fwd_bwd(meg, x, psp, wts), gated_run(ours, x, psp, wts), gated_run(ref, x.double(), psp, wts)
     res["bf16_thd_padded"] = dict(ours_vs_fp64=errs(o, r, real), megatron_vs_fp64=errs(m, r, real),
-                                  ours_gate_grads_vs_fp64={n: rel(on_real(o[4][n].transpose(0, 1), real), on_real(r[4][n].transpose(0, 1), real))
-                                                           for n in ("g", "beta")},
+                                  ours_gate_grads_vs_fp64=gate_errs(o, r, real),
                                   ours_pad_out_absmax=o[0][~real].abs().max().item())
     return res
 
@@ -247,11 +251,13 @@ def case_packed():
     """Ours alone, config.deterministic_mode=True: packed THD (with alignment padding, a zero-length
     sequence and a padding tail) equals each sequence run alone, bit for bit; gradients are
     bit-identical run to run; the forward+backward does no host sync; SBHD batch 3 equals its rows
-    run one by one.
+    run one by one. fla-core and causal-conv1d are made unimportable first.
 
     Bitwise packing needs sequences of >= 12 tokens: MKL's GEMM in Megatron's linear layers takes
     another path for 1-11 rows (not row-invariant in the last bit; our kernels are), so sequences
     that short are compared with a tolerance instead."""
+    for name in ("fla", "causal_conv1d"):  # the block must run without them: make them unimportable
+        sys.modules[name] = None
     from gdn_packed.megatron import GatedDeltaNet
     from gdn_packed.testing import no_host_sync
     res = {}
@@ -307,6 +313,8 @@ def case_packed():
     ot, _, _ = fwd_bwd(ours, xb[:, :1], thd_params(torch.tensor([0, 50], dtype=torch.int32)),
                        wb[:, :1])
     res["sbhd_vs_thd_out_bitwise"] = torch.equal(rows_out[0][0], ot)
+    res["ran_without_fla_and_causal_conv1d"] = not any(
+        m.split(".")[0] in ("fla", "causal_conv1d") and mod is not None for m, mod in sys.modules.items())
     return res
 
 
@@ -355,8 +363,9 @@ def case_module():
         torch.equal(msd[k], osd[k]) if torch.is_tensor(msd[k]) else msd[k] == osd[k] for k in msd)
     res["state_dict_keys"] = list(osd)
     res["tp_attrs_equal"] = all(
-        getattr(dict(meg.named_parameters())[n], a, None) == getattr(dict(ours.named_parameters())[n], a, None)
-        for n, _, _ in mparams for a in ("tensor_model_parallel", "partition_dim"))
+        getattr(pm, a, None) == getattr(po, a, None)
+        for (_, pm), (_, po) in zip(meg.named_parameters(), ours.named_parameters())
+        for a in ("tensor_model_parallel", "partition_dim"))
 
     # sharded_state_dict: same keys and the same sharded tensors after the factories are built
     res["sharded_state_dict_equal"] = _sharded_view(meg) == _sharded_view(ours)
@@ -371,8 +380,9 @@ def case_module():
         return None
     res["cp2_error"] = err(lambda: build(GatedDeltaNet, config(), pgs(cp=_FakeGroup(2))))
     res["gelu_error"] = err(lambda: build(GatedDeltaNet, config(activation_func=F.gelu)))
-    res["thd_batch2_error"] = err(lambda: ours(
-        torch.randn(10, 2, HIDDEN), None, packed_seq_params=thd_params(torch.tensor([0, 10], dtype=torch.int32))))
+    one_seq = thd_params(torch.tensor([0, 10], dtype=torch.int32))
+    res["thd_batch2_error"] = err(lambda: ours(torch.randn(10, 2, HIDDEN), None,
+                                               packed_seq_params=one_seq))
 
     # spec helper: Megatron's own spec builders with our block in place of theirs
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
@@ -427,6 +437,9 @@ def _transformer_layer_run():
         self_attention=ModuleSpec(module=GatedDeltaNet, submodules=local_submodules()),
         self_attn_bda=get_bias_dropout_add))
     layer = build_module(spec, config=cfg, layer_number=1, pg_collection=pgs())
+    load(layer.self_attention, full_weights())   # (perform_initialization=False leaves them empty)
+    with torch.no_grad():
+        layer.input_layernorm.weight.fill_(1.0)
     cu, pad, rows, real = layout(LENGTHS_PADDED, ALIGN)
     x = torch.randn(rows, 1, HIDDEN, requires_grad=True)
     out = layer(x, attention_mask=None, packed_seq_params=thd_params(cu, pad))

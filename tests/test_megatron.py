@@ -42,7 +42,8 @@ def run_case(case, timeout=600):
                            str(_free_port())], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=os.path.dirname(HERE))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"case {case} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0 and lines, \
+        f"case {case} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -145,6 +146,10 @@ def test_padding_zero_run_to_run_bitwise_no_host_sync(packed, tag):
     assert packed[tag + "pad_out_zero"] and packed[tag + "pad_dx_zero"]
     assert packed[tag + "run_to_run_bitwise"]
     assert packed[tag + "host_sync_free"]
+
+
+def test_runs_without_fla_or_causal_conv1d(packed):
+    assert packed["ran_without_fla_and_causal_conv1d"]
 
 
 def test_sbhd_any_batch(packed):
