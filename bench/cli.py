@@ -33,7 +33,8 @@ def parser():
     ap.add_argument("--budget-s", type=float, default=8.0, help="CPU: stop repeating a case after this long")
     ap.add_argument("--cuda-graph", action="store_true", help="GPU: time CUDA-graph replays")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory call")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads (default 1: steady timings on a shared machine; 0 = torch's own)")
     ap.add_argument("--out", default=RESULTS_DIR, help="results folder (default bench/results)")
     ap.add_argument("--no-save", action="store_true", help="do not write result files")
     return ap
@@ -74,10 +75,10 @@ def run(args):
 
     from bench import output, runner
     console = Console(width=max(Console().width, 150))
-    if args.threads:
-        torch.set_num_threads(args.threads)
     dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(dev)
+    if args.threads and device.type == "cpu":
+        torch.set_num_threads(args.threads)
     jobs, suite = jobs_for(args)
     opt = runner.Options(device=device, dtype=args.dtype, scale=args.scale, providers=args.providers,
                          modes=args.modes, warmup=args.warmup, repeats=args.repeats, budget_s=args.budget_s,

@@ -164,6 +164,8 @@ _ALL = [
     _dense(1, 512, 16, 32, dtype="float32", label="CPU_B1_T512_H16x32_K128_V128", source=CPU_SRC),
     packing(2, 4, dtype="float32", label="CPU_PACK_L4096_MB2_DOC1000_H2x4_K128_V128",
             source=CPU_SRC + " (heads cut 8x, lengths kept: the padding ratio is the real one)"),
+    packing(2, 4, dtype="float32", op="conv", hidden=1024, label="CPU_CONV_PACK_L4096_MB2_DOC1000_D1024",
+            source=CPU_SRC + " (q|k|v channels of 2/4 heads, dim 128)"),
     packing(2, 4, dtype="float32", op="layer", hidden=512, label="CPU_LAYER_PACK_L4096_MB2_DOC1000_H2x4_D512",
             source=CPU_SRC),
     packing(2, 4, K=64, V=64, dtype="float32", op="hybrid", hidden=256,
@@ -198,7 +200,12 @@ SUITES = {
         Job("CPU_PACK_L4096_MB2_DOC1000_H2x4_K128_V128", ("fwd",), ("ours-torch", "hf-torch")),
         Job("CPU_B1_T512_H16x32_K128_V128", ("fwd",), ("ours-torch", "hf-torch", "naive")),
         Job("CPU_B1_T512_H16x32_K128_V128", ("fwdbwd",), ("ours-torch", "hf-torch")),
-        Job("CPU_LAYER_PACK_L4096_MB2_DOC1000_H2x4_D512", ("fwd",), ("ours",)),
+    ),
+    # the other ops on CPU, packed vs padded (a few minutes)
+    "cpu-extra": (
+        Job("CPU_CONV_PACK_L4096_MB2_DOC1000_D1024", ("fwd", "fwdbwd"), ("ours-torch",)),
+        Job("CPU_LAYER_PACK_L4096_MB2_DOC1000_H2x4_D512", ("fwd", "fwdbwd"), ("ours",)),
+        Job("CPU_HYBRID_PACK_L4096_MB2_DOC1000_H2x4_K64_D256", ("fwdbwd",), ("ours",)),
     ),
     # an H200: FLA comparison shapes, the packing scenario, conv/decode, layer and hybrid (< 10 min)
     "gpu": (

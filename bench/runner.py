@@ -132,10 +132,11 @@ def _measure(p, op, s, layout, mode, dtype, opt, env, base):
             return out
         if device.type == "cuda":
             (p50, p20, p80), n = timing.time_gpu(case.fn, cuda_graph=opt.cuda_graph)
-        else:
-            (p50, p20, p80), n = timing.time_cpu(fn, warmup=opt.warmup, repeats=opt.repeats,
-                                                 budget_s=opt.budget_s)
-        mem, how = timing.peak_memory(fn, device) if opt.memory else (None, "")
+            mem, how = timing.peak_memory(fn, device) if opt.memory else (None, "")
+        else:   # the first warm-up call is the memory call (RSS grows there, later calls reuse it)
+            mem, how = timing.peak_memory(fn, device) if opt.memory and opt.warmup else (None, "")
+            (p50, p20, p80), n = timing.time_cpu(fn, warmup=opt.warmup - (mem is not None),
+                                                 repeats=opt.repeats, budget_s=opt.budget_s)
     except Skip as e:
         return [r(metric="status", status="skipped", note=str(e))]
     except NotImplementedError as e:

@@ -6,8 +6,9 @@ graph instead. Without triton, CUDA events by hand. Peak memory: torch.cuda.max_
 during one call, minus what was allocated before it.
 CPU: time.perf_counter around each call after `warmup` calls, `repeats` times (fewer when one call is
 slow: at least 3 and at most `budget_s` seconds in all). Peak memory: the process's resident set
-sampled every 1 ms by a thread during one extra call, minus the RSS before it (an estimate: memory
-freed back to the allocator and reused is not seen, short spikes between samples are missed).
+sampled every 1 ms by a thread during the first warm-up call, minus the RSS before it (an estimate:
+memory the allocator already holds from earlier cases is reused without growing the RSS, and short
+spikes between samples are missed).
 """
 import statistics
 import threading
