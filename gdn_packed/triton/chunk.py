@@ -111,9 +111,8 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 
 def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
                          do, dht, dq, dk, dv, dg, dbeta, dh0):
-    """Backward of backend="triton": NOT a Triton kernel yet. Until the Triton backward lands it runs
-    the torch backend's analytic chunked backward (gdn_packed.torch_ref.chunk.chunk_gdr_bwd_torch) on
-    the same tensors, so autograd works with backend="triton" but the backward runs at PyTorch speed."""
-    from gdn_packed.torch_ref.chunk import chunk_gdr_bwd_torch
-    chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
-                        do, dht, dq, dk, dv, dg, dbeta, dh0)
+    """Backward of backend="triton": the Triton backward kernels of gdn_packed/triton/chunk_bwd.py
+    (imported here, not at the top: chunk_bwd imports this module's configs)."""
+    from gdn_packed.triton.chunk_bwd import chunk_gdr_bwd_triton as bwd
+    bwd(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
+        do, dht, dq, dk, dv, dg, dbeta, dh0)
