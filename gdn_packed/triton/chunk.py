@@ -4,17 +4,24 @@ gdn_packed.ops.chunk_gdr dispatches to (same signatures as gdn_packed.torch_ref.
 Launch configs come from a fixed heuristic on (K, V, dtype, GPU), never from autotuning a shape, so
 the launch sequence is the same for every cu_seqlens of the same T and N (CUDA-graph safe) and the
 set of compiled kernels is known ahead of time (tests/test_triton_aot.py compiles all of them):
-  prep   (chunk_prep_kernel):          BK = min(64, K padded to a power of two); 4 warps; 2 stages.
+  prep   (chunk_prep_kernel):          BK = 16 (divides every K; the ten 16x16 K K^T blocks keep
+         their mma operands in registers, and BK = 64 runs out of them); 4 warps; 2 stages.
   state  (chunk_state_output_kernel):  BK = K padded to a power of two (the whole state row block).
-         BV = 32 when V is a multiple of 32, else 16: at the hot shape (K = V = 128) a [128, 32] fp32
-         state is 32 registers per thread for one warpgroup and 1x32768 with HV = 32 gives 128
-         programs, about one per H200 SM; a larger BV would idle half the SMs on long sequences.
-         num_warps 4 (one warpgroup: wgmma M = 64 = C), 8 when K = 256 (a [256, 32] state is 64
-         registers per thread at 4 warps plus the operand tiles). num_stages 2 (the next chunk's q, k,
-         v, Tm, M are loaded while this one computes) when the per-stage tiles fit the SM's shared
-         memory (227 KB on sm_90, 163 KB on sm_80/86/89, 99 KB otherwise), else 1.
-         SPLIT (state operands as bf16 hi + lo): on for bf16, where one rounding of S costs ~4e-3
-         relative error; off for fp16 (11-bit mantissa) and fp32.
+         BV = 32 when V is a multiple of 32, else 16; also 16 when K > 128, or K > 64 with fp32
+         inputs (the [BK, BV] state and its hi/lo copies must fit next to the operand tiles): at the
+         hot shape (K = V = 128) a [128, 32] fp32 state is 32 registers per thread for one warpgroup
+         and 1x32768 with HV = 32 gives 128 programs, about one per H200 SM; a larger BV would idle
+         half the SMs on long sequences. num_warps 4 (one warpgroup: wgmma M = 64 = C), 8 when
+         K > 128. num_stages 2 (the next chunk's q, k, v, Tm, M are copied to shared memory by
+         cp.async while this one computes; with 1 stage the tiles are staged through registers,
+         which spills from 2 x [64, 128] fp32 up) when two stages fit the SM's shared memory (227 KB
+         on sm_90, 163 KB on sm_80/86/89, 99 KB otherwise), else 1.
+         Known limit (tests/test_triton_aot.py marks it): K > 128 spills registers on sm_90 (24 B
+         for bf16, none for fp16 at 254 registers; fp32 with K > 128 cannot double-buffer within
+         227 KB and spills ~1.3 KB). Correct, but slower than it should be.
+         SPLIT (Tm, M, the state and Vnew as hi + lo pairs of the input dtype in the tensor-core
+         dots): on for bf16 and fp16, where one rounding costs ~4e-3 / ~5e-4 relative error and
+         would put us at FLA's accuracy instead of well below it; off for fp32 (tf32 dots).
 Under the Triton interpreter the same function gives the one config used.
 """
 import torch
@@ -44,30 +51,35 @@ def split_planes(dtype):
 
 
 def prep_config(K, dtype):
-    return dict(BK=min(64, _pow2(K)), SPLIT=split_planes(dtype), num_warps=4, num_stages=2)
+    return dict(BK=16, SPLIT=split_planes(dtype), num_warps=4, num_stages=2)
 
 
 def state_config(K, V, dtype, smem_kb=227):
     BK = _pow2(K)
-    BV = 32 if V % 32 == 0 else 16
     esize = torch.finfo(dtype).bits // 8
+    small_v = V % 32 != 0 or K > 128 or (esize == 4 and K > 64)
+    BV = 16 if small_v else 32
     C = CHUNK
-    # one pipeline stage holds q, k [C, BK], v [C, BV] in the input dtype and Tm, M [C, C] fp32
+    # one pipeline stage holds q, k [C, BK], v [C, BV] in the input dtype and Tm, M [C, C] (4 B)
     stage_kb = (2 * C * BK * esize + C * BV * esize + 2 * C * C * 4) / 1024
     return dict(BK=BK, BV=BV, SPLIT=split_planes(dtype),
-                num_warps=8 if BK >= 256 else 4,
-                num_stages=2 if 2 * stage_kb + 32 <= smem_kb else 1)
+                num_warps=8 if K > 128 else 4,
+                num_stages=2 if 2 * stage_kb + 16 <= smem_kb else 1)
 
 
 def all_configs():
-    """Every (kernel, constexprs, options) the dispatcher can launch on sm_90, for the AOT check."""
-    out = []
+    """Every distinct launch config the dispatcher can choose on sm_90, for the AOT check, as
+    (kernel, dtype, K, V, config) with the largest K and V (multiples of 16 up to 256) that choose it."""
+    out, seen = [], set()
+    dims = range(256, 0, -16)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        for K in (16, 32, 48, 64, 128, 256):
-            p = prep_config(K, dtype)
-            out.append(("prep", dtype, K, None, p))
-            for V in (16, 32, 48, 64, 128, 256):
-                out.append(("state", dtype, K, V, state_config(K, V, dtype)))
+        for K in dims:
+            for kind, V, cfg in [("prep", None, prep_config(K, dtype))] + [
+                    ("state", V, state_config(K, V, dtype)) for V in dims]:
+                key = (kind, dtype, tuple(sorted(cfg.items())))
+                if key not in seen:
+                    seen.add(key)
+                    out.append((kind, dtype, K, V, cfg))
     return out
 
 

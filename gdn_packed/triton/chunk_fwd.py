@@ -12,17 +12,19 @@ q/k are never rounded to the input dtype.
 Two kernels (`b_` = a block of values in registers, `p_`/`*_off` = pointers/offsets):
   chunk_prep_kernel          grid (NC, HV), one program per chunk slot and value head, all parallel.
       in  q, k [T, H, K], g, beta [T, HV], table [NC, 4]
-      out Tm, M [NC, HV, C, C] float32 (lower triangle only: Tm r >= s block-lower, M r >= s)
+      out Tm, M [NC, HV, P, C, C]: P = 1 plane of fp32 (fp32 inputs) or P = 2 planes hi, lo of the
+          input dtype (bf16/fp16: hi + lo carries the fp32 value to ~2^-16); rn [NC, HV, 2, C] fp32,
+          the l2norm row factors of q and k (only with use_qk_l2norm).
       Tm: the four 16x16 diagonal blocks by forward substitution, the six blocks below them by
-      T_ij = -T_ii sum_{k=j..i-1} A_ik T_kj (fp32, input_precision="ieee").
+      T_ij = -T_ii sum_{k=j..i-1} A_ik T_kj (fp32 dots, input_precision="tf32x3"); zeros above.
   chunk_state_output_kernel  grid (N, HV, cdiv(V, BV)), one program per sequence, value head and
       V-block, looping over the sequence's chunk slots cu_chunks[n]..cu_chunks[n+1] with the state
       block S [K, BV] in float32 registers. It writes o for every real row, the final state, and zeros
       on the padding rows that follow the sequence (program n = 0 also those before the first one).
-      in  q, k, v [T, HV, V], g, beta, table, cu_chunks [N+1], Tm, M, initial state [N, HV, K, V]
+      in  q, k, v [T, HV, V], g, beta, table, cu_chunks [N+1], Tm, M, rn, initial state [N, HV, K, V]
       out o [T, HV, V] (v's dtype), final state [N, HV, K, V] float32
 Unused slots (length 0) and sequences without chunks exit at once; the grids depend only on T, N and
-the shapes. GVA: value head hv reads qk-head hv // (HV // H).
+the shapes. GVA: value head hv reads qk-head hv // (HV // H). Row offsets are int64.
 
 Fusion plan, from bytes moved per (token, value head) at K = V = 128, bf16, GVA 2 (q/k shared by two
 value heads through L2, so 128 B each); the floor is q + k + v + o + g + beta = 776 B:
@@ -32,21 +34,24 @@ value heads through L2, so 128 B each); the floor is q + k + v + o + g + beta = 
   - Here W and U are never materialised (Vnew = Tm (beta (V - e^gamma K S)) costs the state pass one
     extra 64x64xBV dot instead of reading 512 B), and the output is produced inside the state pass,
     where S is already in registers, so neither h nor v_new goes to memory. What remains between the
-    two kernels is Tm and M: 2 x 64 fp32 = 512 B written once and read once (lower triangles only
-    are touched: ~330 B). Total ~ 776 + 2 x 330 + ~130 (q, k read twice) ~ 1.6 kB, ~2x the floor.
-  - Not fused: the inverse into the state pass. It is independent of S but costs ~5 us of latency per
-    chunk; in the sequential loop it would multiply by the chunk count instead of running in parallel.
+    two kernels is Tm and M: 2 x 64 x 4 B = 512 B per (token, value head) written once and read once
+    (hi + lo bf16 planes are the same bytes as fp32; the full square is read so that the loads are
+    unmasked, contiguous and pipelined by cp.async). Total ~ 776 + 2 x 512 + ~130 (q, k read by both
+    kernels) ~ 1.9 kB, ~2.5x the floor, ~0.45 ms of HBM time at 1x32768, HV = 32.
+  - Not fused: the inverse into the state pass. It is independent of S but costs microseconds of
+    latency per chunk; in the sequential loop it would multiply by the chunk count instead of
+    running in parallel.
   - The gate cumsum is recomputed by both kernels from g (64 floats) instead of being stored.
-The price of fusing the output into the state pass: Q S and M Vnew (and the 4 V-blocks each reading
-q, k, Tm, M through L2) sit in the sequential loop. The state pass has N*HV*V/BV programs (128 at
+The price of fusing the output into the state pass: Q S and M Vnew (and the V-blocks each reading q,
+k, Tm, M through L2) sit in the sequential loop. The state pass has N*HV*V/BV programs (128 at
 1x32768, HV=32, BV=32: about one per H200 SM), so its per-chunk latency, not bandwidth, bounds it.
 
 Numerics (what is rounded): inputs q, k, v are used exactly (bf16/fp16 operands of tl.dot with fp32
-accumulation); gate sums, exponentials, Tm, M, the state and all dot results are float32. The state S,
-its update term and Vnew enter tensor-core dots in the input dtype, either rounded once or (SPLIT,
-used for bf16) as a hi + lo pair of the input dtype, which makes those dots ~fp32-exact at twice the
-dot cost. Tm X and M Vnew are fp32 dots (tf32 on the GPU, exact under the interpreter). o is rounded
-to v's dtype once, at the store. fp32 inputs: every dot is fp32 (tf32 on the GPU).
+accumulation); gate sums, exponentials, the l2norm factors, the state and all dot results are fp32.
+The state S, its update term, X and Vnew enter tensor-core dots as hi + lo pairs of the input dtype
+(SPLIT), and Tm, M as stored hi + lo planes, so every dot is ~fp32-exact (the lo x lo terms, ~2^-16
+relative, are dropped) at two to three times the dot cost. o is rounded to v's dtype once, at the
+store. fp32 inputs: every dot is one fp32 dot (tf32 on the GPU, exact under the interpreter).
 """
 import triton
 import triton.language as tl
@@ -60,15 +65,26 @@ def _mm_f32(a, b):
 
 
 @triton.jit
-def _inv_unit_lower16(a):
-    """(I + a)^-1 for a strictly lower-triangular fp32 [16, 16] block, by forward substitution."""
+def _substitute_row(a, t, sel):
+    """Row i (sel = r == i) of t := e_i - sum_s a[i, s] t[s, :]; rows < i of t are final."""
+    a_i = tl.sum(tl.where(sel, a, 0.0), axis=0)                      # row i of a, by column s
+    return tl.where(sel, t - tl.sum(a_i[:, None] * t, axis=0)[None, :], t)
+
+
+@triton.jit
+def _inv_unit_lower16x4(a0, a1, a2, a3):
+    """(I + a)^-1 of four strictly lower-triangular fp32 [16, 16] blocks by forward substitution, the
+    four chains interleaved in one rolled loop (unrolled, the 4 x 15 steps exhaust the registers)."""
     r = tl.arange(0, 16)
-    t = (r[:, None] == r[None, :]).to(tl.float32)
-    for i in tl.static_range(1, 16):
-        a_i = tl.sum(tl.where(r[:, None] == i, a, 0.0), axis=0)      # row i of a, by column s
-        upd = tl.sum(a_i[:, None] * t, axis=0)                       # sum_s a[i, s] t[s, :]
-        t = tl.where(r[:, None] == i, t - upd[None, :], t)
-    return t
+    t0 = (r[:, None] == r[None, :]).to(tl.float32)
+    t1, t2, t3 = t0, t0, t0
+    for i in range(1, 16):
+        sel = r[:, None] == i
+        t0 = _substitute_row(a0, t0, sel)
+        t1 = _substitute_row(a1, t1, sel)
+        t2 = _substitute_row(a2, t2, sel)
+        t3 = _substitute_row(a3, t3, sel)
+    return t0, t1, t2, t3
 
 
 @triton.jit
@@ -197,10 +213,10 @@ def chunk_prep_kernel(q, k, g, beta, table, t_out, m_out, rn_out, scale,
     _store_planes(m_out + tm_off, rc[:, None] * C + rc[None, :], b_m, None, SPLIT, C)
 
     # Tm = (I + A)^-1 by 16x16 blocks
-    t00 = _inv_unit_lower16(_a_block(kk00, be0, gam0, gam0, True))
-    t11 = _inv_unit_lower16(_a_block(kk11, be1, gam1, gam1, True))
-    t22 = _inv_unit_lower16(_a_block(kk22, be2, gam2, gam2, True))
-    t33 = _inv_unit_lower16(_a_block(kk33, be3, gam3, gam3, True))
+    t00, t11, t22, t33 = _inv_unit_lower16x4(_a_block(kk00, be0, gam0, gam0, True),
+                                             _a_block(kk11, be1, gam1, gam1, True),
+                                             _a_block(kk22, be2, gam2, gam2, True),
+                                             _a_block(kk33, be3, gam3, gam3, True))
     a10 = _a_block(kk10, be1, gam1, gam0, False)
     a21 = _a_block(kk21, be2, gam2, gam1, False)
     a32 = _a_block(kk32, be3, gam3, gam2, False)
