@@ -108,7 +108,7 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     m_mat = torch.empty_like(t_mat)
     l2 = bool(use_l2norm)
     # 1 / sqrt(|q_r|^2 + eps), 1 / sqrt(|k_r|^2 + eps) per chunk row (l2norm only)
-    rnorm = torch.empty(NC if l2 else 0, HV, 2, C, dtype=torch.float32, device=q.device)
+    rnorm = torch.empty(NC, HV, 2, C, dtype=torch.float32, device=q.device) if l2 else final_state
     if NC > 0:
         p = prep_config(K, q.dtype)
         chunk_prep_kernel[(NC, HV)](q, k, g, beta, table, t_mat, m_mat, rnorm, scale, H=H, HV=HV, K=K,
