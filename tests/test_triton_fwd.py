@@ -139,7 +139,7 @@ def test_forward_makes_no_host_sync():
 
 
 def test_autograd_runs_with_triton_backend():
-    """The backward of backend="triton" is the torch backward for now: same gradients."""
+    """Autograd through backend="triton" gives the torch backend's gradients."""
     (q, k, v, g, beta, h0), cu, cu_pad, _ = inputs(2, torch.float32)
     grads = {}
     for backend in ("triton", "torch"):
