@@ -8,7 +8,6 @@ equal each document run alone, within the dtype's output budget; this is the pro
 Providers: `ours` = gdn_packed.layers (the backend the layer picks: torch on CPU, GPU kernels on CUDA);
 `megatron` = megatron-core's GatedDeltaNet block with its THD path (needs CUDA and fla-core).
 """
-import inspect
 
 import torch
 import torch.nn.functional as F
@@ -132,35 +131,16 @@ LAYER_PROVIDERS = {
 
 # ----------------------------------------------------------------------------------------------- hybrid
 VOCAB = 1024
-_HYBRID_ARGS = {      # constructor parameter name -> value from the scenario
-    "vocab_size": lambda s: VOCAB, "hidden_size": lambda s: s.width, "d_model": lambda s: s.width,
-    "pattern": lambda s: "GGGA", "layer_pattern": lambda s: "GGGA",
-    "num_k_heads": lambda s: s.H, "num_v_heads": lambda s: s.HV,
-    "head_k_dim": lambda s: s.K, "head_v_dim": lambda s: s.V,
-    "num_attention_heads": lambda s: 2 * s.H, "num_heads": lambda s: 2 * s.H,
-    "num_kv_heads": lambda s: s.H, "num_key_value_heads": lambda s: s.H,
-    "head_dim": lambda s: s.K, "intermediate_size": lambda s: 2 * s.width,
-    "ffn_hidden_size": lambda s: 2 * s.width, "mlp_hidden": lambda s: 2 * s.width,
-    "conv_kernel": lambda s: s.conv_width,
-}
 
 
 def _ours_hybrid(s, dtype, device):
-    from gdn_packed.layers import HybridLM
-    sig = inspect.signature(HybridLM)
-    kw, missing = {}, []
-    for name, p in sig.parameters.items():
-        if name in _HYBRID_ARGS:
-            kw[name] = _HYBRID_ARGS[name](s)
-        elif name in ("dtype", "device"):
-            kw[name] = dtype if name == "dtype" else device
-        elif p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            missing.append(name)
-    if missing:
-        raise Skip(f"HybridLM{sig}: the benchmark does not know how to fill {missing}")
+    """A "GGGA" HybridLM at the scenario's GDN shape; attention with 2H query heads over H kv heads."""
+    from gdn_packed.layers import HybridConfig, HybridLM
+    cfg = HybridConfig(vocab_size=VOCAB, hidden_size=s.width, intermediate_size=2 * s.width, pattern="GGGA",
+                       num_k_heads=s.H, num_v_heads=s.HV, head_k_dim=s.K, head_v_dim=s.V,
+                       conv_kernel=s.conv_width, num_heads=2 * s.H, num_kv_heads=s.H, head_dim=s.K)
     torch.manual_seed(0)
-    m = HybridLM(**kw)
-    return m.to(device=device, dtype=dtype)
+    return HybridLM(cfg, dtype=dtype, device=device)
 
 
 def _logits(out):
