@@ -80,3 +80,30 @@ def check_cu_seqlens_values(cu_seqlens, cu_seqlens_padded, total_rows):
     """Value checks (reads cu_seqlens on the host): only with validate=True."""
     from gdn_packed.packing import validate_cu_seqlens
     validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, total_rows=total_rows)
+
+
+def check_gdr_inputs(q, k, v, g, beta, max_head_dim):
+    """Shapes, dtypes and devices of the gated-delta-rule inputs q, k [B, T, H, K], v [B, T, HV, V],
+    g, beta [B, T, HV] (shared by the chunked and the recurrent op). Returns (B, T, H, HV, K, V)."""
+    check_tensor("q", q, ndim=4)
+    dev = q.device
+    check_tensor("k", k, ndim=4, device=dev)
+    check_tensor("v", v, ndim=4, device=dev)
+    check_tensor("g", g, ndim=3, device=dev)
+    check_tensor("beta", beta, ndim=3, device=dev)
+    B, T, H, K = q.shape
+    HV, Vd = v.shape[2], v.shape[3]
+    check_shape("k", k, q.shape, " (the shape of q)")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if tuple(v.shape[:2]) != (B, T):
+        raise ValueError(f"v must have batch and length {(B, T)} like q, got v.shape {tuple(v.shape)}")
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"the number of value heads (v.shape[2] = {HV}) must be a positive multiple "
+                         f"of the number of qk heads (q.shape[2] = {H})")
+    for name, d in (("K (q.shape[3])", K), ("V (v.shape[3])", Vd)):
+        if not 0 < d <= max_head_dim:
+            raise ValueError(f"head dim {name} = {d} is outside the supported range 1..{max_head_dim}")
+    check_shape("g", g, (B, T, HV), " ([B, T, HV] like v)")
+    check_shape("beta", beta, (B, T, HV), " ([B, T, HV] like v)")
+    return B, T, H, HV, K, Vd
