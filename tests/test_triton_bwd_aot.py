@@ -18,13 +18,18 @@ SMEM_LIMIT = 227 * 1024
 HOT = dict(H=16, HV=32)
 # (dtype, K, V): the hot shape (bf16; fp16 compiles to the same tiles), fp32 (tf32 dots, no planes),
 # the largest head dims, and non-power-of-2 ones (masked tiles); every distinct block config is here
-SHAPES = [("bf16", 128, 128), ("fp32", 128, 128), ("bf16", 256, 256), ("bf16", 48, 80)]
+SHAPES = [("bf16", 128, 128), ("fp16", 128, 128), ("bf16", 256, 256), ("bf16", 64, 64),
+          ("bf16", 48, 80), ("fp32", 64, 64), ("fp32", 128, 128), ("fp32", 256, 256)]
+# known limit (gdn_packed/triton/chunk.py, chunk_bwd.py bwd_configs): the state passes with K > 128
+# in fp32, and the recompute (the forward state pass) in bf16
+KNOWN_SPILLS = {("chunk_bwd_dstate_kernel", "fp32", 256), ("chunk_bwd_recompute_kernel", "fp32", 256),
+                ("chunk_bwd_recompute_kernel", "bf16", 256)}
 DOT_KERNELS = ("chunk_bwd_recompute_kernel", "chunk_bwd_dstate_kernel", "chunk_bwd_dqk_kernel",
                "chunk_bwd_wy_kernel")
 
 
 def _kernels(dt, K, V):
-    """(kernel, pointer/scalar signature, constexprs, num_warps) of every backward launch."""
+    """(kernel, pointer/scalar signature, constexprs, (num_warps, num_stages)) of every backward launch."""
     import torch
     import triton
 
@@ -44,23 +49,23 @@ def _kernels(dt, K, V):
     return [
         (S.chunk_bwd_recompute_kernel,
          dict(k=x, v=x, g=f, beta=f, t_in=f"*{cc}", h0=f, s_out=f, vnew=f, H="i32", HV="i32", **idx),
-         dict(c, BK=r["BK"], BV=r["BV"], HAS_H0=True, SPLIT=split), r["num_warps"]),
+         dict(c, BK=r["BK"], BV=r["BV"], HAS_H0=True, SPLIT=split), (r["num_warps"], r["num_stages"])),
         (S.chunk_bwd_dstate_kernel,
-         dict(q=x, k=x, g=f, beta=f, do=x, t_in=f"*{cc}", m_in=f"*{cc}", dht=f, dsn=f, dvn=f, dh0=f,
+         dict(q=x, k=x, g=f, beta=f, do=x, t_in=f"*{cc}", m_in=f"*{cc}", rn_in=f, dht=f, dsn=f, dvn=f, dh0=f,
               scale="fp32", H="i32", HV="i32", **idx),
-         dict(c, BK=d["BK"], BV=d["BV"], HAS_DHT=True, SPLIT=split), d["num_warps"]),
+         dict(c, BK=d["BK"], BV=d["BV"], HAS_DHT=True, SPLIT=split), (d["num_warps"], d["num_stages"])),
         (B.chunk_bwd_dqk_kernel,
-         dict(q=x, k=x, g=f, do=x, vnew=f, dvn=f, s_in=f, dsn=f, dq_part=f, dk_part=f, dwp=f,
+         dict(q=x, k=x, g=f, do=x, vnew=f, dvn=f, s_in=f, dsn=f, rn_in=f, dq_part=f, dk_part=f, dwp=f,
               dgam_part=f, table="*i32", scale="fp32", T="i32", H="i32", HV="i32"),
-         dict(c, BK=q["BK"], BV=q["BV"], SPLIT=split), q["num_warps"]),
+         dict(c, BK=q["BK"], BV=q["BV"], SPLIT=split), (q["num_warps"], q["num_stages"])),
         (B.chunk_bwd_wy_kernel,
-         dict(k=x, v=x, g=f, beta=f, tm=f"*{cc}", dvn=f, dwp=f, dk_part=f, dgam_part=f, dv=x, dbeta=f,
+         dict(k=x, v=x, g=f, beta=f, tm=f"*{cc}", rn_in=f, dvn=f, dwp=f, dk_part=f, dgam_part=f, dv=x, dbeta=f,
               dg=f, table="*i32", T="i32", H="i32", HV="i32"),
-         dict(c, NK=nk, BK=w["BK"], BV=w["BV"], SPLIT=split), w["num_warps"]),
+         dict(c, NK=nk, BK=w["BK"], BV=w["BV"], SPLIT=split), (w["num_warps"], w["num_stages"])),
         (B.chunk_bwd_qk_finalize_kernel,
          dict(q=x, k=x, dq_part=f, dk_part=f, real="*i8", dq=x, dk=x, dv=x, dg=f, dbeta=f, T="i32",
               H="i32", HV="i32"),
-         dict(K=K, V=V, BT=fin["BT"], BKF=fin["BKF"], BVF=fin["BVF"], USE_L2=True), fin["num_warps"]),
+         dict(K=K, V=V, BT=fin["BT"], BKF=fin["BKF"], BVF=fin["BVF"], USE_L2=True), (fin["num_warps"], fin["num_stages"])),
     ]
 
 
@@ -76,15 +81,15 @@ def _compile_all():
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     target = GPUTarget("cuda", 90, 32)
     for dt, K, V in SHAPES:
-        for fn, sig, consts, nw in _kernels(dt, K, V):
-            row = dict(kernel=fn.__name__, dtype=dt, K=K, V=V, num_warps=nw,
+        for fn, sig, consts, (nw, ns) in _kernels(dt, K, V):
+            row = dict(kernel=fn.__name__, dtype=dt, K=K, V=V, num_warps=nw, num_stages=ns,
                        blocks={k: v for k, v in consts.items() if k.startswith("B")})
             try:
                 signature = {n: ("constexpr" if n in consts else sig[n]) for n in fn.arg_names}
                 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                          if signature[n].startswith("*")}
                 k = triton.compile(ASTSource(fn, signature, consts, attrs), target=target,
-                                   options=dict(num_warps=nw))
+                                   options=dict(num_warps=nw, num_stages=ns))
                 with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
                     fh.write(k.asm["cubin"])
                     fh.flush()
@@ -116,7 +121,8 @@ def compiled():
 
 def _name(r):
     b = " ".join(f"{k}{v}" for k, v in r["blocks"].items())
-    return f"{r['kernel']:30s} {r['dtype']} K{r['K']:<3} V{r['V']:<3} {b:16s} w{r['num_warps']}"
+    return (f"{r['kernel']:30s} {r['dtype']} K{r['K']:<3} V{r['V']:<3} {b:16s} "
+            f"w{r['num_warps']} s{r['num_stages']}")
 
 
 def test_backward_kernels_compile_for_sm90(report_table):
@@ -136,10 +142,17 @@ def test_backward_kernels_compile_for_sm90(report_table):
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.xfail(reason="dstate, dqk and wy still spill registers at K = V >= 128", strict=True)
 def test_no_register_spills():
-    spills = [f"{_name(r)}: {r['spill']} B" for r in compiled() if r.get("spill")]
+    """No spills in any backward kernel config, except the documented fp32 K > 128 state passes
+    (which test_known_spills_still_spill keeps honest)."""
+    spills = [f"{_name(r)}: {r['spill']} B" for r in compiled()
+              if r.get("spill") and (r["kernel"], r["dtype"], r["K"]) not in KNOWN_SPILLS]
     assert not spills, "\n".join(spills)
+
+
+@pytest.mark.xfail(strict=True, reason="known limit: the state passes with K > 128 spill (KNOWN_SPILLS)")
+def test_known_spills_still_spill():
+    assert not [r for r in compiled() if (r["kernel"], r["dtype"], r["K"]) in KNOWN_SPILLS and r["spill"]]
 
 
 if __name__ == "__main__":

@@ -45,36 +45,29 @@ import triton.language as tl
 from gdn_packed.triton.chunk import CHUNK, prep_config, state_config
 from gdn_packed.triton.chunk_bwd_state import (chunk_bwd_dstate_kernel, chunk_bwd_recompute_kernel,
                                                load_cc_planes)
-from gdn_packed.triton.chunk_fwd import _dot_pair, _dot_state, _mm_f32, chunk_prep_kernel
+from gdn_packed.triton.chunk_fwd import (_dot_pair, _dot_state, _mm_f32, chunk_prep_kernel,
+                                         load_row_norms)
 from gdn_packed.triton.segments import chunk_rows
+
+@triton.jit
+def _causal_decay(b_gam, C: tl.constexpr):
+    """E [C, C]: exp(gamma_r - gamma_s) for r >= s, else 0 (only differences with r >= s are formed)."""
+    o_c = tl.arange(0, C)
+    causal = o_c[:, None] >= o_c[None, :]
+    return tl.exp(tl.where(causal, b_gam[:, None] - b_gam[None, :], float("-inf")))
+
 
 @triton.jit
 def _chunk_gates(g, rows, m_c, i_h, HV, C: tl.constexpr):
     """gamma [C] (chunk-local cumsum of g, constant past the length), Gamma, and E [C, C]."""
     b_g = tl.load(g + rows * HV + i_h, mask=m_c, other=0.).to(tl.float32)
     b_gam = tl.cumsum(b_g, 0)
-    b_Gam = tl.sum(b_g, 0)
-    o_c = tl.arange(0, C)
-    causal = o_c[:, None] >= o_c[None, :]
-    b_E = tl.exp(tl.where(causal, b_gam[:, None] - b_gam[None, :], float("-inf")))
-    return b_gam, b_Gam, b_E
+    return b_gam, tl.sum(b_g, 0), _causal_decay(b_gam, C)
 
 
 @triton.jit
-def _l2_rstd(x, rows, m_c, stride, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr):
-    """1 / sqrt(|x_r|^2 + eps) of the C rows at x + rows * stride (K features)."""
-    b_ss = tl.zeros([C], dtype=tl.float32)
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        b_x = tl.load(x + rows[:, None] * stride + o_k[None, :],
-                      mask=m_c[:, None] & (o_k < K)[None, :], other=0.).to(tl.float32)
-        b_ss += tl.sum(b_x * b_x, 1)
-    return tl.rsqrt(b_ss + 1e-6)
-
-
-@triton.jit
-def chunk_bwd_dqk_kernel(q, k, g, do, vnew, dvn, s_in, dsn, dq_part, dk_part, dwp, dgam_part, table,
-                         scale, T, H, HV, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+def chunk_bwd_dqk_kernel(q, k, g, do, vnew, dvn, s_in, dsn, rn_in, dq_part, dk_part, dwp, dgam_part,
+                         table, scale, T, H, HV, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
                          SPLIT: tl.constexpr):
     j, i_h, i_kb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
@@ -85,23 +78,9 @@ def chunk_bwd_dqk_kernel(q, k, g, do, vnew, dvn, s_in, dsn, dq_part, dk_part, dw
     rows, m_c = start + o_c, o_c < length
     DT = q.dtype.element_ty
     i_qh = i_h // (HV // H)
-    b_gam, b_Gam, b_E = _chunk_gates(g, rows, m_c, i_h, HV, C)
-    b_eg = tl.exp(b_gam)
-    b_eGg = tl.exp(b_Gam - b_gam)
     o_k = i_kb * BK + tl.arange(0, BK)
-    m_k = m_c[:, None] & (o_k < K)[None, :]
-    p_qk = rows[:, None] * (H * K) + i_qh * K + o_k[None, :]
-    b_qr = tl.load(q + p_qk, mask=m_k, other=0.)                 # raw q, k: exact dot operands
-    b_kr = tl.load(k + p_qk, mask=m_k, other=0.)
-    if USE_L2:
-        b_rq = _l2_rstd(q + i_qh * K, rows, m_c, H * K, K, BK, C)
-        b_rk = _l2_rstd(k + i_qh * K, rows, m_c, H * K, K, BK, C)
-    else:
-        b_rq = tl.full([C], 1., dtype=tl.float32)
-        b_rk = tl.full([C], 1., dtype=tl.float32)
-    b_q = b_qr.to(tl.float32) * b_rq[:, None]
-    b_k = b_kr.to(tl.float32) * b_rk[:, None]
 
+    # the V loop first, with only its four accumulators live (q, k, gates are loaded after it)
     b_dqS = tl.zeros([C, BK], dtype=tl.float32)     # dO S^T
     b_dkS = tl.zeros([C, BK], dtype=tl.float32)     # Vnew dS_next^T
     b_dw = tl.zeros([C, BK], dtype=tl.float32)      # dW' = -dVnew S^T
@@ -124,28 +103,51 @@ def chunk_bwd_dqk_kernel(q, k, g, do, vnew, dvn, s_in, dsn, dq_part, dk_part, dw
         b_dw -= _dot_state(b_dvn.to(DT), b_St, SPLIT)
         b_dM += _dot_state(b_do, tl.trans(b_vn), SPLIT)
         b_sds += tl.sum(tl.trans(b_St * b_dSt), 1)
+    m_k = m_c[:, None] & (o_k < K)[None, :]
+    p_o = rows[:, None] * (HV * K) + i_h * K + o_k[None, :]
+    tl.store(dwp + p_o, b_dw, mask=m_k)
 
+    b_gam, b_Gam, b_E = _chunk_gates(g, rows, m_c, i_h, HV, C)
+    b_eg = tl.exp(b_gam)
+    b_eGg = tl.exp(b_Gam - b_gam)
+    b_rq, b_rk = load_row_norms(rn_in, j, i_h, HV, C, USE_L2)
+    p_qk = rows[:, None] * (H * K) + i_qh * K + o_k[None, :]
+    b_qr = tl.load(q + p_qk, mask=m_k, other=0.)                 # raw q, k: exact dot operands
+    b_kr = tl.load(k + p_qk, mask=m_k, other=0.)
     b_dM = b_dM * scale
     b_dP = b_dM * b_E
     b_dq = scale * b_eg[:, None] * b_dqS + tl.dot((b_dP * b_rk[None, :]).to(DT), b_kr.to(DT))
     b_dk = tl.dot(tl.trans(b_dP * b_rq[:, None]).to(DT), b_qr.to(DT)) + b_eGg[:, None] * b_dkS
-    p_o = rows[:, None] * (HV * K) + i_h * K + o_k[None, :]
     tl.store(dq_part + p_o, b_dq, mask=m_k)
     tl.store(dk_part + p_o, b_dk, mask=m_k)
-    tl.store(dwp + p_o, b_dw, mask=m_k)
 
     # this K-block's share of dgamma (every term is linear in a sum over K)
     b_X = b_dM * tl.dot(b_qr.to(DT), tl.trans(b_kr.to(DT))) * b_rq[:, None] * b_rk[None, :] * b_E
-    b_tau = b_eGg * tl.sum(b_k * b_dkS, 1)
-    b_dgam = (tl.sum(b_X, 1) - tl.sum(b_X, 0) + scale * b_eg * tl.sum(b_q * b_dqS, 1) - b_tau)
+    b_tau = b_eGg * b_rk * tl.sum(b_kr.to(tl.float32) * b_dkS, 1)
+    b_dgam = (tl.sum(b_X, 1) - tl.sum(b_X, 0)
+              + scale * b_eg * b_rq * tl.sum(b_qr.to(tl.float32) * b_dqS, 1) - b_tau)
     b_last = tl.sum(b_tau, 0) + tl.exp(b_Gam) * tl.sum(b_sds, 0)
     b_dgam += tl.where(o_c == length - 1, b_last, 0.)
     tl.store(dgam_part + (i_kb * T + rows) * HV + i_h, b_dgam, mask=m_c)
 
 
 @triton.jit
-def chunk_bwd_wy_kernel(k, v, g, beta, tm, dvn, dwp, dk_part, dgam_part, dv, dbeta, dg, table, T, H, HV,
-                        K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, NK: tl.constexpr,
+def _dot_pair_right(a, b_hi, b_lo, SPLIT: tl.constexpr):
+    """fp32 a @ (b_hi + b_lo): the mirror of _dot_pair (the stored pair on the right); fp32 inputs:
+    one fp32 dot with tf32x3 (this product feeds dA, which every k, beta, g gradient reads)."""
+    if SPLIT:
+        a_hi = a.to(b_hi.dtype)
+        acc = tl.dot(a_hi, b_hi)
+        acc = tl.dot(a_hi, b_lo, acc)
+        acc = tl.dot((a - a_hi.to(tl.float32)).to(b_hi.dtype), b_hi, acc)
+    else:
+        acc = _mm_f32(a, b_hi)
+    return acc
+
+
+@triton.jit
+def chunk_bwd_wy_kernel(k, v, g, beta, tm, rn_in, dvn, dwp, dk_part, dgam_part, dv, dbeta, dg, table, T,
+                        H, HV, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, NK: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, SPLIT: tl.constexpr):
     j, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     start, length = chunk_rows(table, j, C)
@@ -155,16 +157,12 @@ def chunk_bwd_wy_kernel(k, v, g, beta, tm, dvn, dwp, dk_part, dgam_part, dv, dbe
     rows, m_c = start + o_c, o_c < length
     DT = k.dtype.element_ty
     i_qh = i_h // (HV // H)
-    b_gam, b_Gam, b_E = _chunk_gates(g, rows, m_c, i_h, HV, C)
-    b_eg = tl.exp(b_gam)
     b_beta = tl.load(beta + rows * HV + i_h, mask=m_c, other=0.).to(tl.float32)
-    b_t_hi, b_t_lo = load_cc_planes(tm, j, i_h, HV, SPLIT, C)
-    b_Tt_hi, b_Tt_lo = tl.trans(b_t_hi), tl.trans(b_t_lo)
-    if SPLIT:
-        b_Tt = b_Tt_hi.to(tl.float32) + b_Tt_lo.to(tl.float32)
-    else:
-        b_Tt = b_Tt_hi
+    # T^T as a stored pair (hi, lo planes, or fp32 twice), only ever a dot operand
+    b_Tt_hi, b_Tt_lo = load_cc_planes(tm, j, i_h, HV, SPLIT, C, True)
 
+    # dT = dVnew Vb^T + dW' Kb^T, dV = diag(beta) T^T dVnew; the C x C tiles are built one at a time
+    # (dT, then dA, then K K^T and E) so that no more than four are live
     b_dT = tl.zeros([C, C], dtype=tl.float32)
     b_db = tl.zeros([C], dtype=tl.float32)
     for i_v in range(0, V, BV):
@@ -178,41 +176,47 @@ def chunk_bwd_wy_kernel(k, v, g, beta, tm, dvn, dwp, dk_part, dgam_part, dv, dbe
         b_db += tl.sum(b_tdu * b_v, 1)
         b_dT += tl.dot(b_dvn.to(DT), tl.trans((b_v * b_beta[:, None]).to(DT)))
 
-    if USE_L2:
-        b_rk = _l2_rstd(k + i_qh * K, rows, m_c, H * K, K, BK, C)
-    else:
-        b_rk = tl.full([C], 1., dtype=tl.float32)
-    b_kk = tl.zeros([C, C], dtype=tl.float32)
+    b_g = tl.load(g + rows * HV + i_h, mask=m_c, other=0.).to(tl.float32)
+    b_gam = tl.cumsum(b_g, 0)
+    b_eg = tl.exp(b_gam)
     b_kb = b_beta * b_eg
+    _, b_rk = load_row_norms(rn_in, j, i_h, HV, C, USE_L2)
     for i_k in range(0, K, BK):
         o_k = i_k + tl.arange(0, BK)
         m_k = m_c[:, None] & (o_k < K)[None, :]
         b_kr = tl.load(k + rows[:, None] * (H * K) + i_qh * K + o_k[None, :], mask=m_k, other=0.)
         b_dw = tl.load(dwp + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], mask=m_k, other=0.)
-        b_kn = b_kr.to(tl.float32) * b_rk[:, None]
-        b_dT += tl.dot(b_dw.to(DT), tl.trans((b_kn * b_kb[:, None]).to(DT)))
-        b_kk += tl.dot(b_kr.to(DT), tl.trans(b_kr.to(DT)))
-    b_kk = b_kk * b_rk[:, None] * b_rk[None, :]
+        b_dT += tl.dot(b_dw.to(DT), tl.trans((b_kr.to(tl.float32) * (b_rk * b_kb)[:, None]).to(DT)))
 
-    b_dA = -_mm_f32(_mm_f32(b_Tt, b_dT), b_Tt)
+    # dA = strict_lower(-T^T dT T^T)
+    b_dA = -_dot_pair_right(_dot_pair(b_Tt_hi, b_Tt_lo, b_dT, SPLIT), b_Tt_hi, b_Tt_lo, SPLIT)
     b_dA = tl.where(o_c[:, None] > o_c[None, :], b_dA, 0.)
-    b_dKK = b_dA * b_beta[:, None] * b_E
-    b_db += tl.sum(b_dA * b_kk * b_E, 1)
-    b_X = b_dKK * b_kk
-    b_dgam = tl.sum(b_X, 1) - tl.sum(b_X, 0)
-    b_dKs = (b_dKK + tl.trans(b_dKK)).to(DT)
+    b_kk = tl.zeros([C, C], dtype=tl.float32)
     for i_k in range(0, K, BK):
         o_k = i_k + tl.arange(0, BK)
         m_k = m_c[:, None] & (o_k < K)[None, :]
-        b_kn = tl.load(k + rows[:, None] * (H * K) + i_qh * K + o_k[None, :], mask=m_k,
-                       other=0.).to(tl.float32) * b_rk[:, None]
+        b_kr = tl.load(k + rows[:, None] * (H * K) + i_qh * K + o_k[None, :], mask=m_k, other=0.)
+        b_kk += tl.dot(b_kr.to(DT), tl.trans(b_kr.to(DT)))
+    b_E = _causal_decay(b_gam, C)
+    b_dAE = b_dA * b_E
+    b_kk = b_kk * b_rk[:, None] * b_rk[None, :]
+    b_db += tl.sum(b_dAE * b_kk, 1)
+    b_dKK = b_dAE * b_beta[:, None]
+    b_X = b_dKK * b_kk
+    b_dgam = tl.sum(b_X, 1) - tl.sum(b_X, 0)
+    # (dKK + dKK^T) Kn with Kn = diag(rk) Kraw: rk scales the contraction index, folded in before rounding
+    b_dKs = ((b_dKK + tl.trans(b_dKK)) * b_rk[None, :]).to(DT)
+    for i_k in range(0, K, BK):
+        o_k = i_k + tl.arange(0, BK)
+        m_k = m_c[:, None] & (o_k < K)[None, :]
+        b_kr = tl.load(k + rows[:, None] * (H * K) + i_qh * K + o_k[None, :], mask=m_k, other=0.)
         p_o = rows[:, None] * (HV * K) + i_h * K + o_k[None, :]
         b_dw = tl.load(dwp + p_o, mask=m_k, other=0.)
         b_tdw = _dot_pair(b_Tt_hi, b_Tt_lo, b_dw, SPLIT)
         b_dk = tl.load(dk_part + p_o, mask=m_k, other=0.)
-        b_dk += b_kb[:, None] * b_tdw + tl.dot(b_dKs, b_kn.to(DT))
+        b_dk += b_kb[:, None] * b_tdw + tl.dot(b_dKs, b_kr.to(DT))
         tl.store(dk_part + p_o, b_dk, mask=m_k)
-        b_s = tl.sum(b_tdw * b_kn, 1)
+        b_s = tl.sum(b_tdw * b_kr.to(tl.float32), 1) * b_rk
         b_db += b_eg * b_s
         b_dgam += b_kb * b_s
     for i_kb in range(0, NK):
@@ -266,24 +270,36 @@ def chunk_bwd_qk_finalize_kernel(q, k, dq_part, dk_part, real, dq, dk, dv, dg, d
 
 
 def bwd_configs(K, V, dtype):
-    """Block sizes and warps of every backward kernel: one config each, by this heuristic (no autotune),
-    sized from the sm_90 AOT register reports (tests/test_triton_bwd_aot.py):
-    - state passes (recompute, dstate): the full-K state block [K, BV] fp32 in registers; recompute
-      uses the forward's state_config BV (32, or 16), dstate (more live tiles: M, Tm planes, dO, dS)
-      BV 16; two warpgroups (8 warps).
-    - dqk: K-blocks of 64, V-blocks of 32: three [C, BK] fp32 accumulators (dO S^T, Vnew dS^T,
-      dVnew S^T) and dO Vnew^T [C, C] stay in registers at 8 warps.
-    - wy: K- and V-blocks of 32 (about ten live [C, C] fp32 tiles), 8 warps.
-    - finalize: row blocks of 2048 // K padded rows, 4 warps."""
+    """Block sizes, warps and pipeline stages of every backward kernel: one config each, by this
+    heuristic (no autotune), chosen from the sm_90 AOT reports (tests/test_triton_bwd_aot.py prints
+    registers, shared memory and spills of each) so that none spills registers, except the known limit
+    below. C x C matrices (Tm, M) are read unmasked, transposed by pointer order, and q/k row norms
+    come from the prep kernel, so dot operands go from memory to shared memory without register copies.
+    - recompute: the forward's state_config (BV, warps, stages): the same tiles as its state pass.
+    - dstate: the full-K state block [K, BV = 16] fp32 in registers (BV 16, the smallest wgmma N:
+      dS, dO, the hi/lo dS copies and Vnew-sized temporaries scale with it). bf16/fp16: 8 warps,
+      2 stages (K = V = 128: 148 registers, 142 KB; K = 256: 235 registers, 216 KB). fp32: tf32 wgmma
+      needs K-major operands, so Q^T, K^T, M^T, Tm^T are register transposes; K <= 64: 8 warps and 2
+      stages; K <= 128: 4 warps and 2 stages (254 registers; 8 warps spill 56 B); K > 128 cannot
+      double-buffer within 227 KB and spills at 1 stage (known limit, as in the forward).
+    - dqk: K-blocks of 64, V-blocks of 32, 8 warps, 2 stages: the V loop keeps four accumulators
+      (dO S^T, Vnew dS^T, dVnew S^T [C, BK], dO Vnew^T [C, C]) and loads q, k, gates only after it.
+    - wy: K- and V-blocks of 32, 8 warps; its C x C tiles (dT, dA, K K^T, E) are built one after
+      another. bf16/fp16: 2 stages; fp32: 1 (2 stages spill 48 B).
+    - finalize: row blocks of 2048 // K padded rows, 4 warps (no dots)."""
     np2 = triton.next_power_of_2
     st = state_config(K, V, dtype)
+    fp32 = dtype == torch.float32
     BK = min(64, np2(K))
     return dict(
-        recompute=dict(BK=st["BK"], BV=st["BV"], num_warps=8),
-        dstate=dict(BK=st["BK"], BV=16, num_warps=8),
-        dqk=dict(BK=BK, BV=min(32, np2(V)), num_warps=8),
-        wy=dict(BK=min(32, np2(K)), BV=min(32, np2(V)), num_warps=8),
-        finalize=dict(BT=max(1, min(32, 2048 // np2(K))), BKF=np2(K), BVF=np2(V), num_warps=4),
+        recompute=dict(BK=st["BK"], BV=st["BV"], num_warps=st["num_warps"],
+                       num_stages=st["num_stages"]),
+        dstate=dict(BK=st["BK"], BV=16, num_warps=4 if fp32 and 64 < K <= 128 else 8,
+                    num_stages=1 if fp32 and K > 128 else 2),
+        dqk=dict(BK=BK, BV=min(32, np2(V)), num_warps=8, num_stages=2),
+        wy=dict(BK=min(32, np2(K)), BV=min(32, np2(V)), num_warps=8, num_stages=1 if fp32 else 2),
+        finalize=dict(BT=max(1, min(32, 2048 // np2(K))), BKF=np2(K), BVF=np2(V), num_warps=4,
+                      num_stages=1),
     )
 
 
@@ -338,29 +354,31 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
         chunk_bwd_recompute_kernel[(N, HV, triton.cdiv(V, c["BV"]))](
             k, v, g, beta, table, cu_chunks, t_mat, h0 if h0 is not None else dh0, s_in, vnew, H, HV,
             K=K, V=V, C=C, BK=c["BK"], BV=c["BV"], USE_L2=l2, HAS_H0=h0 is not None, SPLIT=split,
-            num_warps=c["num_warps"])
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
         c = cfg["dstate"]
         dht_ = None if dht is None else dht.to(torch.float32).contiguous()
         chunk_bwd_dstate_kernel[(N, HV, triton.cdiv(V, c["BV"]))](
-            q, k, g, beta, do, table, cu_chunks, t_mat, m_mat, dht_ if dht_ is not None else dh0, dsn,
+            q, k, g, beta, do, table, cu_chunks, t_mat, m_mat, rnorm, dht_ if dht_ is not None else dh0,
+            dsn,
             dvn, dh0, scale, H, HV, K=K, V=V, C=C, BK=c["BK"], BV=c["BV"], USE_L2=l2,
-            HAS_DHT=dht_ is not None, SPLIT=split, num_warps=c["num_warps"])
+            HAS_DHT=dht_ is not None, SPLIT=split, num_warps=c["num_warps"], num_stages=c["num_stages"])
     if NC > 0 and HV > 0:
         c = cfg["dqk"]
         chunk_bwd_dqk_kernel[(NC, HV, NK)](
-            q, k, g, do, vnew, dvn, s_in, dsn, dq_part, dk_part, dwp, dgam_part, table, scale, T, H, HV,
-            K=K, V=V, C=C, BK=c["BK"], BV=c["BV"], USE_L2=l2, SPLIT=split, num_warps=c["num_warps"])
+            q, k, g, do, vnew, dvn, s_in, dsn, rnorm, dq_part, dk_part, dwp, dgam_part, table, scale,
+            T, H, HV, K=K, V=V, C=C, BK=c["BK"], BV=c["BV"], USE_L2=l2, SPLIT=split,
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
         c = cfg["wy"]
         chunk_bwd_wy_kernel[(NC, HV)](
-            k, v, g, beta, t_mat, dvn, dwp, dk_part, dgam_part, work[2], work[4], work[3], table,
+            k, v, g, beta, t_mat, rnorm, dvn, dwp, dk_part, dgam_part, work[2], work[4], work[3], table,
             T, H, HV, K=K, V=V, C=C, NK=NK, BK=c["BK"], BV=c["BV"], USE_L2=l2, SPLIT=split,
-            num_warps=c["num_warps"])
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
     if T > 0 and H > 0:
         c = cfg["finalize"]
         chunk_bwd_qk_finalize_kernel[(triton.cdiv(T, c["BT"]), H)](
             q, k, dq_part, dk_part, real_row_mask(table, T, C), work[0], work[1], work[2], work[3],
             work[4], T, H, HV, K=K, V=V, BT=c["BT"], BKF=c["BKF"], BVF=c["BVF"], USE_L2=l2,
-            num_warps=c["num_warps"])
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
     for x, y in zip(outs, work):
         if x is not y:
             x.copy_(y)

@@ -24,7 +24,7 @@ Names: `b_` blocks, `p_`/`o_` offsets, `m_` masks, as in FLA.
 import triton
 import triton.language as tl
 
-from gdn_packed.triton.chunk_fwd import _dot_pair, _dot_state
+from gdn_packed.triton.chunk_fwd import _dot_pair, _dot_state, load_row_norms
 from gdn_packed.triton.segments import chunk_rows
 
 
@@ -39,15 +39,20 @@ def _row_rnorm(b_x, USE_L2: tl.constexpr):
 
 
 @triton.jit
-def load_cc_planes(p, j, i_h, HV, SPLIT: tl.constexpr, C: tl.constexpr):
-    """Lower triangle of the [C, C] matrix of chunk slot j, value head i_h, from the forward's
-    [NC, HV, 1 + SPLIT, C, C] buffer: (hi, lo) planes in the input dtype (SPLIT) or (fp32, fp32)."""
+def load_cc_planes(p, j, i_h, HV, SPLIT: tl.constexpr, C: tl.constexpr, TRANS: tl.constexpr):
+    """The [C, C] matrix (transposed with TRANS) of chunk slot j, value head i_h, from the forward's
+    [NC, HV, 1 + SPLIT, C, C] buffer: (hi, lo) planes in the input dtype (SPLIT) or (fp32, fp32).
+    chunk_prep_kernel writes the full square (zeros above the diagonal), so the loads are unmasked
+    and go straight to shared memory as dot operands (a transpose is the pointer order, not a shuffle)."""
     o_c = tl.arange(0, C)
-    causal = o_c[:, None] >= o_c[None, :]
-    off = (j * HV + i_h) * ((1 + SPLIT) * C * C) + o_c[:, None] * C + o_c[None, :]
-    b_hi = tl.load(p + off, mask=causal, other=0.)
+    if TRANS:
+        o_rc = o_c[None, :] * C + o_c[:, None]
+    else:
+        o_rc = o_c[:, None] * C + o_c[None, :]
+    off = (j * HV + i_h) * ((1 + SPLIT) * C * C) + o_rc
+    b_hi = tl.load(p + off)
     if SPLIT:
-        b_lo = tl.load(p + C * C + off, mask=causal, other=0.)
+        b_lo = tl.load(p + C * C + off)
     else:
         b_lo = b_hi
     return b_hi, b_lo
@@ -86,7 +91,7 @@ def chunk_bwd_recompute_kernel(k, v, g, beta, table, cu_chunks, t_in, h0, s_out,
         p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
         m_v = m_c[:, None] & (o_v < V)[None, :]
         b_v = tl.load(v + p_v, mask=m_v, other=0.).to(tl.float32)
-        b_t_hi, b_t_lo = load_cc_planes(t_in, j, i_h, HV, SPLIT, C)
+        b_t_hi, b_t_lo = load_cc_planes(t_in, j, i_h, HV, SPLIT, C, False)
         b_ks = _dot_state(b_k, b_s, SPLIT) * (b_rk * tl.exp(b_gam))[:, None]
         b_vn = _dot_pair(b_t_hi, b_t_lo, b_beta[:, None] * (b_v - b_ks), SPLIT)
         tl.store(vnew + p_v, b_vn, mask=m_v)
@@ -95,7 +100,7 @@ def chunk_bwd_recompute_kernel(k, v, g, beta, table, cu_chunks, t_in, h0, s_out,
 
 
 @triton.jit
-def chunk_bwd_dstate_kernel(q, k, g, beta, do, table, cu_chunks, t_in, m_in, dht, dsn, dvn, dh0, scale,
+def chunk_bwd_dstate_kernel(q, k, g, beta, do, table, cu_chunks, t_in, m_in, rn_in, dht, dsn, dvn, dh0, scale,
                             H, HV, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                             BV: tl.constexpr, USE_L2: tl.constexpr, HAS_DHT: tl.constexpr,
                             SPLIT: tl.constexpr):
@@ -127,17 +132,16 @@ def chunk_bwd_dstate_kernel(q, k, g, beta, do, table, cu_chunks, t_in, m_in, dht
         p_qk = rows[:, None] * (H * K) + i_qh * K + o_k[None, :]
         b_q = tl.load(q + p_qk, mask=m_k, other=0.)
         b_k = tl.load(k + p_qk, mask=m_k, other=0.)
-        b_rq = _row_rnorm(b_q, USE_L2)
-        b_rk = _row_rnorm(b_k, USE_L2)
+        b_rq, b_rk = load_row_norms(rn_in, j, i_h, HV, C, USE_L2)
         p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
         m_v = m_c[:, None] & (o_v < V)[None, :]
         b_do = tl.load(do + p_v, mask=m_v, other=0.).to(tl.float32)
-        b_t_hi, b_t_lo = load_cc_planes(t_in, j, i_h, HV, SPLIT, C)
-        b_m_hi, b_m_lo = load_cc_planes(m_in, j, i_h, HV, SPLIT, C)
-        b_dv = (_dot_pair(tl.trans(b_m_hi), tl.trans(b_m_lo), b_do, SPLIT)
+        b_tt_hi, b_tt_lo = load_cc_planes(t_in, j, i_h, HV, SPLIT, C, True)
+        b_mt_hi, b_mt_lo = load_cc_planes(m_in, j, i_h, HV, SPLIT, C, True)
+        b_dv = (_dot_pair(b_mt_hi, b_mt_lo, b_do, SPLIT)
                 + _dot_state(b_k, b_ds, SPLIT) * (b_rk * tl.exp(b_Gam - b_gam))[:, None])
         tl.store(dvn + p_v, b_dv, mask=m_v)
-        b_tdv = _dot_pair(tl.trans(b_t_hi), tl.trans(b_t_lo), b_dv, SPLIT)
+        b_tdv = _dot_pair(b_tt_hi, b_tt_lo, b_dv, SPLIT)
         b_ds = (b_ds * tl.exp(b_Gam)
                 + _dot_state(tl.trans(b_q), b_do * (scale * b_eg * b_rq)[:, None], SPLIT)
                 - _dot_state(tl.trans(b_k), b_tdv * (b_beta * b_eg * b_rk)[:, None], SPLIT))

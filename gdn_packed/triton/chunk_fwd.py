@@ -275,6 +275,21 @@ def _dot_pair(a_hi, a_lo, b, SPLIT: tl.constexpr):
 
 
 @triton.jit
+def load_row_norms(rn, j, hv, HV, C: tl.constexpr, USE_L2: tl.constexpr):
+    """The l2norm row factors (1/|q_r|, 1/|k_r|) [C] of chunk slot j, value head hv, written by
+    chunk_prep_kernel (ones without l2norm)."""
+    rc = tl.arange(0, C)
+    if USE_L2:
+        base = (j * HV + hv) * (2 * C)
+        rnq = tl.load(rn + base + rc)
+        rnk = tl.load(rn + base + C + rc)
+    else:
+        rnq = tl.full([C], 1.0, dtype=tl.float32)
+        rnk = rnq
+    return rnq, rnk
+
+
+@triton.jit
 def _zero_rows(o, a, b, hv, cv, vmask, HV: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
                C: tl.constexpr):
     """o[a:b, hv, cv] = 0 (a, b int64 scalars)."""
@@ -340,8 +355,7 @@ def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, rn
         b_qs = _dot_state(b_q, b_s, SPLIT)                       # Q S      [C, BV]
         w_k = tl.exp(gam_end - gam)                              # row weights of the state update
         if USE_L2:
-            rnq = tl.load(rn_in + (j * HV + hv) * (2 * C) + rc)
-            rnk = tl.load(rn_in + (j * HV + hv) * (2 * C) + C + rc)
+            rnq, rnk = load_row_norms(rn_in, j, hv, HV, C, USE_L2)
             b_ks = b_ks * rnk[:, None]
             b_qs = b_qs * rnq[:, None]
             w_k = w_k * rnk
