@@ -68,9 +68,9 @@ def _compile_all():
             tm = dt if cfg["SPLIT"] else "fp32"
             sig = dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", g="*fp32", beta="*fp32", table="*i32",
                        cu_chunks="*i32", t_in=f"*{tm}", m_in=f"*{tm}", rn_in="*fp32", h0="*fp32", o=f"*{dt}", ht="*fp32",
-                       scale="fp32", T_rows="i32")
+                       s_out="*fp32", vnew_out="*fp32", scale="fp32", T_rows="i32")
             consts = dict(HOT, K=K, V=V, BK=cfg["BK"], BV=cfg["BV"], C=C.CHUNK, USE_L2=USE_L2, HAS_H0=True,
-                          SPLIT=cfg["SPLIT"])
+                          SPLIT=cfg["SPLIT"], STORE_STATES=False)
         row = dict(id=config_id(kind, dtype, K, V, cfg), kernel=fn.__name__, dtype=dt)
         try:
             row.update(build(fn, sig, consts, opts))

@@ -20,11 +20,10 @@ HOT = dict(H=16, HV=32)
 # the largest head dims, and non-power-of-2 ones (masked tiles); every distinct block config is here
 SHAPES = [("bf16", 128, 128), ("fp16", 128, 128), ("bf16", 256, 256), ("bf16", 64, 64),
           ("bf16", 48, 80), ("fp32", 64, 64), ("fp32", 128, 128), ("fp32", 256, 256)]
-# known limit (gdn_packed/triton/chunk.py, chunk_bwd.py bwd_configs): the state passes with K > 128
-# in fp32, and the recompute (the forward state pass) in bf16
-KNOWN_SPILLS = {("chunk_bwd_dstate_kernel", "fp32", 256), ("chunk_bwd_recompute_kernel", "fp32", 256),
-                ("chunk_bwd_recompute_kernel", "bf16", 256)}
-DOT_KERNELS = ("chunk_bwd_recompute_kernel", "chunk_bwd_dstate_kernel", "chunk_bwd_dqk_kernel",
+# known limit (gdn_packed/triton/chunk.py, chunk_bwd.py bwd_configs): the fp32 state passes with K > 128
+RECOMPUTE = "chunk_state_output_kernel[STORE_STATES]"
+KNOWN_SPILLS = {("chunk_bwd_dstate_kernel", "fp32", 256), (RECOMPUTE, "fp32", 256)}
+DOT_KERNELS = ("chunk_state_output_kernel[STORE_STATES]", "chunk_bwd_dstate_kernel", "chunk_bwd_dqk_kernel",
                "chunk_bwd_wy_kernel")
 
 
@@ -35,7 +34,8 @@ def _kernels(dt, K, V):
 
     from gdn_packed.triton import chunk_bwd as B
     from gdn_packed.triton import chunk_bwd_state as S
-    from gdn_packed.triton.chunk import CHUNK, prep_config
+    from gdn_packed.triton import chunk_fwd as F
+    from gdn_packed.triton.chunk import CHUNK, prep_config, state_config
 
     dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[dt]
     cfg = B.bwd_configs(K, V, dtype)
@@ -45,11 +45,14 @@ def _kernels(dt, K, V):
     idx = dict(table="*i32", cu_chunks="*i32")
     c = dict(K=K, V=V, C=CHUNK, USE_L2=True)
     nk = triton.cdiv(K, cfg["dqk"]["BK"])
-    r, d, q, w, fin = cfg["recompute"], cfg["dstate"], cfg["dqk"], cfg["wy"], cfg["finalize"]
+    r = state_config(K, V, dtype)
+    d, q, w, fin = cfg["dstate"], cfg["dqk"], cfg["wy"], cfg["finalize"]
     return [
-        (S.chunk_bwd_recompute_kernel,
-         dict(k=x, v=x, g=f, beta=f, t_in=f"*{cc}", h0=f, s_out=f, vnew=f, H="i32", HV="i32", **idx),
-         dict(c, BK=r["BK"], BV=r["BV"], HAS_H0=True, SPLIT=split), (r["num_warps"], r["num_stages"])),
+        (F.chunk_state_output_kernel,
+         dict(q=x, k=x, v=x, g=f, beta=f, t_in=f"*{cc}", m_in=f"*{cc}", rn_in=f, h0=f, o=x, ht=f,
+              s_out=f, vnew_out=f, scale="fp32", T_rows="i32", **idx),
+         dict(c, **HOT, BK=r["BK"], BV=r["BV"], HAS_H0=True, SPLIT=split, STORE_STATES=True),
+         (r["num_warps"], r["num_stages"])),
         (S.chunk_bwd_dstate_kernel,
          dict(q=x, k=x, g=f, beta=f, do=x, t_in=f"*{cc}", m_in=f"*{cc}", rn_in=f, dht=f, dsn=f, dvn=f, dh0=f,
               scale="fp32", H="i32", HV="i32", **idx),
@@ -82,7 +85,8 @@ def _compile_all():
     target = GPUTarget("cuda", 90, 32)
     for dt, K, V in SHAPES:
         for fn, sig, consts, (nw, ns) in _kernels(dt, K, V):
-            row = dict(kernel=fn.__name__, dtype=dt, K=K, V=V, num_warps=nw, num_stages=ns,
+            name = fn.__name__ + ("[STORE_STATES]" if consts.get("STORE_STATES") else "")
+            row = dict(kernel=name, dtype=dt, K=K, V=V, num_warps=nw, num_stages=ns,
                        blocks={k: v for k, v in consts.items() if k.startswith("B")})
             try:
                 signature = {n: ("constexpr" if n in consts else sig[n]) for n in fn.arg_names}
@@ -121,7 +125,7 @@ def compiled():
 
 def _name(r):
     b = " ".join(f"{k}{v}" for k, v in r["blocks"].items())
-    return (f"{r['kernel']:30s} {r['dtype']} K{r['K']:<3} V{r['V']:<3} {b:16s} "
+    return (f"{r['kernel']:38s} {r['dtype']} K{r['K']:<3} V{r['V']:<3} {b:16s} "
             f"w{r['num_warps']} s{r['num_stages']}")
 
 

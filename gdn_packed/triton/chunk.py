@@ -83,6 +83,47 @@ def all_configs():
     return out
 
 
+def chunk_prep(q, k, g, beta, table, HV, scale, use_l2norm):
+    """Launches chunk_prep_kernel (grid (NC, HV)) and returns (Tm, M, rn), the per-chunk inputs of the
+    state passes of the forward and the backward:
+    Tm, M [NC, HV, P, C, C]: P = 1 plane of fp32 (fp32 inputs) or 2 planes hi, lo of the input dtype;
+    rn [NC, HV, 2, C] fp32, the l2norm row factors of q and k (with use_l2norm; else a stand-in that
+    no kernel reads)."""
+    NC, (T, H, K) = table.shape[0], q.shape
+    C = CHUNK
+    p = prep_config(K, q.dtype)
+    t_mat = torch.empty(NC, HV, 1 + p["SPLIT"], C, C, device=q.device,
+                        dtype=q.dtype if p["SPLIT"] else torch.float32)
+    m_mat = torch.empty_like(t_mat)
+    l2 = bool(use_l2norm)
+    rnorm = torch.empty(NC, HV, 2, C, dtype=torch.float32, device=q.device) if l2 else t_mat
+    if NC > 0 and HV > 0:
+        chunk_prep_kernel[(NC, HV)](q, k, g, beta, table, t_mat, m_mat, rnorm, scale, H=H, HV=HV, K=K,
+                                    C=C, USE_L2=l2, **p)
+    return t_mat, m_mat, rnorm
+
+
+def chunk_state_pass(q, k, v, g, beta, table, cu_chunks, prep, h0, scale, use_l2norm, o=None, ht=None,
+                     s_out=None, vnew_out=None):
+    """Launches chunk_state_output_kernel, grid (N, HV, cdiv(V, BV)), on chunk_prep's outputs `prep`.
+    Forward: writes o [T, HV, V] (every row) and ht [N, HV, K, V]. With s_out [NC, HV, K, V] and
+    vnew_out [T, HV, V] (fp32; the backward's recompute) it writes those instead, and neither o nor ht."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    N = cu_chunks.numel() - 1
+    store = s_out is not None
+    s = state_config(K, V, q.dtype, _smem_kb(q.device))
+    t_mat, m_mat, rnorm = prep
+    unused = s_out if store else ht            # stand-in for the pointers this variant does not touch
+    chunk_state_output_kernel[(N, HV, triton.cdiv(V, s["BV"]))](
+        q, k, v, g, beta, table, cu_chunks, t_mat, m_mat, rnorm, unused if h0 is None else h0,
+        unused if o is None else o, unused if ht is None else ht, unused if s_out is None else s_out,
+        unused if vnew_out is None else vnew_out, scale, T,
+        H=H, HV=HV, K=K, V=V, BK=s["BK"], BV=s["BV"], C=CHUNK, USE_L2=bool(use_l2norm),
+        HAS_H0=h0 is not None, SPLIT=s["SPLIT"], STORE_STATES=store, num_warps=s["num_warps"],
+        num_stages=s["num_stages"])
+
+
 def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
                          o, final_state):
     """Writes o [T, HV, V] (every row: padding rows 0) and final_state [N, HV, K, V] float32.
@@ -91,34 +132,18 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     initial_state [N, HV, K, V] or None. Two launches, grids from T, N and the shapes only."""
     if C != CHUNK:
         raise ValueError(f"the Triton kernels are written for chunk size {CHUNK}, got {C}")
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    N, NC = cu_chunks.numel() - 1, table.shape[0]
+    HV = v.shape[1]
+    N = cu_chunks.numel() - 1
     if not (o.is_contiguous() and final_state.is_contiguous()):
         raise ValueError("o and final_state must be contiguous")
     if N == 0:
         o.zero_()               # no sequence: every row is padding
         return
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    h0 = final_state if initial_state is None else initial_state.to(torch.float32).contiguous()
-    s = state_config(K, V, q.dtype, _smem_kb(q.device))
-    # Tm and M: fp32, or (SPLIT) hi and lo planes in the input dtype
-    t_mat = torch.empty(NC, HV, 1 + s["SPLIT"], C, C, device=q.device,
-                        dtype=q.dtype if s["SPLIT"] else torch.float32)
-    m_mat = torch.empty_like(t_mat)
-    l2 = bool(use_l2norm)
-    # 1 / sqrt(|q_r|^2 + eps), 1 / sqrt(|k_r|^2 + eps) per chunk row (l2norm only)
-    rnorm = torch.empty(NC, HV, 2, C, dtype=torch.float32, device=q.device) if l2 else final_state
-    if NC > 0:
-        p = prep_config(K, q.dtype)
-        chunk_prep_kernel[(NC, HV)](q, k, g, beta, table, t_mat, m_mat, rnorm, scale, H=H, HV=HV, K=K,
-                                    BK=p["BK"], C=C, USE_L2=l2, SPLIT=s["SPLIT"],
-                                    num_warps=p["num_warps"], num_stages=p["num_stages"])
-    chunk_state_output_kernel[(N, HV, triton.cdiv(V, s["BV"]))](
-        q, k, v, g, beta, table, cu_chunks, t_mat, m_mat, rnorm, h0, o, final_state, scale, T,
-        H=H, HV=HV, K=K, V=V, BK=s["BK"], BV=s["BV"], C=C, USE_L2=l2,
-        HAS_H0=initial_state is not None, SPLIT=s["SPLIT"], num_warps=s["num_warps"],
-        num_stages=s["num_stages"])
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    prep = chunk_prep(q, k, g, beta, table, HV, scale, use_l2norm)
+    chunk_state_pass(q, k, v, g, beta, table, cu_chunks, prep, h0, scale, use_l2norm, o=o,
+                     ht=final_state)
 
 
 def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,

@@ -11,9 +11,9 @@ E[r, s] = e^(gamma_r - gamma_s) (r >= s, else 0), M = (Q K^T) E, T = (I + A)^-1 
     dbeta, dgamma as in DESIGN.md; dg = reverse cumsum of dgamma within the chunk.
 
 Launches, in order (grids depend only on T, N and the shapes; unused chunk slots exit at once):
-  chunk_prep_kernel (the forward's)  grid (NC, HV): Tm = (I + A)^-1 and M = scale causal(QK^T) E.
-  chunk_bwd_recompute_kernel   grid (N, HV, cdiv(V, BV)): per-chunk entering states S_in and Vnew
-                               (chunk_bwd_state.py).
+  chunk_prep (the forward's)    grid (NC, HV): Tm = (I + A)^-1, M = scale causal(QK^T) E, row norms.
+  chunk_state_pass (the forward's chunk_state_output_kernel with STORE_STATES) grid (N, HV,
+                               cdiv(V, BV)): per-chunk entering states S_in and Vnew, no o.
   chunk_bwd_dstate_kernel      grid (N, HV, cdiv(V, BV)): reverse pass: dS_next per chunk, dVnew, dh0
                                (dht passed through zero-length sequences) (chunk_bwd_state.py).
   chunk_bwd_dqk_kernel         grid (NC, HV, cdiv(K, BK)): loops over V-blocks; writes the per-value-head
@@ -42,11 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn_packed.triton.chunk import CHUNK, prep_config, state_config
-from gdn_packed.triton.chunk_bwd_state import (chunk_bwd_dstate_kernel, chunk_bwd_recompute_kernel,
-                                               load_cc_planes)
-from gdn_packed.triton.chunk_fwd import (_dot_pair, _dot_state, _mm_f32, chunk_prep_kernel,
-                                         load_row_norms)
+from gdn_packed.triton.chunk import (CHUNK, chunk_prep, chunk_state_pass, split_planes,
+                                     state_config)
+from gdn_packed.triton.chunk_bwd_state import chunk_bwd_dstate_kernel, load_cc_planes
+from gdn_packed.triton.chunk_fwd import _dot_pair, _dot_state, _mm_f32, _rows_tile, load_row_norms
 from gdn_packed.triton.segments import chunk_rows
 
 @triton.jit
@@ -183,9 +182,8 @@ def chunk_bwd_wy_kernel(k, v, g, beta, tm, rn_in, dvn, dwp, dk_part, dgam_part, 
     _, b_rk = load_row_norms(rn_in, j, i_h, HV, C, USE_L2)
     for i_k in range(0, K, BK):
         o_k = i_k + tl.arange(0, BK)
-        m_k = m_c[:, None] & (o_k < K)[None, :]
-        b_kr = tl.load(k + rows[:, None] * (H * K) + i_qh * K + o_k[None, :], mask=m_k, other=0.)
-        b_dw = tl.load(dwp + rows[:, None] * (HV * K) + i_h * K + o_k[None, :], mask=m_k, other=0.)
+        b_kr = _rows_tile(k + i_qh * K, rows, m_c, H * K, o_k, o_k < K)
+        b_dw = _rows_tile(dwp + i_h * K, rows, m_c, HV * K, o_k, o_k < K)
         b_dT += tl.dot(b_dw.to(DT), tl.trans((b_kr.to(tl.float32) * (b_rk * b_kb)[:, None]).to(DT)))
 
     # dA = strict_lower(-T^T dT T^T)
@@ -194,8 +192,7 @@ def chunk_bwd_wy_kernel(k, v, g, beta, tm, rn_in, dvn, dwp, dk_part, dgam_part, 
     b_kk = tl.zeros([C, C], dtype=tl.float32)
     for i_k in range(0, K, BK):
         o_k = i_k + tl.arange(0, BK)
-        m_k = m_c[:, None] & (o_k < K)[None, :]
-        b_kr = tl.load(k + rows[:, None] * (H * K) + i_qh * K + o_k[None, :], mask=m_k, other=0.)
+        b_kr = _rows_tile(k + i_qh * K, rows, m_c, H * K, o_k, o_k < K)
         b_kk += tl.dot(b_kr.to(DT), tl.trans(b_kr.to(DT)))
     b_E = _causal_decay(b_gam, C)
     b_dAE = b_dA * b_E
@@ -209,7 +206,7 @@ def chunk_bwd_wy_kernel(k, v, g, beta, tm, rn_in, dvn, dwp, dk_part, dgam_part, 
     for i_k in range(0, K, BK):
         o_k = i_k + tl.arange(0, BK)
         m_k = m_c[:, None] & (o_k < K)[None, :]
-        b_kr = tl.load(k + rows[:, None] * (H * K) + i_qh * K + o_k[None, :], mask=m_k, other=0.)
+        b_kr = _rows_tile(k + i_qh * K, rows, m_c, H * K, o_k, o_k < K)
         p_o = rows[:, None] * (HV * K) + i_h * K + o_k[None, :]
         b_dw = tl.load(dwp + p_o, mask=m_k, other=0.)
         b_tdw = _dot_pair(b_Tt_hi, b_Tt_lo, b_dw, SPLIT)
@@ -275,7 +272,7 @@ def bwd_configs(K, V, dtype):
     registers, shared memory and spills of each) so that none spills registers, except the known limit
     below. C x C matrices (Tm, M) are read unmasked, transposed by pointer order, and q/k row norms
     come from the prep kernel, so dot operands go from memory to shared memory without register copies.
-    - recompute: the forward's state_config (BV, warps, stages): the same tiles as its state pass.
+    (The recompute of S_in and Vnew is the forward's state pass, with the forward's state_config.)
     - dstate: the full-K state block [K, BV = 16] fp32 in registers (BV 16, the smallest wgmma N:
       dS, dO, the hi/lo dS copies and Vnew-sized temporaries scale with it). bf16/fp16: 8 warps,
       2 stages (K = V = 128: 148 registers, 142 KB; K = 256: 235 registers, 216 KB). fp32: tf32 wgmma
@@ -292,8 +289,6 @@ def bwd_configs(K, V, dtype):
     fp32 = dtype == torch.float32
     BK = min(64, np2(K))
     return dict(
-        recompute=dict(BK=st["BK"], BV=st["BV"], num_warps=st["num_warps"],
-                       num_stages=st["num_stages"]),
         dstate=dict(BK=st["BK"], BV=16, num_warps=4 if fp32 and 64 < K <= 128 else 8,
                     num_stages=1 if fp32 and K > 128 else 2),
         dqk=dict(BK=BK, BV=min(32, np2(V)), num_warps=8, num_stages=2),
@@ -317,7 +312,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
                          do, dht, dq, dk, dv, dg, dbeta, dh0):
     """Backward of backend="triton" on flattened rows (the signature of torch_ref.chunk's backward):
     writes every row of dq, dk [T, H, K], dv [T, HV, V], dg, dbeta [T, HV] and dh0 [N, HV, K, V] fp32.
-    Launches: the forward's chunk_prep_kernel (Tm, M), then the recompute, dstate, dqk, wy and finalize
+    Launches: the forward's chunk_prep and state pass (S_in, Vnew), then the dstate, dqk, wy and finalize
     kernels; grids depend only on T, N and the shapes."""
     if C != CHUNK:
         raise ValueError(f"the Triton kernels are written for chunk size {CHUNK}, got {C}")
@@ -334,27 +329,18 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     f32 = dict(dtype=torch.float32, device=dev)
     state_dtype = torch.float32
     NK = triton.cdiv(K, cfg["dqk"]["BK"])     # dgamma partials: one per dqk K-block
-    p = prep_config(K, q.dtype)
-    split = bool(p["SPLIT"])
-    # Tm, M as the forward's chunk_prep_kernel writes them: fp32, or hi + lo planes in the input dtype
-    t_mat = torch.empty(NC, HV, 1 + split, C, C, device=dev, dtype=q.dtype if split else torch.float32)
-    m_mat = torch.empty_like(t_mat)
+    split = split_planes(q.dtype)
     s_in = torch.empty(NC, HV, K, V, dtype=state_dtype, device=dev)
     dsn = torch.empty(NC, HV, K, V, dtype=state_dtype, device=dev)
     vnew, dvn = torch.empty(T, HV, V, **f32), torch.empty(T, HV, V, **f32)
     dq_part, dk_part, dwp = (torch.empty(T, HV, K, **f32) for _ in range(3))
     dgam_part = torch.empty(NK, T, HV, **f32)
-    rnorm = torch.empty(NC if l2 else 0, HV, 2, C, **f32)     # the forward's row norms (unused here)
-    if NC > 0 and HV > 0:
-        chunk_prep_kernel[(NC, HV)](q, k, g, beta, table, t_mat, m_mat, rnorm, scale, H=H, HV=HV, K=K,
-                                    C=C, USE_L2=l2, **p)
+    # Tm, M (fp32, or hi + lo planes in the input dtype) and the l2norm row factors, as in the forward
+    t_mat, m_mat, rnorm = prep = chunk_prep(q, k, g, beta, table, HV, scale, l2)
     if N > 0 and HV > 0:
-        c = cfg["recompute"]
         h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-        chunk_bwd_recompute_kernel[(N, HV, triton.cdiv(V, c["BV"]))](
-            k, v, g, beta, table, cu_chunks, t_mat, h0 if h0 is not None else dh0, s_in, vnew, H, HV,
-            K=K, V=V, C=C, BK=c["BK"], BV=c["BV"], USE_L2=l2, HAS_H0=h0 is not None, SPLIT=split,
-            num_warps=c["num_warps"], num_stages=c["num_stages"])
+        chunk_state_pass(q, k, v, g, beta, table, cu_chunks, prep, h0, scale, l2, s_out=s_in,
+                         vnew_out=vnew)
         c = cfg["dstate"]
         dht_ = None if dht is None else dht.to(torch.float32).contiguous()
         chunk_bwd_dstate_kernel[(N, HV, triton.cdiv(V, c["BV"]))](

@@ -1,15 +1,12 @@
-"""The two sequential passes of the chunked gated delta rule backward (DESIGN.md section 2): the forward
-state recompute and the reverse state-gradient pass. Both run one program per (sequence, value head,
-V-block), grid (N, HV, cdiv(V, BV)), walking the sequence's chunk slots cu_chunks[n]..cu_chunks[n+1]
-(forward, then in reverse) with a [K, BV] float32 state block in registers. Tm = (I + A)^-1 and
-M = scale causal(Q K^T) E come from the forward's chunk_prep_kernel ([NC, HV, 1 + SPLIT, C, C]:
-fp32, or hi + lo planes in the input dtype with SPLIT; lower triangles). Sequences without chunks
-store only their boundary state (dh0 = dht, or 0).
+"""The reverse sequential pass of the chunked gated delta rule backward (DESIGN.md section 2): one
+program per (sequence, value head, V-block), grid (N, HV, cdiv(V, BV)), walking the sequence's chunk
+slots cu_chunks[n+1]-1 .. cu_chunks[n] with a [K, BV] float32 state-gradient block in registers.
+(The forward-order recompute of S_in and Vnew is the forward's chunk_state_output_kernel with
+STORE_STATES.) Tm = (I + A)^-1, M = scale causal(Q K^T) E and the l2norm row factors come from the
+forward's chunk_prep_kernel (Tm, M [NC, HV, 1 + SPLIT, C, C]: fp32, or hi + lo planes in the input
+dtype with SPLIT; full squares, zeros above the diagonal). Sequences without chunks store only their
+boundary state (dh0 = dht, or 0).
 
-  chunk_bwd_recompute_kernel  (forward order)
-      S_in[j] = S,   Vnew = Tm diag(beta) (V - diag(e^gamma) K S),
-      S <- e^Gamma S + K^T diag(e^(Gamma - gamma)) Vnew
-      out S_in [NC, HV, K, V] (state dtype), Vnew [T, HV, V] fp32 (real rows only)
   chunk_bwd_dstate_kernel     (reverse order), dS = dht[n] (or 0) entering the last chunk
       dS_next[j] = dS,   dVnew = M^T dO + diag(e^(Gamma - gamma)) K dS
       dS <- e^Gamma dS + scale Q^T diag(e^gamma) dO - K^T diag(beta e^gamma) Tm^T dVnew
@@ -26,16 +23,6 @@ import triton.language as tl
 
 from gdn_packed.triton.chunk_fwd import _dot_pair, _dot_state, load_row_norms
 from gdn_packed.triton.segments import chunk_rows
-
-
-@triton.jit
-def _row_rnorm(b_x, USE_L2: tl.constexpr):
-    """1 / sqrt(|x_r|^2 + 1e-6) per row of a full-width tile (1 without l2norm)."""
-    if USE_L2:
-        b_f = b_x.to(tl.float32)
-        return 1.0 / tl.sqrt(tl.sum(b_f * b_f, axis=1) + 1e-6)
-    else:
-        return tl.full([b_x.shape[0]], 1.0, dtype=tl.float32)
 
 
 @triton.jit
@@ -56,47 +43,6 @@ def load_cc_planes(p, j, i_h, HV, SPLIT: tl.constexpr, C: tl.constexpr, TRANS: t
     else:
         b_lo = b_hi
     return b_hi, b_lo
-
-
-@triton.jit
-def chunk_bwd_recompute_kernel(k, v, g, beta, table, cu_chunks, t_in, h0, s_out, vnew, H, HV,
-                               K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                               BV: tl.constexpr, USE_L2: tl.constexpr, HAS_H0: tl.constexpr,
-                               SPLIT: tl.constexpr):
-    i_n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_qh = i_h // (HV // H)
-    o_c = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
-    p_s = o_k[:, None] * V + o_v[None, :]
-    if HAS_H0:
-        b_s = tl.load(h0 + (i_n.to(tl.int64) * HV + i_h) * (K * V) + p_s, mask=m_s, other=0.)
-    else:
-        b_s = tl.zeros([BK, BV], dtype=tl.float32)
-    j0 = tl.load(cu_chunks + i_n)
-    j1 = tl.load(cu_chunks + i_n + 1)
-    for i_t in range(0, j1 - j0):
-        j = (j0 + i_t).to(tl.int64)
-        start, length = chunk_rows(table, j, C)
-        rows, m_c = start + o_c, o_c < length
-        tl.store(s_out + (j * HV + i_h) * (K * V) + p_s, b_s.to(s_out.dtype.element_ty), mask=m_s)
-        b_g = tl.load(g + rows * HV + i_h, mask=m_c, other=0.).to(tl.float32)
-        b_beta = tl.load(beta + rows * HV + i_h, mask=m_c, other=0.).to(tl.float32)
-        b_gam = tl.cumsum(b_g, axis=0)
-        b_Gam = tl.sum(b_g, axis=0)
-        b_k = tl.load(k + rows[:, None] * (H * K) + i_qh * K + o_k[None, :],
-                      mask=m_c[:, None] & (o_k < K)[None, :], other=0.)
-        b_rk = _row_rnorm(b_k, USE_L2)
-        p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
-        m_v = m_c[:, None] & (o_v < V)[None, :]
-        b_v = tl.load(v + p_v, mask=m_v, other=0.).to(tl.float32)
-        b_t_hi, b_t_lo = load_cc_planes(t_in, j, i_h, HV, SPLIT, C, False)
-        b_ks = _dot_state(b_k, b_s, SPLIT) * (b_rk * tl.exp(b_gam))[:, None]
-        b_vn = _dot_pair(b_t_hi, b_t_lo, b_beta[:, None] * (b_v - b_ks), SPLIT)
-        tl.store(vnew + p_v, b_vn, mask=m_v)
-        b_s = b_s * tl.exp(b_Gam) + _dot_state(tl.trans(b_k),
-                                               b_vn * (b_rk * tl.exp(b_Gam - b_gam))[:, None], SPLIT)
 
 
 @triton.jit

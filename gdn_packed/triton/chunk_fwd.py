@@ -23,6 +23,9 @@ Two kernels (`b_` = a block of values in registers, `p_`/`*_off` = pointers/offs
       on the padding rows that follow the sequence (program n = 0 also those before the first one).
       in  q, k, v [T, HV, V], g, beta, table, cu_chunks [N+1], Tm, M, rn, initial state [N, HV, K, V]
       out o [T, HV, V] (v's dtype), final state [N, HV, K, V] float32
+      STORE_STATES (the backward's recompute): instead of o and the final state it writes the state
+      entering each chunk, S_in [NC, HV, K, V] fp32, and Vnew [T, HV, V] fp32 (real rows), and skips
+      Q S, M Vnew and the padding rows.
 Unused slots (length 0) and sequences without chunks exit at once; the grids depend only on T, N and
 the shapes. GVA: value head hv reads qk-head hv // (HV // H). Row offsets are int64.
 
@@ -302,11 +305,12 @@ def _zero_rows(o, a, b, hv, cv, vmask, HV: tl.constexpr, V: tl.constexpr, BV: tl
 
 
 @triton.jit(do_not_specialize=["T_rows"])
-def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, rn_in, h0, o, ht, scale,
-                              T_rows,
+def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, rn_in, h0, o, ht, s_out,
+                              vnew_out, scale, T_rows,
                               H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                               BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                              USE_L2: tl.constexpr, HAS_H0: tl.constexpr, SPLIT: tl.constexpr):
+                              USE_L2: tl.constexpr, HAS_H0: tl.constexpr, SPLIT: tl.constexpr,
+                              STORE_STATES: tl.constexpr):
     n = tl.program_id(0)
     hv = tl.program_id(1)
     iv = tl.program_id(2)
@@ -329,6 +333,8 @@ def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, rn
     for it in range(0, c1 - c0):
         j = (c0 + it).to(tl.int64)
         start, length = chunk_rows(table, j, C)
+        if STORE_STATES:
+            tl.store(s_out + (j * HV + hv) * (K * V) + rk[:, None] * V + cv[None, :], b_s, mask=smask)
         rows, rmask = start + rc, rc < length
         b_g = tl.load(g + rows * HV + hv, mask=rmask, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + rows * HV + hv, mask=rmask, other=0.0).to(tl.float32)
@@ -352,22 +358,27 @@ def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, rn
             b_t_lo, b_m_lo = b_t, b_m
 
         b_ks = _dot_state(b_k, b_s, SPLIT)                       # K S      [C, BV]
-        b_qs = _dot_state(b_q, b_s, SPLIT)                       # Q S      [C, BV]
+        if not STORE_STATES:
+            b_qs = _dot_state(b_q, b_s, SPLIT)                   # Q S      [C, BV]
         w_k = tl.exp(gam_end - gam)                              # row weights of the state update
         if USE_L2:
             rnq, rnk = load_row_norms(rn_in, j, hv, HV, C, USE_L2)
             b_ks = b_ks * rnk[:, None]
-            b_qs = b_qs * rnq[:, None]
+            if not STORE_STATES:
+                b_qs = b_qs * rnq[:, None]
             w_k = w_k * rnk
         b_x = b_beta[:, None] * (b_v - eg[:, None] * b_ks)
         b_vn = _dot_pair(b_t, b_t_lo, b_x, SPLIT)                # Vnew     [C, BV]
-        b_o = (scale * eg)[:, None] * b_qs + _dot_pair(b_m, b_m_lo, b_vn, SPLIT)
-        tl.store(o + v_off, b_o.to(o.dtype.element_ty), mask=v_mask)
+        if STORE_STATES:
+            tl.store(vnew_out + v_off, b_vn, mask=v_mask)
+        else:
+            b_o = (scale * eg)[:, None] * b_qs + _dot_pair(b_m, b_m_lo, b_vn, SPLIT)
+            tl.store(o + v_off, b_o.to(o.dtype.element_ty), mask=v_mask)
         b_s = b_s * tl.exp(gam_end) + _dot_state(tl.trans(b_k), b_vn * w_k[:, None], SPLIT)
-    tl.store(ht + s_off, b_s, mask=smask)
-
-    a, b = padding_after(table, cu_chunks, n, N, T_rows)
-    _zero_rows(o, a, b, hv, cv, vmask, HV, V, BV, C)
-    if n == 0:
-        first = padding_before_first(table, cu_chunks, N, T_rows)
-        _zero_rows(o, first * 0, first, hv, cv, vmask, HV, V, BV, C)
+    if not STORE_STATES:
+        tl.store(ht + s_off, b_s, mask=smask)
+        a, b = padding_after(table, cu_chunks, n, N, T_rows)
+        _zero_rows(o, a, b, hv, cv, vmask, HV, V, BV, C)
+        if n == 0:
+            first = padding_before_first(table, cu_chunks, N, T_rows)
+            _zero_rows(o, first * 0, first, hv, cv, vmask, HV, V, BV, C)
