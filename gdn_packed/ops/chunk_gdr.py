@@ -1,8 +1,14 @@
 """The chunked gated delta rule as torch custom ops: the one registration site.
 
     gdn_packed::chunk_gdr_fwd  (q, k, v, g, beta, initial_state?, cu_seqlens?, cu_seqlens_padded?,
-                                scale, use_qk_l2norm, backend) -> (o, final_state)
-    gdn_packed::chunk_gdr_bwd  (... same inputs ..., do, dht?) -> (dq, dk, dv, dg, dbeta, dh0)
+                                scale, use_qk_l2norm, backend, A_log?, dt_bias?) -> (o, final_state)
+    gdn_packed::chunk_gdr_bwd  (... same inputs ..., do, dht?, ...)
+                                -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
+
+With A_log and dt_bias [HV] (the gating of Qwen3-Next / Megatron), `g` and `beta` hold the raw a and b
+[B, T, HV]: the backend computes g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) in float32
+first (`_gate_impl`), and its backward returns da, db in g's / beta's slots plus dA_log, ddt_bias
+(token sums of fixed order); without them dA_log and ddt_bias are empty.
 
 The forward saves only its inputs for the backward; the backward recomputes the per-chunk quantities.
 Both ops build the chunk table on the device (no host sync), flatten the packed rows and hand them to
@@ -34,6 +40,15 @@ def _impl(backend):
     raise NotImplementedError(f"backend={backend!r} has no chunked gated delta rule")
 
 
+def _gate_impl(backend):
+    """(forward, backward) of the gating from raw a, b, on flattened rows; see torch_ref/chunk.py."""
+    if backend == "torch":
+        from gdn_packed.torch_ref import chunk
+        return chunk.gate_fwd_torch, chunk.gate_bwd_torch
+    from gdn_packed.triton import chunk_gate
+    return chunk_gate.gate_fwd_triton, chunk_gate.gate_bwd_triton
+
+
 def _segments(q, cu_seqlens, cu_seqlens_padded):
     """Flattened row count T, sequence count N, and the chunk table over the rows."""
     B, L = q.shape[:2]
@@ -52,19 +67,24 @@ def _rows(x, T):
 def chunk_gdr_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
                   cu_seqlens_padded: Optional[Tensor], scale: float, use_qk_l2norm: bool,
-                  backend: str) -> tuple[Tensor, Tensor]:
+                  backend: str, A_log: Optional[Tensor] = None,
+                  dt_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     T, N, table, cu_chunks = _segments(q, cu_seqlens, cu_seqlens_padded)
     HV, K, V_ = v.shape[2], q.shape[3], v.shape[3]
     o = new_output(v.shape, v.dtype, v.device)
     final_state = new_output((N, HV, K, V_), torch.float32, v.device)
+    g_rows, beta_rows = _rows(g, T), _rows(beta, T)
+    if A_log is not None:
+        g_rows, beta_rows = _gate_impl(backend)[0](g_rows, beta_rows, A_log, dt_bias)
     fwd, _ = _impl(backend)
-    fwd(_rows(q, T), _rows(k, T), _rows(v, T), _rows(g, T), _rows(beta, T), table, cu_chunks,
+    fwd(_rows(q, T), _rows(k, T), _rows(v, T), g_rows, beta_rows, table, cu_chunks,
         initial_state, scale, CHUNK_SIZE, use_qk_l2norm, _rows(o, T), final_state)
     return o, final_state
 
 
 @chunk_gdr_fwd.register_fake
-def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, use_qk_l2norm, backend):
+def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, use_qk_l2norm, backend,
+      A_log=None, dt_bias=None):
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     return (v.new_empty(v.shape),
             v.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32))
@@ -74,43 +94,67 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, use
 def chunk_gdr_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
                   cu_seqlens_padded: Optional[Tensor], do: Tensor, dht: Optional[Tensor],
-                  scale: float, use_qk_l2norm: bool, backend: str
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  scale: float, use_qk_l2norm: bool, backend: str, A_log: Optional[Tensor] = None,
+                  dt_bias: Optional[Tensor] = None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     T, N, table, cu_chunks = _segments(q, cu_seqlens, cu_seqlens_padded)
     HV, K, V_ = v.shape[2], q.shape[3], v.shape[3]
     dq, dk, dv = (new_output(x.shape, x.dtype, x.device) for x in (q, k, v))
     dg, dbeta = new_output(g.shape, g.dtype, g.device), new_output(beta.shape, beta.dtype, beta.device)
     dh0 = new_output((N, HV, K, V_), torch.float32, q.device)
+    g_rows, beta_rows, dg_rows, dbeta_rows = _rows(g, T), _rows(beta, T), _rows(dg, T), _rows(dbeta, T)
+    gating = A_log is not None
+    if gating:      # the chunked backward runs on the float32 gates and writes float32 dg, dbeta
+        gate_fwd, gate_bwd = _gate_impl(backend)
+        g_rows, beta_rows = gate_fwd(_rows(g, T), _rows(beta, T), A_log, dt_bias)
+        dg_rows = new_output(g_rows.shape, torch.float32, g.device)
+        dbeta_rows = new_output(g_rows.shape, torch.float32, g.device)
     _, bwd = _impl(backend)
-    bwd(_rows(q, T), _rows(k, T), _rows(v, T), _rows(g, T), _rows(beta, T), table, cu_chunks,
+    bwd(_rows(q, T), _rows(k, T), _rows(v, T), g_rows, beta_rows, table, cu_chunks,
         initial_state, scale, CHUNK_SIZE, use_qk_l2norm, _rows(do, T), dht,
-        _rows(dq, T), _rows(dk, T), _rows(dv, T), _rows(dg, T), _rows(dbeta, T), dh0)
-    return dq, dk, dv, dg, dbeta, dh0
+        _rows(dq, T), _rows(dk, T), _rows(dv, T), dg_rows, dbeta_rows, dh0)
+    if gating:
+        da, db, dA_log, ddt_bias = gate_bwd(_rows(g, T), _rows(beta, T), A_log, dt_bias, dg_rows,
+                                            dbeta_rows)
+        _rows(dg, T).copy_(da)
+        _rows(dbeta, T).copy_(db)
+        dA_log, ddt_bias = dA_log.to(A_log.dtype), ddt_bias.to(dt_bias.dtype)
+    else:
+        dA_log, ddt_bias = (q.new_empty(0, dtype=torch.float32) for _ in range(2))
+    return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
 
 
 @chunk_gdr_bwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, do, dht, scale, use_qk_l2norm,
-      backend):
+      backend, A_log=None, dt_bias=None):
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if A_log is None:
+        dA_log, ddt_bias = (q.new_empty(0, dtype=torch.float32) for _ in range(2))
+    else:
+        dA_log, ddt_bias = A_log.new_empty(A_log.shape), dt_bias.new_empty(dt_bias.shape)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
             beta.new_empty(beta.shape),
-            q.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32))
+            q.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32), dA_log, ddt_bias)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, l2, backend = inputs
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded)
+    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, l2, backend, *gates = inputs
+    A_log, dt_bias = (gates + [None, None])[:2]
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, A_log, dt_bias)
     ctx.scale, ctx.l2, ctx.backend = scale, l2, backend
 
 
 def _backward(ctx, do, dht):
-    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, A_log, dt_bias = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
-    dq, dk, dv, dg, dbeta, dh0 = chunk_gdr_bwd(q, k, v, g, beta, initial_state, cu_seqlens,
-                                               cu_seqlens_padded, do, dht, ctx.scale, ctx.l2, ctx.backend)
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = chunk_gdr_bwd(
+        q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, do, dht, ctx.scale, ctx.l2,
+        ctx.backend, A_log, dt_bias)
     dh0 = None if initial_state is None else dh0.to(initial_state.dtype)
-    return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None
+    if A_log is None:
+        dA_log = ddt_bias = None
+    return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, dA_log, ddt_bias
 
 
 chunk_gdr_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -118,7 +162,7 @@ chunk_gdr_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, *, cu_seqlens_padded=None, use_qk_l2norm_in_kernel=False,
-                           backend="auto", validate=False):
+                           A_log=None, dt_bias=None, backend="auto", validate=False):
     """Chunked gated delta rule over packed sequences (DESIGN.md sections 2-4).
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g (log-decay), beta [B, T, HV]; HV a multiple of H (GVA).
@@ -126,14 +170,20 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     [cu_seqlens_padded[i], cu_seqlens_padded[i] + len_i) (cu_seqlens_padded defaults to cu_seqlens);
     every other row is padding: 0 in `o`, 0 gradient. initial_state [N, HV, K, V] float32.
     Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None).
+
+    A_log, dt_bias [HV] (both or neither): g and beta are then the raw a and b of the gating
+    (Qwen3-Next / Megatron), and the op computes g = -exp(A_log) * softplus(a + dt_bias) and
+    beta = sigmoid(b) in float32 itself (never rounding them to a's dtype); gradients flow to a, b,
+    A_log and dt_bias.
     """
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale)
+    _check_gates(A_log, dt_bias, v.shape[2], q.device)
     if V.want_validate(validate) and cu_seqlens is not None:
         V.check_cu_seqlens_values(cu_seqlens, cu_seqlens_padded, total_rows=q.shape[1])
     backend = resolve_backend(backend, q.device, have=BACKENDS_IMPLEMENTED)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, final_state = chunk_gdr_fwd(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded,
-                                   scale, bool(use_qk_l2norm_in_kernel), backend)
+                                   scale, bool(use_qk_l2norm_in_kernel), backend, A_log, dt_bias)
     return o, (final_state if output_final_state else None)
 
 
@@ -166,3 +216,14 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded
         V.check_shape("initial_state", initial_state, (N, HV, K, Vd), " ([N, HV, K, V])")
     if scale is not None and not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+
+
+def _check_gates(A_log, dt_bias, HV, dev):
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("A_log and dt_bias come together: pass both (g and beta are then the raw a "
+                         "and b of the gating) or neither")
+    if A_log is None:
+        return
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        V.check_tensor(name, x, ndim=1, device=dev)
+        V.check_shape(name, x, (HV,), " ([HV], one per value head)")

@@ -245,3 +245,28 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
         dK = _l2norm_bwd(ch.gather(k, H, dt), dK)
     for vals, out in ((dQ, dq), (dK, dk), (dV, dv), (dG, dg), (dB, dbeta)):
         ch.scatter(vals, out)
+
+
+def gate_fwd_torch(a, b, A_log, dt_bias):
+    """The gating of Qwen3-Next / Megatron from raw rows, in float32 (float64 for float64 inputs):
+    g = -exp(A_log[h]) softplus(a + dt_bias[h]),  beta = sigmoid(b).  a, b [T, HV]; A_log, dt_bias [HV].
+    Returns (g, beta) [T, HV]: these feed the chunked kernels unrounded (beta through bf16 drifts)."""
+    dt = compute_dtype(a.dtype)
+    x = a.to(dt) + dt_bias.to(dt)
+    return -torch.exp(A_log.to(dt)) * torch.nn.functional.softplus(x), torch.sigmoid(b.to(dt))
+
+
+def gate_bwd_torch(a, b, A_log, dt_bias, dg, dbeta):
+    """Chain rule of gate_fwd_torch given dg, dbeta [T, HV] (0 on padding rows, so da, db are too):
+    da = dg * -exp(A_log) sigmoid(a + dt_bias), db = dbeta beta (1 - beta),
+    dA_log = sum_t dg g, ddt_bias = sum_t da: token sums of fixed order (torch.sum, no atomics).
+    Returns float32 (float64) da, db [T, HV] and dA_log, ddt_bias [HV]."""
+    dt = compute_dtype(a.dtype)
+    x = a.to(dt) + dt_bias.to(dt)
+    decay = torch.exp(A_log.to(dt))
+    dg, dbeta = dg.to(dt), dbeta.to(dt)
+    da = dg * -decay * torch.sigmoid(x)
+    beta = torch.sigmoid(b.to(dt))
+    db = dbeta * beta * (1 - beta)
+    dA_log = (dg * -decay * torch.nn.functional.softplus(x)).sum(0)
+    return da, db, dA_log, da.sum(0)
