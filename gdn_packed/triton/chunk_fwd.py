@@ -253,14 +253,31 @@ def chunk_prep_kernel(q, k, g, beta, table, t_out, m_out, rn_out, scale,
 
 
 @triton.jit
+def _split_planes(b, dtype, SPLIT: tl.constexpr):
+    """fp32 b as (hi, lo) in dtype with hi + lo ~ b to ~2^-16 (SPLIT), else (b in dtype, the same)."""
+    b_hi = b.to(dtype)
+    if SPLIT:
+        b_lo = (b - b_hi.to(tl.float32)).to(dtype)
+    else:
+        b_lo = b_hi
+    return b_hi, b_lo
+
+
+@triton.jit
+def _dot_split(a, b_hi, b_lo, SPLIT: tl.constexpr):
+    """a @ (b_hi + b_lo) (SPLIT), else a @ b_hi."""
+    acc = tl.dot(a, b_hi)
+    if SPLIT:
+        acc = tl.dot(a, b_lo, acc)
+    return acc
+
+
+@triton.jit
 def _dot_state(a, b, SPLIT: tl.constexpr):
     """a (input dtype, exact) @ b (fp32) on tensor cores: b rounded to a's dtype once, or (SPLIT) as
     hi + lo parts so the product is ~fp32-exact."""
-    b_hi = b.to(a.dtype)
-    acc = tl.dot(a, b_hi)
-    if SPLIT:
-        acc = tl.dot(a, (b - b_hi.to(tl.float32)).to(a.dtype), acc)
-    return acc
+    b_hi, b_lo = _split_planes(b, a.dtype, SPLIT)
+    return _dot_split(a, b_hi, b_lo, SPLIT)
 
 
 @triton.jit
@@ -357,9 +374,10 @@ def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, rn
         else:
             b_t_lo, b_m_lo = b_t, b_m
 
-        b_ks = _dot_state(b_k, b_s, SPLIT)                       # K S      [C, BV]
+        b_s_hi, b_s_lo = _split_planes(b_s, b_k.dtype, SPLIT)   # once for both products
+        b_ks = _dot_split(b_k, b_s_hi, b_s_lo, SPLIT)             # K S      [C, BV]
         if not STORE_STATES:
-            b_qs = _dot_state(b_q, b_s, SPLIT)                   # Q S      [C, BV]
+            b_qs = _dot_split(b_q, b_s_hi, b_s_lo, SPLIT)         # Q S      [C, BV]
         w_k = tl.exp(gam_end - gam)                              # row weights of the state update
         if USE_L2:
             rnq, rnk = load_row_norms(rn_in, j, hv, HV, C, USE_L2)
