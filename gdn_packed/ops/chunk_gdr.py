@@ -188,27 +188,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale):
-    V.check_tensor("q", q, ndim=4)
+    B, T, H, HV, K, Vd = V.check_gdr_inputs(q, k, v, g, beta, MAX_HEAD_DIM)
     dev = q.device
-    V.check_tensor("k", k, ndim=4, device=dev)
-    V.check_tensor("v", v, ndim=4, device=dev)
-    V.check_tensor("g", g, ndim=3, device=dev)
-    V.check_tensor("beta", beta, ndim=3, device=dev)
-    B, T, H, K = q.shape
-    HV, Vd = v.shape[2], v.shape[3]
-    V.check_shape("k", k, q.shape, " (the shape of q)")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if tuple(v.shape[:2]) != (B, T):
-        raise ValueError(f"v must have batch and length {(B, T)} like q, got v.shape {tuple(v.shape)}")
-    if H == 0 or HV % H != 0:
-        raise ValueError(f"the number of value heads (v.shape[2] = {HV}) must be a positive multiple "
-                         f"of the number of qk heads (q.shape[2] = {H})")
-    for name, d in (("K (q.shape[3])", K), ("V (v.shape[3])", Vd)):
-        if not 0 < d <= MAX_HEAD_DIM:
-            raise ValueError(f"head dim {name} = {d} is outside the supported range 1..{MAX_HEAD_DIM}")
-    V.check_shape("g", g, (B, T, HV), " ([B, T, HV] like v)")
-    V.check_shape("beta", beta, (B, T, HV), " ([B, T, HV] like v)")
     N = V.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, B, dev)
     if initial_state is not None:
         V.check_tensor("initial_state", initial_state, dtypes=(torch.float32, torch.float64), ndim=4,
