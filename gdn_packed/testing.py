@@ -52,6 +52,14 @@ def layout(lengths, *, gaps=None, tail=0, index_dtype=torch.int32):
     return torch.tensor(cu, dtype=index_dtype), torch.tensor(pad, dtype=index_dtype), pad[-1] + tail
 
 
+def gdr_case_id(case):
+    """Test id of a packing case (lengths, gaps, tail, H, HV, K, V, initial_state, l2norm), e.g.
+    N3-T254-H1x2-K32-V48-pad-l2."""
+    lens, gaps, tail, H, HV, K, V, h0, l2 = case
+    return (f"N{len(lens)}-T{sum(lens)}-H{H}x{HV}-K{K}-V{V}" + ("-pad" if gaps or tail else "")
+            + ("-h0" if h0 else "") + ("-l2" if l2 else ""))
+
+
 def gdr_inputs(rows, H, HV, K, V, dtype=torch.float32, *, N=None, batch=1, seed=0, device="cpu",
                initial_state=False, slow_decay=True, unit_k=True):
     """Random q, k, v, g, beta (and h0 [N, HV, K, V] float32) in the layout of DESIGN.md section 3.

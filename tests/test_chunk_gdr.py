@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gdn_packed
-from gdn_packed.testing import (BUDGETS, gdr_inputs, layout, poisoned_outputs, real_rows,
+from gdn_packed.testing import (BUDGETS, gdr_case_id, gdr_inputs, layout, poisoned_outputs, real_rows,
                                 reference_gdr, rel_err)
 
 # (lengths, gaps after each sequence or None, tail rows, H, HV, K, V, initial_state, l2norm)
@@ -18,10 +18,6 @@ CASES = [
 ]
 
 
-def case_id(c):
-    lens, gaps, tail, H, HV, K, V, h0, l2 = c
-    return (f"N{len(lens)}-T{sum(lens)}-H{H}x{HV}-K{K}-V{V}" + ("-pad" if gaps or tail else "")
-            + ("-h0" if h0 else "") + ("-l2" if l2 else ""))
 
 
 def run_case(case, dtype, index_dtype=torch.int32, noncontig=False, seed=0):
@@ -59,7 +55,7 @@ def run_case(case, dtype, index_dtype=torch.int32, noncontig=False, seed=0):
     return got, ref, real_rows(cu, cu_pad, rows)
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES, ids=gdr_case_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_matches_float64_reference(case, dtype):
     got, ref, real = run_case(case, dtype)
@@ -70,7 +66,7 @@ def test_matches_float64_reference(case, dtype):
         assert err <= tol, f"{name}: rel err {err:.2e} > {tol:.0e}"
 
 
-@pytest.mark.parametrize("case", CASES[1:4], ids=case_id)
+@pytest.mark.parametrize("case", CASES[1:4], ids=gdr_case_id)
 def test_padding_rows_exactly_zero(case):
     got, _, real = run_case(case, torch.float32)
     pad = ~real

@@ -10,7 +10,7 @@ import torch
 
 import gdn_packed
 from gdn_packed.ops.chunk_gdr import chunk_gdr_fwd
-from gdn_packed.testing import (BUDGETS, gdr_inputs, layout, no_host_sync, poisoned_outputs,
+from gdn_packed.testing import (BUDGETS, gdr_case_id, gdr_inputs, layout, no_host_sync, poisoned_outputs,
                                 real_rows, reference_gdr, rel_err)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,10 +27,6 @@ CASES = [
 ]
 
 
-def case_id(c):
-    lens, gaps, tail, H, HV, K, V, h0, l2 = c
-    return (f"N{len(lens)}-T{sum(lens)}-H{H}x{HV}-K{K}-V{V}" + ("-pad" if gaps or tail else "")
-            + ("-h0" if h0 else "") + ("-l2" if l2 else ""))
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,13 +76,13 @@ def errors(got, ref):
     return {n: rel_err(got[n], ref[n]) for n in GRADS if ref[n] is not None}
 
 
-@pytest.mark.parametrize("ci", range(len(CASES)), ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("ci", range(len(CASES)), ids=[gdr_case_id(c) for c in CASES])
 def test_fp32_matches_float64_reference(ci):
     err = errors(triton_grads(ci, torch.float32), reference(ci, torch.float32))
     assert all(e <= 1e-5 for e in err.values()), {n: f"{e:.2e}" for n, e in err.items()}
 
 
-@pytest.mark.parametrize("ci", range(len(CASES)), ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("ci", range(len(CASES)), ids=[gdr_case_id(c) for c in CASES])
 def test_padding_rows_exactly_zero(ci):
     got = triton_grads(ci, torch.float32)
     _, cu, cu_pad, rows, _, _ = inputs(ci, torch.float32)
@@ -96,7 +92,7 @@ def test_padding_rows_exactly_zero(ci):
         assert (got[n][0, pad] == 0).all(), f"{n} is not exactly 0 on padding rows"
 
 
-@pytest.mark.parametrize("ci", [1, 2, 3], ids=[case_id(CASES[i]) for i in (1, 2, 3)])
+@pytest.mark.parametrize("ci", [1, 2, 3], ids=[gdr_case_id(CASES[i]) for i in (1, 2, 3)])
 def test_agrees_with_torch_backend(ci):
     got, ref = triton_grads(ci, torch.float32), grads(ci, torch.float32, "torch")
     err = errors(got, {n: None if t is None else t.double() for n, t in ref.items()})
@@ -146,13 +142,13 @@ FLA_CASES = [1, 3, 5]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("ci", FLA_CASES, ids=[case_id(CASES[i]) for i in FLA_CASES])
+@pytest.mark.parametrize("ci", FLA_CASES, ids=[gdr_case_id(CASES[i]) for i in FLA_CASES])
 def test_low_precision_within_budget_and_fla(ci, dtype, report_table):
     got, ref = triton_grads(ci, dtype), reference(ci, dtype)
     ours = errors(got, ref)
     fla = fla_errors(ci, dtype)
     report_table("triton bwd vs FLA 0.6.0, gradient rel. error against float64 (ours / FLA)",
-                 f"{case_id(CASES[ci]):34s} {str(dtype)[6:]:8s} " + "  ".join(
+                 f"{gdr_case_id(CASES[ci]):34s} {str(dtype)[6:]:8s} " + "  ".join(
                      f"{n} {ours[n]:.2e}/{fla[n]:.2e}" if n in fla else f"{n} {ours[n]:.2e}/-"
                      for n in ours))
     budget = BUDGETS[dtype]["grad"]

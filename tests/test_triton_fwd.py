@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gdn_packed
-from gdn_packed.testing import (BUDGETS, gdr_inputs, layout, no_host_sync, poisoned_outputs,
+from gdn_packed.testing import (BUDGETS, gdr_case_id, gdr_inputs, layout, no_host_sync, poisoned_outputs,
                                 real_rows, reference_gdr, rel_err)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,10 +25,6 @@ CASES = [
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def case_id(c):
-    lens, gaps, tail, H, HV, K, V, h0, l2 = c
-    return (f"N{len(lens)}-T{sum(lens)}-H{H}x{HV}-K{K}-V{V}" + ("-pad" if gaps or tail else "")
-            + ("-h0" if h0 else "") + ("-l2" if l2 else ""))
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,7 +57,7 @@ def reference(ci, dtype):
                          use_qk_l2norm_in_kernel=CASES[ci][8])
 
 
-@pytest.mark.parametrize("ci", range(len(CASES)), ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("ci", range(len(CASES)), ids=[gdr_case_id(c) for c in CASES])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_float64_reference(ci, dtype):
     o, fs = triton_out(ci, dtype)
@@ -72,7 +68,7 @@ def test_matches_float64_reference(ci, dtype):
     assert rel_err(fs, rfs) <= budget["state"], f"state: rel err {rel_err(fs, rfs):.2e}"
 
 
-@pytest.mark.parametrize("ci", range(len(CASES)), ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("ci", range(len(CASES)), ids=[gdr_case_id(c) for c in CASES])
 def test_padding_rows_exactly_zero(ci):
     o, _ = triton_out(ci, torch.bfloat16)
     _, cu, cu_pad, rows = inputs(ci, torch.bfloat16)
@@ -82,7 +78,7 @@ def test_padding_rows_exactly_zero(ci):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("ci", [1, 2, 3], ids=[case_id(CASES[i]) for i in (1, 2, 3)])
+@pytest.mark.parametrize("ci", [1, 2, 3], ids=[gdr_case_id(CASES[i]) for i in (1, 2, 3)])
 def test_agrees_with_torch_backend(ci, dtype):
     o, fs = triton_out(ci, dtype)
     to, tfs = run(ci, dtype, "torch")
@@ -156,7 +152,7 @@ FLA_CASES = [0, 2, 3, 5]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("ci", FLA_CASES, ids=[case_id(CASES[i]) for i in FLA_CASES])
+@pytest.mark.parametrize("ci", FLA_CASES, ids=[gdr_case_id(CASES[i]) for i in FLA_CASES])
 def test_no_worse_than_fla(ci, dtype, report_table):
     fla = pytest.importorskip("fla.ops.gated_delta_rule")
     (q, k, v, g, beta, h0), cu, cu_pad, rows = inputs(ci, dtype)
@@ -173,6 +169,6 @@ def test_no_worse_than_fla(ci, dtype, report_table):
         o = o[:, real]
     ours, theirs = (rel_err(o, ro), rel_err(fs, rfs)), (rel_err(fo, ro), rel_err(ffs, rfs))
     report_table("triton fwd vs FLA 0.6.0, rel. error against float64",
-                 f"{case_id(CASES[ci]):36s} {str(dtype)[6:]:8s} o {ours[0]:.2e} (FLA {theirs[0]:.2e})  "
+                 f"{gdr_case_id(CASES[ci]):36s} {str(dtype)[6:]:8s} o {ours[0]:.2e} (FLA {theirs[0]:.2e})  "
                  f"state {ours[1]:.2e} (FLA {theirs[1]:.2e})")
     assert ours[0] <= 1.1 * theirs[0] and ours[1] <= 1.1 * theirs[1]
