@@ -12,7 +12,7 @@ Providers: `ours` = gdn_packed.layers (the backend the layer picks: torch on CPU
 import torch
 import torch.nn.functional as F
 
-from bench.common import Case, Provider, Skip, grad_fn, import_reason, randn
+from bench.common import Case, Provider, grad_fn, import_reason, randn
 from bench.gdr import budgets
 from gdn_packed.testing import rel_err
 

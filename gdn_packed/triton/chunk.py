@@ -92,7 +92,7 @@ def chunk_prep(q, k, g, beta, table, HV, scale, use_l2norm):
     Tm, M [NC, HV, P, C, C]: P = 1 plane of fp32 (fp32 inputs) or 2 planes hi, lo of the input dtype;
     rn [NC, HV, 2, C] fp32, the l2norm row factors of q and k (with use_l2norm; else a stand-in that
     no kernel reads)."""
-    NC, (T, H, K) = table.shape[0], q.shape
+    NC, (_, H, K) = table.shape[0], q.shape
     C = CHUNK
     p = prep_config(K, q.dtype)
     t_mat = torch.empty(NC, HV, 1 + p["SPLIT"], C, C, device=q.device,
