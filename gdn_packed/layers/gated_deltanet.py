@@ -2,8 +2,9 @@
 
     in_proj:   x [., hidden] -> q | k | v | z | b | a      (Hk*Dk, Hk*Dk, Hv*Dv, Hv*Dv, Hv, Hv)
     conv:      q | k | v  <- SiLU(varlen causal depthwise conv, width W), restarting at every sequence
-    gates:     g = -exp(A_log) * softplus(a + dt_bias),  beta = sigmoid(b)          (float32)
-    core:      o = chunk_gated_delta_rule(q, k, v, g, beta, l2-normalised q/k, native GVA)
+    core:      o = chunk_gated_delta_rule(q, k, v, g, beta, l2-normalised q/k, native GVA), with the
+               gates g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) computed inside the op
+               from the raw a, b (float32)
     out:       out_proj(rmsnorm(o) * out_norm.weight * silu(z))   (norm over the value head dim)
 
 Parameter names and shapes are those of Megatron-Core 0.19.2's `GatedDeltaNet` (bias=False,
@@ -16,7 +17,6 @@ conv_bias=False by default), so its state dicts load one to one:
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gdn_packed.layers._batch import as_packed
@@ -101,12 +101,12 @@ class GatedDeltaNet(nn.Module):
             cu_seqlens_padded=cu_seqlens_padded, initial_state=conv0, output_final_state=output_final_state,
             backend=_for_op(self.backend, _conv_op.BACKENDS_IMPLEMENTED))
         q, k, v = qkv.split([self.qk_dim, self.qk_dim, self.v_dim], dim=-1)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        beta = b.float().sigmoid()
+        # the op computes g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) in fp32 itself
         o, rec_state = chunk_gated_delta_rule(
-            q.unflatten(-1, (Hk, Dk)), k.unflatten(-1, (Hk, Dk)), v.unflatten(-1, (Hv, Dv)), g, beta,
+            q.unflatten(-1, (Hk, Dk)), k.unflatten(-1, (Hk, Dk)), v.unflatten(-1, (Hv, Dv)), a, b,
             initial_state=rec0, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-            cu_seqlens_padded=cu_seqlens_padded, use_qk_l2norm_in_kernel=True, backend=self.backend)
+            cu_seqlens_padded=cu_seqlens_padded, use_qk_l2norm_in_kernel=True, backend=self.backend,
+            A_log=self.A_log, dt_bias=self.dt_bias)
         o = self.out_norm(o, z.unflatten(-1, (Hv, Dv)))
         y = self.out_proj(o.flatten(-2))
         return y, (GDNState(conv_state, rec_state) if output_final_state else None)
