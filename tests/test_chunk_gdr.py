@@ -129,3 +129,19 @@ def test_fast_decay_fp32(seed):
     assert rel_err(o, ro) <= 1e-5 and rel_err(fs, rf) <= 1e-5
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), xs, rs):
         assert rel_err(a.grad, b.grad) <= 1e-5, name
+
+
+@pytest.mark.parametrize("rows, cu", [(0, [0]), (0, [0, 0]), (5, [0]), (5, [0, 0, 0])],
+                         ids=["T0-N0", "T0-N1", "T5-N0", "T5-N2-empty"])
+def test_degenerate_packings(rows, cu):
+    """No sequence, or only empty ones: o is all padding (0), final = initial state, dh0 = dht."""
+    q, k, v, g, beta, _ = gdr_inputs(rows, 2, 4, 16, 16)
+    c = torch.tensor(cu, dtype=torch.int32)
+    h0 = torch.randn(len(cu) - 1, 4, 16, 16, requires_grad=True)
+    xs = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    with poisoned_outputs():
+        o, fs = gdn_packed.chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True, cu_seqlens=c)
+        dht = torch.randn_like(fs)
+        (o.sum() + (fs * dht).sum()).backward()
+    assert (o == 0).all() and torch.equal(fs, h0) and torch.equal(h0.grad, dht)
+    assert all((x.grad == 0).all() for x in xs)

@@ -58,11 +58,11 @@ class Chunks:
 
     def gather(self, x, H, dt):
         """x [T, H*G, *f] (or [T, H, *f] with G = 1) -> [H, G, NC, C, *f] in dtype dt, 0 past the length."""
-        f = x.shape[2:]
-        if self.T == 0:
-            return x.new_zeros(H, x.shape[1] // H, self.NC, self.C, *f, dtype=dt)
-        src = x.reshape(self.T, H, -1, *f).movedim(0, 2)                     # [H, G, T, *f] (a view)
-        b = src.index_select(2, self.safe_rows).to(dt).view(H, -1, self.NC, self.C, *f)
+        f, G = x.shape[2:], x.shape[1] // H
+        if self.T == 0 or self.NC == 0:
+            return x.new_zeros(H, G, self.NC, self.C, *f, dtype=dt)
+        src = x.reshape(self.T, H, G, *f).movedim(0, 2)                      # [H, G, T, *f] (a view)
+        b = src.index_select(2, self.safe_rows).to(dt).view(H, G, self.NC, self.C, *f)
         return b.mul_(self.mask.view(self.NC, self.C, *(1,) * len(f)))
 
     def scatter(self, vals, out):
