@@ -256,3 +256,18 @@ def test_bad_input_names_the_argument(name):
 def test_cuda_backend_on_cpu_tensors_is_refused():
     with pytest.raises((ValueError, RuntimeError), match="cuda"):
         gdn_packed.causal_conv1d_varlen(**_good(), backend="cuda")
+
+
+@pytest.mark.parametrize("rows, cu", [(0, [0]), (5, [0]), (5, [0, 0, 0])], ids=["T0-N0", "T5-N0", "T5-N2-empty"])
+def test_degenerate_packings(rows, cu):
+    """No sequence, or only empty ones: y and dx are all padding (0), the final state is the initial
+    state and its gradient passes through."""
+    c = torch.tensor(cu, dtype=torch.int32)
+    x = torch.randn(1, rows, 12, requires_grad=True)
+    w = torch.randn(12, 4, requires_grad=True)
+    h0 = torch.randn(len(cu) - 1, 12, 3, requires_grad=True)
+    y, st = gdn_packed.causal_conv1d_varlen(x, w, cu_seqlens=c, initial_state=h0, output_final_state=True,
+                                            backend="torch")
+    dst = torch.randn_like(st)
+    (y.sum() + (st * dst).sum()).backward()
+    assert (y == 0).all() and torch.equal(st, h0) and (x.grad == 0).all() and torch.equal(h0.grad, dst)

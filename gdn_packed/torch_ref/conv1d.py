@@ -37,6 +37,7 @@ class Rows:
         self.lens = (cu[1:] - cu[:-1]).clamp_min(0)
         self.base = offsets[:-1]
         self.seq, self.pos, self.real = _locate(offsets, self.lens, T)
+        self.row_len = torch.cat([self.lens, self.lens.new_zeros(1)])[self.seq]   # safe when N = 0
         self.N, self.T = self.lens.numel(), T
         self.r = torch.arange(T, device=cu.device)
 
@@ -112,10 +113,10 @@ def conv1d_varlen_bwd_torch(x, weight, bias, initial_state, cu_seqlens, cu_seqle
     dzp = _with_zero_row(dz)
     acc = torch.zeros_like(dz)
     for s in range(W):   # output t+s reads x[t] through tap W-1-s
-        acc = acc + w[:, W - 1 - s] * dzp[R.row_or_pad(R.r + s, R.real & (R.pos + s < R.lens[R.seq]))]
+        acc = acc + w[:, W - 1 - s] * dzp[R.row_or_pad(R.r + s, R.real & (R.pos + s < R.row_len))]
     df = None if dfinal is None or R.N == 0 or W == 1 else dfinal.to(z.dtype)
     if df is not None:   # x[t] is final-state column pos - len + W - 1 when that is >= 0
-        jf = R.pos - R.lens[R.seq] + W - 1
+        jf = R.pos - R.row_len + W - 1
         term = df[R.seq, :, jf.clamp(0, W - 2)]
         acc = acc + torch.where((R.real & (jf >= 0))[:, None], term, torch.zeros_like(term))
     dx.copy_(acc)
