@@ -90,20 +90,11 @@ def config_id(kind, dtype, K, V, cfg):
 
 
 def _configs():
-    import torch
     try:
         from gdn_packed.triton.chunk import all_configs
     except ImportError:
         return []
-    out = []
-    for c in all_configs():
-        marks = []
-        if c[0] == "state" and c[2] > 128 and c[1] == torch.float32:
-            marks = [pytest.mark.xfail(strict=True, reason="known limit: K > 128 spills registers on "
-                                                            "sm_90 with fp32 inputs "
-                                                            "(gdn_packed/triton/chunk.py)")]
-        out.append(pytest.param(c, id=config_id(*c), marks=marks))
-    return out
+    return [pytest.param(c, id=config_id(*c)) for c in all_configs()]
 
 
 @functools.lru_cache(maxsize=None)

@@ -24,6 +24,9 @@ CASES = [
     ([127, 64, 63], [1, 64, 0], 9, 1, 2, 32, 48, False, True),
     ([1], None, 0, 2, 2, 16, 16, True, True),
     ([64, 64, 1, 0, 127], [0, 0, 0, 2, 0], 3, 1, 1, 64, 32, True, True),
+    # K > 128 (BK = 256, not a power of 2): fp32 holds the state as two K-halves, the second masked
+    ([65, 1], [2, 0], 3, 1, 2, 192, 16, True, True),
+    ([70], None, 0, 1, 1, 256, 16, False, False),
 ]
 
 

@@ -17,11 +17,14 @@ set of compiled kernels is known ahead of time (tests/test_triton_aot.py compile
          which spills from 2 x [64, 128] fp32 up) when two stages fit the SM's shared memory (227 KB
          on sm_90, 163 KB on sm_80/86/89, 99 KB otherwise), else 1.
          The state's hi/lo split is formed once per chunk for both K S and Q S (bf16/fp16 K = 256:
-         ~250 registers, no spill). Known limit (tests/test_triton_aot.py marks it): fp32 with
-         K > 128 cannot double-buffer within 227 KB, and the tf32 wgmma needs K-major operands, so
-         K^T of the state update is a register transpose of a [64, 256] fp32 tile: ~1.3 KB of
-         spills (0.5 KB for the backward's STORE_STATES recompute). Correct, but slower than it
-         should be; the fix is holding the state as two K-halves.
+         ~250 registers, no spill). fp32 with K > 128 (HALVES in the kernel) cannot double-buffer
+         within 227 KB, and the tf32 wgmma needs K-major operands; written like the other paths,
+         K^T of the state update is a register transpose of a [64, 256] fp32 tile and whole-K
+         tiles live through the chunk (1.3 KB of spills). So the kernel holds the state as two
+         K-halves [128, BV], loads each q/k half next to its dot, reads K^T transposed by the
+         pointer order, and runs the K S / Q S dots as a 2-step loop over the halves (one shared
+         memory tile site: fewer loop-invariant addresses hoisted into registers): 173 registers
+         at 8 warps, 1 stage, 44 KB, no spill (158 for the STORE_STATES recompute).
          SPLIT (Tm, M, the state and Vnew as hi + lo pairs of the input dtype in the tensor-core
          dots): on for bf16 and fp16, where one rounding costs ~4e-3 / ~5e-4 relative error and
          would put us at FLA's accuracy instead of well below it; off for fp32 (tf32 dots).

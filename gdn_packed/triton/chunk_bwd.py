@@ -269,16 +269,16 @@ def chunk_bwd_qk_finalize_kernel(q, k, dq_part, dk_part, real, dq, dk, dv, dg, d
 def bwd_configs(K, V, dtype):
     """Block sizes, warps and pipeline stages of every backward kernel: one config each, by this
     heuristic (no autotune), chosen from the sm_90 AOT reports (tests/test_triton_bwd_aot.py prints
-    registers, shared memory and spills of each) so that none spills registers, except the known limit
-    below. C x C matrices (Tm, M) are read unmasked, transposed by pointer order, and q/k row norms
-    come from the prep kernel, so dot operands go from memory to shared memory without register copies.
+    registers, shared memory and spills of each) so that none spills registers. C x C matrices
+    (Tm, M) are read unmasked, transposed by pointer order, and q/k row norms come from the prep kernel, so dot operands go from memory to shared memory without register copies.
     (The recompute of S_in and Vnew is the forward's state pass, with the forward's state_config.)
     - dstate: the full-K state block [K, BV = 16] fp32 in registers (BV 16, the smallest wgmma N:
       dS, dO, the hi/lo dS copies and Vnew-sized temporaries scale with it). bf16/fp16: 8 warps,
       2 stages (K = V = 128: 148 registers, 142 KB; K = 256: 235 registers, 216 KB). fp32: tf32 wgmma
       needs K-major operands, so Q^T, K^T, M^T, Tm^T are register transposes; K <= 64: 8 warps and 2
       stages; K <= 128: 4 warps and 2 stages (254 registers; 8 warps spill 56 B); K > 128 cannot
-      double-buffer within 227 KB and spills at 1 stage (known limit, as in the forward).
+      double-buffer within 227 KB: 8 warps, 1 stage, dS held as two K-halves (as in the forward's
+      state pass; chunk_bwd_state.py), 252-254 registers, no spill (4 warps spill 72 B).
     - dqk: K-blocks of 64, V-blocks of 32, 8 warps, 2 stages: the V loop keeps four accumulators
       (dO S^T, Vnew dS^T, dVnew S^T [C, BK], dO Vnew^T [C, C]) and loads q, k, gates only after it.
     - wy: K- and V-blocks of 32, 8 warps; its C x C tiles (dT, dA, K K^T, E) are built one after

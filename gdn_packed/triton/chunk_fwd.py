@@ -333,17 +333,34 @@ def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, rn
     iv = tl.program_id(2)
     N = tl.num_programs(0)
     h = hv // (HV // H)
-    rk = tl.arange(0, BK)
+    # HALVES (fp32 with BK > 128): the state is held as two K-halves [BK / 2, BV] (b_s: rows rk,
+    # b_s2: rows rk2) and every product over K or onto K splits in two; q, k, Tm, M are loaded next
+    # to their dots, K^T is read transposed by the pointer order (no register transpose), and the
+    # K S, Q S dots loop over the halves (one shared-memory tile site, fewer hoisted addresses).
+    # The whole-K form spills registers on sm_90 (gdn_packed/triton/chunk.py).
+    HALVES: tl.constexpr = (not SPLIT) and BK > 128
+    BKA: tl.constexpr = BK // 2 if HALVES else BK
+    rk = tl.arange(0, BKA)
     kmask = rk < K
     cv = iv * BV + tl.arange(0, BV)
     vmask = cv < V
     rc = tl.arange(0, C)
-    s_off = (n * HV + hv).to(tl.int64) * (K * V) + rk[:, None] * V + cv[None, :]
+    s_base = (n * HV + hv).to(tl.int64) * (K * V)
+    s_off = s_base + rk[:, None] * V + cv[None, :]
     smask = kmask[:, None] & vmask[None, :]
     if HAS_H0:
         b_s = tl.load(h0 + s_off, mask=smask, other=0.0)
     else:
-        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+        b_s = tl.zeros([BKA, BV], dtype=tl.float32)
+    if HALVES:
+        rk2 = BKA + tl.arange(0, BKA)
+        kmask2 = rk2 < K
+        s_off2 = s_base + rk2[:, None] * V + cv[None, :]
+        smask2 = kmask2[:, None] & vmask[None, :]
+        if HAS_H0:
+            b_s2 = tl.load(h0 + s_off2, mask=smask2, other=0.0)
+        else:
+            b_s2 = tl.zeros([BKA, BV], dtype=tl.float32)
 
     c0 = tl.load(cu_chunks + n)
     c1 = tl.load(cu_chunks + n + 1)
@@ -352,6 +369,9 @@ def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, rn
         start, length = chunk_rows(table, j, C)
         if STORE_STATES:
             tl.store(s_out + (j * HV + hv) * (K * V) + rk[:, None] * V + cv[None, :], b_s, mask=smask)
+            if HALVES:
+                tl.store(s_out + (j * HV + hv) * (K * V) + rk2[:, None] * V + cv[None, :], b_s2,
+                         mask=smask2)
         rows, rmask = start + rc, rc < length
         b_g = tl.load(g + rows * HV + hv, mask=rmask, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + rows * HV + hv, mask=rmask, other=0.0).to(tl.float32)
@@ -360,41 +380,75 @@ def chunk_state_output_kernel(q, k, v, g, beta, table, cu_chunks, t_in, m_in, rn
         eg = tl.exp(gam)
         qk_off = rows[:, None] * (H * K) + h * K + rk[None, :]
         qk_mask = rmask[:, None] & kmask[None, :]
-        b_k = tl.load(k + qk_off, mask=qk_mask, other=0.0)
-        b_q = tl.load(q + qk_off, mask=qk_mask, other=0.0)
+        if not HALVES:  # (HALVES: each K-half of q and k is loaded next to its dot)
+            b_k = tl.load(k + qk_off, mask=qk_mask, other=0.0)
+            b_q = tl.load(q + qk_off, mask=qk_mask, other=0.0)
         v_off = rows[:, None] * (HV * V) + hv * V + cv[None, :]
         v_mask = rmask[:, None] & vmask[None, :]
         b_v = tl.load(v + v_off, mask=v_mask, other=0.0).to(tl.float32)
         tm_off = (j * HV + hv) * ((1 + SPLIT) * C * C) + rc[:, None] * C + rc[None, :]
-        b_t = tl.load(t_in + tm_off)
-        b_m = tl.load(m_in + tm_off)
+        if not HALVES:
+            b_t = tl.load(t_in + tm_off)
+            b_m = tl.load(m_in + tm_off)
         if SPLIT:
             b_t_lo = tl.load(t_in + C * C + tm_off)
             b_m_lo = tl.load(m_in + C * C + tm_off)
-        else:
+        elif not HALVES:
             b_t_lo, b_m_lo = b_t, b_m
 
-        b_s_hi, b_s_lo = _split_planes(b_s, b_k.dtype, SPLIT)   # once for both products
-        b_ks = _dot_split(b_k, b_s_hi, b_s_lo, SPLIT)             # K S      [C, BV]
-        if not STORE_STATES:
-            b_qs = _dot_split(b_q, b_s_hi, b_s_lo, SPLIT)         # Q S      [C, BV]
+        if HALVES:
+            b_ks = tl.zeros([C, BV], dtype=tl.float32)
+            for ih in range(0, 2):  # a loop, not two copies: one load and dot site for both halves
+                b_ks = tl.dot(tl.load(k + qk_off + ih * BKA,
+                                      mask=rmask[:, None] & (rk + ih * BKA < K)[None, :], other=0.0),
+                              tl.where(ih == 0, b_s, b_s2), b_ks)
+        else:
+            b_s_hi, b_s_lo = _split_planes(b_s, b_k.dtype, SPLIT)   # once for both products
+            b_ks = _dot_split(b_k, b_s_hi, b_s_lo, SPLIT)             # K S      [C, BV]
+            if not STORE_STATES:
+                b_qs = _dot_split(b_q, b_s_hi, b_s_lo, SPLIT)         # Q S      [C, BV]
         w_k = tl.exp(gam_end - gam)                              # row weights of the state update
         if USE_L2:
             rnq, rnk = load_row_norms(rn_in, j, hv, HV, C, USE_L2)
             b_ks = b_ks * rnk[:, None]
-            if not STORE_STATES:
+            if not STORE_STATES and not HALVES:
                 b_qs = b_qs * rnq[:, None]
             w_k = w_k * rnk
         b_x = b_beta[:, None] * (b_v - eg[:, None] * b_ks)
-        b_vn = _dot_pair(b_t, b_t_lo, b_x, SPLIT)                # Vnew     [C, BV]
+        if HALVES:      # Tm and M loaded next to their dots
+            b_vn = tl.dot(tl.load(t_in + tm_off), b_x)
+        else:
+            b_vn = _dot_pair(b_t, b_t_lo, b_x, SPLIT)            # Vnew     [C, BV]
         if STORE_STATES:
             tl.store(vnew_out + v_off, b_vn, mask=v_mask)
         else:
-            b_o = (scale * eg)[:, None] * b_qs + _dot_pair(b_m, b_m_lo, b_vn, SPLIT)
+            if HALVES:      # Q S here, after Vnew, where fewer tiles are live
+                b_qs = tl.zeros([C, BV], dtype=tl.float32)
+                for ih in range(0, 2):
+                    b_qs = tl.dot(tl.load(q + qk_off + ih * BKA,
+                                          mask=rmask[:, None] & (rk + ih * BKA < K)[None, :], other=0.0),
+                                  tl.where(ih == 0, b_s, b_s2), b_qs)
+                if USE_L2:
+                    b_qs = b_qs * rnq[:, None]
+                b_o = tl.dot(tl.load(m_in + tm_off), b_vn, (scale * eg)[:, None] * b_qs)
+            else:
+                b_o = (scale * eg)[:, None] * b_qs + _dot_pair(b_m, b_m_lo, b_vn, SPLIT)
             tl.store(o + v_off, b_o.to(o.dtype.element_ty), mask=v_mask)
-        b_s = b_s * tl.exp(gam_end) + _dot_state(tl.trans(b_k), b_vn * w_k[:, None], SPLIT)
+        if HALVES:
+            # K^T read again, transposed by the pointer order (an L1/L2 hit), instead of keeping the
+            # K tiles live through the chunk and transposing them in registers
+            kt_off = rows[None, :] * (H * K) + h * K
+            b_u = b_vn * w_k[:, None]
+            b_kt = tl.load(k + kt_off + rk[:, None], mask=kmask[:, None] & rmask[None, :], other=0.0)
+            b_s = tl.dot(b_kt, b_u, b_s * tl.exp(gam_end))
+            b_kt2 = tl.load(k + kt_off + rk2[:, None], mask=kmask2[:, None] & rmask[None, :], other=0.0)
+            b_s2 = tl.dot(b_kt2, b_u, b_s2 * tl.exp(gam_end))
+        else:
+            b_s = b_s * tl.exp(gam_end) + _dot_state(tl.trans(b_k), b_vn * w_k[:, None], SPLIT)
     if not STORE_STATES:
         tl.store(ht + s_off, b_s, mask=smask)
+        if HALVES:
+            tl.store(ht + s_off2, b_s2, mask=smask2)
         a, b = padding_after(table, cu_chunks, n, N, T_rows)
         _zero_rows(o, a, b, hv, cv, vmask, HV, V, BV, C)
         if n == 0:
