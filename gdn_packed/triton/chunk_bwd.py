@@ -270,7 +270,8 @@ def bwd_configs(K, V, dtype):
     """Block sizes, warps and pipeline stages of every backward kernel: one config each, by this
     heuristic (no autotune), chosen from the sm_90 AOT reports (tests/test_triton_bwd_aot.py prints
     registers, shared memory and spills of each) so that none spills registers. C x C matrices
-    (Tm, M) are read unmasked, transposed by pointer order, and q/k row norms come from the prep kernel, so dot operands go from memory to shared memory without register copies.
+    (Tm, M) are read unmasked, transposed by pointer order, and q/k row norms come from the prep
+    kernel, so dot operands go from memory to shared memory without register copies.
     (The recompute of S_in and Vnew is the forward's state pass, with the forward's state_config.)
     - dstate: the full-K state block [K, BV = 16] fp32 in registers (BV 16, the smallest wgmma N:
       dS, dO, the hi/lo dS copies and Vnew-sized temporaries scale with it). bf16/fp16: 8 warps,
