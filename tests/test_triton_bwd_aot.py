@@ -18,9 +18,32 @@ import pytest
 SMEM_LIMIT = 227 * 1024
 HOT = dict(H=16, HV=32)
 # (dtype, K, V): the hot shape (bf16; fp16 compiles to the same tiles), fp32 (tf32 dots, no planes),
-# the largest head dims, and non-power-of-2 ones (masked tiles); every distinct block config is here
-SHAPES = [("bf16", 128, 128), ("fp16", 128, 128), ("bf16", 256, 256), ("bf16", 64, 64),
-          ("bf16", 48, 80), ("fp32", 64, 64), ("fp32", 128, 128), ("fp32", 256, 256)]
+# the largest head dims, non-power-of-2 ones (masked tiles), and, for every distinct launch config that
+# bwd_configs can give a dot kernel, the largest (K, V) that gets it (as the forward's all_configs)
+_PICKED = [("bf16", 128, 128), ("fp16", 128, 128), ("bf16", 256, 256), ("bf16", 64, 64),
+           ("bf16", 48, 80), ("fp32", 64, 64), ("fp32", 128, 128), ("fp32", 256, 256)]
+
+
+def _shapes():
+    import torch
+
+    from gdn_packed.triton.chunk_bwd import bwd_configs
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    seen, out = set(), list(_PICKED)
+    dims = range(256, 0, -16)
+    for dtype in name:
+        for K in dims:
+            for V in dims:
+                for kern, cfg in bwd_configs(K, V, dtype).items():
+                    key = (kern, dtype, tuple(sorted(cfg.items())))
+                    if kern != "finalize" and key not in seen:
+                        seen.add(key)
+                        if (name[dtype], K, V) not in out:
+                            out.append((name[dtype], K, V))
+    return out
+
+
+SHAPES = _shapes()
 DOT_KERNELS = ("chunk_state_output_kernel[STORE_STATES]", "chunk_bwd_dstate_kernel", "chunk_bwd_dqk_kernel",
                "chunk_bwd_wy_kernel")
 

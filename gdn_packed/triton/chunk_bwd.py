@@ -276,11 +276,12 @@ def bwd_configs(K, V, dtype):
     - dstate: the full-K state block [K, BV = 16] fp32 in registers (BV 16, the smallest wgmma N:
       dS, dO, the hi/lo dS copies and Vnew-sized temporaries scale with it). bf16/fp16: 8 warps,
       2 stages (K = V = 128: 148 registers, 142 KB; K = 256: 235 registers, 216 KB). fp32: tf32 wgmma
-      needs K-major operands, so Q^T, K^T, M^T, Tm^T are register transposes; K <= 64: 8 warps and 2
-      stages; K <= 128: 4 warps and 2 stages (254 registers; 8 warps spill 56 B); K > 128 cannot
+      needs K-major operands, so Q^T, K^T, M^T, Tm^T are register transposes; K <= 128: 4 warps and 2
+      stages (K = 128: 254 registers, 8 warps spill 56 B; K = 32: 248, 8 warps spill 32 B); K > 128 cannot
       double-buffer within 227 KB: 8 warps, 1 stage, dS held as two K-halves (as in the forward's
       state pass; chunk_bwd_state.py), 252-254 registers, no spill (4 warps spill 72 B).
-    - dqk: K-blocks of 64, V-blocks of 32, 8 warps, 2 stages: the V loop keeps four accumulators
+    - dqk: K-blocks of 64 (32 when V <= 16: at K = 256, V = 16 blocks of 64 spill 8 B in bf16 and
+      368 B in fp32), V-blocks of 32, 8 warps, 2 stages: the V loop keeps four accumulators
       (dO S^T, Vnew dS^T, dVnew S^T [C, BK], dO Vnew^T [C, C]) and loads q, k, gates only after it.
     - wy: K- and V-blocks of 32, 8 warps; its C x C tiles (dT, dA, K K^T, E) are built one after
       another. bf16/fp16: 2 stages; fp32: 1 (2 stages spill 48 B).
@@ -290,9 +291,9 @@ def bwd_configs(K, V, dtype):
     fp32 = dtype == torch.float32
     BK = min(64, np2(K))
     return dict(
-        dstate=dict(BK=st["BK"], BV=16, num_warps=4 if fp32 and 64 < K <= 128 else 8,
+        dstate=dict(BK=st["BK"], BV=16, num_warps=4 if fp32 and K <= 128 else 8,
                     num_stages=1 if fp32 and K > 128 else 2),
-        dqk=dict(BK=BK, BV=min(32, np2(V)), num_warps=8, num_stages=2),
+        dqk=dict(BK=min(32, BK) if V <= 16 else BK, BV=min(32, np2(V)), num_warps=8, num_stages=2),
         wy=dict(BK=min(32, np2(K)), BV=min(32, np2(V)), num_warps=8, num_stages=1 if fp32 else 2),
         finalize=dict(BT=max(1, min(32, 2048 // np2(K))), BKF=np2(K), BVF=np2(V), num_warps=4,
                       num_stages=1),
