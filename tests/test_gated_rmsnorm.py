@@ -12,7 +12,9 @@ from gdn_packed.torch_ref.gated_rmsnorm import gated_rmsnorm_ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     bool(triton_usable(torch.device(DEVICE))), reason="triton cannot run here"))]
+# DESIGN.md section 7: output budgets, and the gradient budgets (fp32 CPU 1e-5, fp32 GPU 3e-3, bf16 2.5e-2)
 BUDGET = {torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3, torch.bfloat16: 2e-2}
+GRAD_BUDGET = {torch.float32: 1e-5 if DEVICE == "cpu" else 3e-3, torch.bfloat16: 2.5e-2}
 
 
 def inputs(shape, dtype, seed=0, requires_grad=True):
@@ -40,7 +42,7 @@ def test_matches_float64_reference(backend, dtype, shape):
     budget = BUDGET[dtype]
     assert rel_err(y, yd) <= budget
     for got, ref in ((gx, rx), (gz, rz), (gw, rw)):
-        assert rel_err(got, ref) <= 1.25 * budget
+        assert rel_err(got, ref) <= GRAD_BUDGET[dtype]
 
 
 def test_zero_rows_give_zero_output_and_finite_grads():
