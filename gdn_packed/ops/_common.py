@@ -73,3 +73,12 @@ def resolve_backend(backend, device, *, have=("torch",)):
 def _cuda_ok():
     from gdn_packed._cext import cuda_available
     return cuda_available()
+
+
+def segments_or_rows(x, cu_seqlens, dtype=torch.int64):
+    """cu_seqlens, or for an unpacked batch x [B, L, ...] the one that makes each row a sequence
+    ([0, L, 2L, ..., BL] in `dtype`); and N, the number of sequences. No host sync."""
+    if cu_seqlens is not None:
+        return cu_seqlens, cu_seqlens.shape[0] - 1
+    B, L = x.shape[:2]
+    return torch.arange(B + 1, dtype=dtype, device=x.device) * L, B

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from gdn_packed import _validate as V
-from gdn_packed.ops._common import new_output, resolve_backend
+from gdn_packed.ops._common import new_output, resolve_backend, segments_or_rows
 from gdn_packed.ops.chunk_table import build_chunk_table
 
 CHUNK_SIZE = 64
@@ -51,12 +51,10 @@ def _gate_impl(backend):
 
 def _segments(q, cu_seqlens, cu_seqlens_padded):
     """Flattened row count T, sequence count N, and the chunk table over the rows."""
-    B, L = q.shape[:2]
-    T = B * L
-    if cu_seqlens is None:
-        cu_seqlens = torch.arange(B + 1, dtype=torch.int32, device=q.device) * L
+    T = q.shape[0] * q.shape[1]
+    cu_seqlens, N = segments_or_rows(q, cu_seqlens, torch.int32)
     table, cu_chunks = build_chunk_table(cu_seqlens, cu_seqlens_padded, T, CHUNK_SIZE)
-    return T, cu_seqlens.numel() - 1, table, cu_chunks
+    return T, N, table, cu_chunks
 
 
 def _rows(x, T):

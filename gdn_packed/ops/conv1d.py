@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from gdn_packed import _validate as V
-from gdn_packed.ops._common import new_output, resolve_backend
+from gdn_packed.ops._common import new_output, resolve_backend, segments_or_rows
 
 MAX_WIDTH = 8
 ACTIVATIONS = ("silu", "swish", None)
@@ -27,14 +27,11 @@ BWD_TILE_ROWS = 64    # rows per thread (and per dweight/dbias partial sum) in t
 
 
 def _cu(x, cu_seqlens):
-    B, L = x.shape[:2]
-    if cu_seqlens is None:
-        return torch.arange(B + 1, dtype=torch.int64, device=x.device) * L
-    return cu_seqlens
+    return segments_or_rows(x, cu_seqlens)[0]
 
 
 def _num_seqs(x, cu_seqlens):
-    return x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return segments_or_rows(x, cu_seqlens)[1]
 
 
 def _dtype_code(dtype):

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from gdn_packed import _validate as V
-from gdn_packed.ops._common import new_output, resolve_backend
+from gdn_packed.ops._common import new_output, resolve_backend, segments_or_rows
 
 MAX_HEAD_DIM = 256
 CUDA_MAX_K = 128
@@ -24,15 +24,12 @@ CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BACKENDS_IMPLEMENTED = ("cuda", "torch")
 
 
-def _cu(q, cu_seqlens):
-    B, L = q.shape[:2]
-    if cu_seqlens is None:
-        return torch.arange(B + 1, dtype=torch.int64, device=q.device) * L
-    return cu_seqlens
+def _cu(x, cu_seqlens):
+    return segments_or_rows(x, cu_seqlens)[0]
 
 
-def _num_seqs(q, cu_seqlens):
-    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+def _num_seqs(x, cu_seqlens):
+    return segments_or_rows(x, cu_seqlens)[1]
 
 
 def recurrent_fwd_cuda(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, initial_state, state_indices, scale,
