@@ -2,7 +2,8 @@
 #   make venv    .venv (python3.11, --system-site-packages so a machine's CUDA torch is reused),
 #                dependencies, editable install that compiles csrc/ into gdn_packed/_C (when nvcc exists)
 #   make test    the whole pytest suite
-#   make bench   the microbenchmark CLI (python -m bench $(ARGS))
+#   make bench   the microbenchmark CLI (python -m bench $(ARGS)); results in bench/results/local/
+#                (ignored by git), ARGS="--help" lists the options
 # Knobs: PYTHON=python3.x, GDN_PACKED_NO_CUDA=1 (skip csrc/), GDN_PACKED_CUDA_ARCHS="80;90a", ARGS=...
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
