@@ -191,14 +191,10 @@ def causal_conv1d_varlen(x, weight, bias=None, activation="silu", cu_seqlens=Non
         weight: [D, W], or [D, 1, W] as in nn.Conv1d / Megatron; 1 <= W <= 8.
         bias: [D] or None.
         activation: "silu" (default; alias "swish") or None.
-        cu_seqlens: [N+1] int32/int64 offsets of N sequences packed into the rows of a batch-1
-            input: sequence i has len_i = cu_seqlens[i+1] - cu_seqlens[i] real tokens
-            (non-decreasing, cu_seqlens[0] = 0; zero-length sequences are allowed). None: each of
-            the B rows is one sequence (N = B).
-        cu_seqlens_padded: [N+1] storage offsets, same dtype and shape as cu_seqlens: sequence i's
-            tokens are rows [cu_seqlens_padded[i], cu_seqlens_padded[i] + len_i), and every row
-            outside these ranges is padding. None: cu_seqlens (no gaps between sequences; rows
-            after cu_seqlens[-1] are still padding).
+        cu_seqlens: [N+1] int32/int64 offsets of N sequences packed into a batch-1 input, as in
+            chunk_gated_delta_rule; None: each of the B rows is one sequence (N = B).
+        cu_seqlens_padded: [N+1] storage offsets of the sequences' tokens, as in
+            chunk_gated_delta_rule; rows outside them are padding. None: cu_seqlens.
             Padding rows are 0 in y and get 0 gradient.
         initial_state: [N, D, W-1] in x's dtype: the W-1 inputs before each sequence, oldest
             first; None means zeros.

@@ -138,14 +138,10 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
         output_final_state: True returns the states as the second value: [N, HV, K, V] per sequence,
             or the pool itself when state_indices is given (it is updated in place either way);
             False returns None there.
-        cu_seqlens: [N+1] int32/int64 offsets of N sequences packed into the rows of a batch-1
-            input: sequence i has len_i = cu_seqlens[i+1] - cu_seqlens[i] real tokens
-            (non-decreasing, cu_seqlens[0] = 0; zero-length sequences are allowed). None: each of
-            the B rows is one sequence (N = B).
-        cu_seqlens_padded: [N+1] storage offsets, same dtype and shape as cu_seqlens: sequence i's
-            tokens are rows [cu_seqlens_padded[i], cu_seqlens_padded[i] + len_i), and every row
-            outside these ranges is padding. None: cu_seqlens (no gaps between sequences; rows
-            after cu_seqlens[-1] are still padding).
+        cu_seqlens: [N+1] int32/int64 offsets of N sequences packed into a batch-1 input, as in
+            chunk_gated_delta_rule; None: each of the B rows is one sequence (N = B).
+        cu_seqlens_padded: [N+1] storage offsets of the sequences' tokens, as in
+            chunk_gated_delta_rule; rows outside them are padding. None: cu_seqlens.
             Padding rows are 0 in o.
         state_indices: [N] int32/int64, one pool slot per sequence: sequence i starts from
             pool[state_indices[i]] and writes its final state back there. An index < 0 (or >= P)
