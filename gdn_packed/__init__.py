@@ -1,6 +1,6 @@
 """gdn_packed: packed (THD, varlen) Gated DeltaNet kernels as torch custom ops.
 
-Public API (DESIGN.md section 4):
+Public API (docs/DESIGN.md section 4):
     chunk_gated_delta_rule            the chunked gated delta rule over cu_seqlens segments (fwd + bwd)
     fused_recurrent_gated_delta_rule  the token-by-token recurrence (decode; per-sequence or pooled
                                       states; forward only)
