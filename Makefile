@@ -2,7 +2,8 @@
 #   make venv    .venv (python3.11, --system-site-packages so a machine's CUDA torch is reused),
 #                dependencies, editable install that compiles csrc/ into gdn_packed/_C (when nvcc exists)
 #   make test    the whole pytest suite
-#   make bench   the microbenchmark CLI (python -m bench $(ARGS))
+#   make bench   the microbenchmark CLI (python -m bench $(ARGS)); results in bench/results/local/
+#                (ignored by git), ARGS="--help" lists the options
 # Knobs: PYTHON=python3.x, GDN_PACKED_NO_CUDA=1 (skip csrc/), GDN_PACKED_CUDA_ARCHS="80;90a", ARGS=...
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
@@ -13,8 +14,10 @@ DEPS_STAMP := $(VENV)/.gdn_packed_deps
 BUILD_STAMP := $(VENV)/.gdn_packed_build
 BUILD_INPUTS := setup.py pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 NVCC := $(or $(shell command -v nvcc 2>/dev/null),$(wildcard /usr/local/cuda/bin/nvcc))
-# with nvcc present (and the build not switched off) the tests insist that gdn_packed._C was built
-REQUIRE_C := $(if $(and $(NVCC),$(filter-out 1,$(GDN_PACKED_NO_CUDA))),1,0)
+# 1 when nvcc exists and GDN_PACKED_NO_CUDA does not switch the build off (setup.py's reading: any
+# value but empty/0/false/no/off): `make test` (and so CI) then fails if gdn_packed._C was not built
+NO_CUDA := $(filter-out 0 false False FALSE no No NO off Off OFF,$(GDN_PACKED_NO_CUDA))
+REQUIRE_C := $(if $(and $(NVCC),$(if $(NO_CUDA),,1)),1,0)
 ARGS ?=
 
 .PHONY: venv test bench clean-build

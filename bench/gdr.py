@@ -178,7 +178,7 @@ GATE_DENSE = (2, 70)             # batch rows x tokens
 
 
 def budgets(dtype, device):
-    if dtype == torch.float32 and device.type == "cuda":    # tf32 dots (DESIGN.md section 7)
+    if dtype == torch.float32 and device.type == "cuda":    # tf32 dots (docs/DESIGN.md section 7)
         return dict(o=2e-3, grad=5e-3)
     b = BUDGETS[dtype]
     return dict(o=b["o"], grad=b["grad"])

@@ -1,15 +1,15 @@
-"""The FLOP and byte model of DESIGN.md section 8, and the roofline ceilings of known GPUs.
+"""The FLOP and byte model of docs/DESIGN.md section 8, and the roofline ceilings of known GPUs.
 
 Everything is counted on REAL tokens: a padded run gets no credit for the pad it computes, so its
 TFLOP/s and GB/s are "useful" rates, directly comparable with the packed run of the same documents.
-Matmuls count 2*m*n*k, full (not triangular) C x C blocks, as the forward formula of DESIGN.md does.
+Matmuls count 2*m*n*k, full (not triangular) C x C blocks, as the forward formula of docs/DESIGN.md does.
 
 gdr, per real token and v-head, chunk size C:
   fwd     6CK + 4CV + 6KV + C^2/3       (KK^T, W = T Kb, QK^T; U = T Vb, intra-chunk O;
                                           W S, Q S, state update; the triangular inverse)
   bwd     16CK + 10CV + 20KV + 13C^2/3  (recompute of the forward's chunk quantities without O:
                                           6CK + 2CV + 6KV + C^2/3, then the analytic backward of
-                                          DESIGN.md section 2: 10CK + 8CV + 14KV + 4C^2 for dP K, dP^T Q,
+                                          docs/DESIGN.md section 2: 10CK + 8CV + 14KV + 4C^2 for dP K, dP^T Q,
                                           T^T dW', (dKK + dKK^T) K, dW' Kb^T; M^T dO, dO Vnew^T, T^T dVnew,
                                           dVnew Vb^T; seven KxV products; -T^T dT T^T)
   bytes   fwd: q, k, v read, o written in the input dtype, g and beta read in fp32, final state written
@@ -31,7 +31,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 # name fragment -> (bytes/s, dense bf16 FLOP/s, source)
 GPU_PEAKS = {
-    "H200": (4.3e12, 790e12, "measured on the project's H200 (DESIGN.md section 8)"),
+    "H200": (4.3e12, 790e12, "measured on the project's H200 (docs/DESIGN.md section 8)"),
     "H100": (3.35e12, 989e12, "H100 SXM spec sheet (not measured)"),
     "A100": (2.0e12, 312e12, "A100 80GB spec sheet (not measured)"),
 }

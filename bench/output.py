@@ -2,7 +2,9 @@
 
 One row per (op, scenario, provider, mode, layout, metric): p50/p20/p80 of that metric, plus the run's
 environment on every row (Liger-style tidy CSV; the JSON file holds {"meta": ..., "rows": [...]}).
-Each run writes a new pair of files bench/results/<date>_<time>_<suite>_<device>.{csv,json}.
+Each run writes a new pair of files <out>/<date>_<time>_<suite>_<device>.{csv,json}, by default in
+bench/results/local/, which git ignores; results worth keeping are copied to bench/results/ by hand
+under a name that says what they are.
 """
 import csv
 import datetime as dt
@@ -80,12 +82,65 @@ def load(path):
 
 
 # ---------------------------------------------------------------------------------------------- tables
+# Terminal output: one table per (op, scenario) under a heading line that carries the names, so the
+# tables hold only short columns (provider, mode, layout, numbers) and the notes, which are the only
+# cells that wrap. Columns without a value in a table are left out (e.g. roofline on CPU).
 def _fmt(x, spec):
     return "" if x in ("", None) else format(x, spec)
 
 
 def _ms(x):
     return "" if x in ("", None) else (f"{x * 1e3:.3g}" if x * 1e3 < 100 else f"{x * 1e3:.0f}")
+
+
+def _grouped(rows):
+    """{(op, scenario): {(provider, mode, layout): {metric: row}}}, in the rows' order."""
+    groups = {}
+    for r in rows:
+        case = groups.setdefault((r["op"], r["scenario"]), {})
+        case.setdefault((r["provider"], r["mode"], r["layout"]), {})[r["metric"]] = r
+    return groups
+
+
+def _heading(group):
+    """'op  scenario  dtype, tokens' from any row of the group."""
+    r = next(iter(next(iter(group.values())).values()))
+    real, padded = r["real_tokens"], r["padded_tokens"]
+    tokens = f"{real} real tokens" + (f", {padded} padded" if str(padded) != str(real) else "")
+    return f"[bold]{r['op']}  {r['scenario']}[/]  {r['dtype']}, {tokens}"
+
+
+NOTE_MIN_WIDTH = 12
+
+
+def _table(columns, cells, width, drop_order=()):
+    """(rich Table of `cells`, names of the columns left out). columns: (header, justify, wraps); only
+    a wrapping column (the note) folds its text, the others never wrap. Columns empty in every row
+    are left out, then the columns of `drop_order`, in that order, until the table fits `width`."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+    keep = [j for j in range(len(columns)) if any(row[j] for row in cells)]
+
+    def need(j):
+        header, _, wraps = columns[j]
+        return NOTE_MIN_WIDTH if wraps else max(len(header), *(Text.from_markup(row[j]).cell_len for row in cells))
+    dropped = []
+    for name in drop_order:
+        if sum(need(j) for j in keep) + 3 * (len(keep) - 1) <= width:
+            break
+        j = next((j for j in keep if columns[j][0] == name), None)
+        if j is not None:
+            keep.remove(j)
+            dropped.append(name)
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+    for j in keep:
+        header, justify, wraps = columns[j]
+        t.add_column(header, justify=justify, no_wrap=not wraps, overflow="fold",
+                     min_width=NOTE_MIN_WIDTH if wraps else None)
+    for row in cells:
+        t.add_row(*(row[j] for j in keep))
+    return t, dropped
 
 
 def skipped_lines(rows):
@@ -97,43 +152,74 @@ def skipped_lines(rows):
     return [f"SKIPPED {prov}: {note}  [{', '.join(sorted(where))}]" for (prov, note), where in seen.items()]
 
 
-def tables(rows, baseline):
-    """(results table, packing table or None) as rich Tables; skipped cases are listed apart
-    (skipped_lines)."""
-    from rich.table import Table
-    cases = {}
-    for r in rows:
-        key = (r["op"], r["scenario"], r["provider"], r["mode"], r["layout"])
-        cases.setdefault(key, {})[r["metric"]] = r
-    t = Table(title=f"gdn_packed benchmark (speed-up vs {baseline})", show_lines=False)
-    for c, j in (("op", "left"), ("scenario", "left"), ("provider", "left"), ("mode", "left"),
-                 ("layout", "left"), ("p50 ms", "right"), ("p20-p80 ms", "right"), ("tok/s", "right"),
-                 ("TFLOP/s", "right"), ("GB/s", "right"), ("roofline", "right"), ("mem MB", "right"),
-                 ("speed-up", "right"), ("status / note", "left")):
-        t.add_column(c, justify=j, overflow="fold")
-    for key, m in cases.items():
-        if "time" in m:
-            tm = m["time"]
-            g = lambda n: m[n]["p50"] if n in m else None  # noqa: E731
-            t.add_row(*key, _ms(tm["p50"]), f"{_ms(tm['p20'])}-{_ms(tm['p80'])}", _fmt(g("tokens_per_s"), ".3g"),
-                      _fmt(g("tflops"), ".3g"), _fmt(g("gbps"), ".3g"),
-                      _fmt(g("roofline_frac") and 100 * g("roofline_frac"), ".1f") + ("%" if "roofline_frac" in m else ""),
-                      _fmt(g("peak_mem") and g("peak_mem") / 2**20, ".0f"),
-                      _fmt(g("speedup"), ".2f") + ("x" if "speedup" in m else ""), tm["note"])
-        elif "status" in m and m["status"]["status"] == "failed":
-            t.add_row(*key, "", "", "", "", "", "", "", "", f"[red]FAILED: {m['status']['note']}[/]")
-    pk = [r for r in rows if r["metric"] == "padded_over_packed"]
-    if not pk:
-        return t, None
-    p = Table(title="packing: the same documents padded (one per row) vs packed (cu_seqlens)")
-    for c in ("op", "scenario", "provider", "mode", "padded ms", "packed ms", "padded/packed",
-              "ideal (padded/real tokens)", "fraction of ideal"):
-        p.add_column(c, overflow="fold")
-    for r in pk:
-        key = (r["op"], r["scenario"], r["provider"], r["mode"])
-        pad = cases.get(key + ("padded",), {}).get("time", {}).get("p50")
-        pkd = cases.get(key + ("packed",), {}).get("time", {}).get("p50")
-        ideal = cases.get(key + ("packed",), {}).get("ideal_ratio", {}).get("p50")
-        frac = cases.get(key + ("packed",), {}).get("ratio_vs_ideal", {}).get("p50")
-        p.add_row(*key, _ms(pad), _ms(pkd), f"{r['p50']:.2f}x", _fmt(ideal, ".2f") + "x", _fmt(frac, ".2f"))
-    return t, p
+RESULT_DROP_ORDER = ("tok/s", "GB/s", "p20-p80", "mem MB", "TFLOP/s", "roofline")
+
+
+def result_tables(rows, baseline, width):
+    """([(heading, rich Table)], one per (op, scenario) with a timed or failed case; the columns left
+    out to fit `width`). Skipped cases are listed apart (skipped_lines)."""
+    columns = [("provider", "left", False), ("mode", "left", False), ("layout", "left", False),
+               ("ms p50", "right", False), ("p20-p80", "right", False), ("tok/s", "right", False),
+               ("TFLOP/s", "right", False), ("GB/s", "right", False), ("roofline", "right", False),
+               ("mem MB", "right", False), (f"vs {baseline}", "right", False), ("note", "left", True)]
+    out, dropped = [], set()
+    for group in _grouped(rows).values():
+        cells = []
+        for key, m in group.items():
+            if "time" in m:
+                tm = m["time"]
+                g = lambda n: m[n]["p50"] if n in m else None  # noqa: E731
+                frac = g("roofline_frac")
+                mem = g("peak_mem")
+                cells.append([*key, _ms(tm["p50"]), f"{_ms(tm['p20'])}-{_ms(tm['p80'])}",
+                              _fmt(g("tokens_per_s"), ".3g"), _fmt(g("tflops"), ".3g"), _fmt(g("gbps"), ".3g"),
+                              "" if frac in ("", None) else f"{100 * frac:.1f}%",
+                              _fmt(None if mem in ("", None) else mem / 2**20, ".0f"),
+                              "" if g("speedup") in ("", None) else f"{g('speedup'):.2f}x", tm["note"]])
+            elif "status" in m and m["status"]["status"] == "failed":
+                cells.append([*key] + [""] * 8 + [f"[red]FAILED: {m['status']['note']}[/]"])
+        if cells:
+            t, left_out = _table(columns, cells, width, RESULT_DROP_ORDER)
+            out.append((_heading(group), t))
+            dropped.update(left_out)
+    return out, [c for c in RESULT_DROP_ORDER if c in dropped]
+
+
+PACKING_DROP_ORDER = ("padded ms", "packed ms")
+
+
+def packing_tables(rows, width):
+    """[(heading, rich Table)] of padded vs packed time, one per packing scenario."""
+    columns = [("provider", "left", False), ("mode", "left", False), ("padded ms", "right", False),
+               ("packed ms", "right", False), ("padded/packed", "right", False), ("ideal", "right", False),
+               ("of ideal", "right", False)]
+    out = []
+    for group in _grouped(rows).values():
+        cells = []
+        for (prov, mode, layout), m in group.items():
+            if "padded_over_packed" not in m:
+                continue
+            pad = group.get((prov, mode, "padded"), {}).get("time", {}).get("p50")
+            pkd = m.get("time", {}).get("p50")
+            cells.append([prov, mode, _ms(pad), _ms(pkd), f"{m['padded_over_packed']['p50']:.2f}x",
+                          _fmt(m["ideal_ratio"]["p50"], ".2f") + "x", _fmt(m["ratio_vs_ideal"]["p50"], ".2f")])
+        if cells:
+            out.append((_heading(group), _table(columns, cells, width, PACKING_DROP_ORDER)[0]))
+    return out
+
+
+def legend(rows, baseline, dropped=()):
+    """The line under the result tables: what the counts, ratios and memory readings mean."""
+    cases = sum(1 for r in rows if r["metric"] == "time")
+    narrow = f" Left out to fit the terminal: {', '.join(dropped)}." if dropped else ""
+    return (f"{cases} timed cases; the result files hold {len(rows)} rows (one per metric of a case)."
+            f"{narrow} ms: median and 20th-80th percentile of the timed calls (on CPU --repeats of them, "
+            f"fewer when --budget-s runs out: the note says so). vs {baseline}: its time / "
+            "this time. mem MB: peak extra memory of one call (on CPU the growth of the resident set, 0 "
+            "when the allocator reused memory it already held).")
+
+
+PACKING_LEGEND = ("padded/packed: time of the padded batch (one document per row) / time of the packed "
+                  "row. ideal: padded tokens / real tokens, what skipping the pad saves at equal speed "
+                  "per token. of ideal: (padded/packed) / ideal; above 1 when the padded batch is also "
+                  "slower per token (e.g. it falls out of cache).")

@@ -13,6 +13,9 @@ def main(argv):
     ap.add_argument("file")
     ap.add_argument("-o", "--out", default=None, help="PNG path (default: FILE with .png)")
     args = ap.parse_args(argv)
+    if not os.path.isfile(args.file):
+        from bench.cli import UsageError
+        raise UsageError(f"plot: no results file {args.file!r}")
     out = args.out or os.path.splitext(args.file)[0] + ".png"
     plot(args.file, out)
     print(f"wrote {out}")

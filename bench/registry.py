@@ -20,8 +20,9 @@ Where the head shapes come from:
   Qwen3.5-397B-A17B: 16 / 64 heads, K = V = 128, hidden 4096, derived from the cache shapes quoted at
       https://harmonyhu.com/2026/02/21/qwen3.5 (conv state [B, 12288, 4] = 2*16*128 + 64*128 channels,
       recurrent state [B, 64, 128, 128]); not checked against the checkpoint's config.json.
-  FLA / FlashQLA / FlashInfer comparison shapes: as listed in issue 8 (1x32768 with 16/32 and 16/64
-  heads, 2/8 heads at 64k, 1024x8 read as 8 packed sequences of 1024 tokens, K = V = 128, bf16).
+  FLA / FlashQLA / FlashInfer comparison shapes: the shapes those projects publish GDN numbers at
+  (1x32768 with 16/32 and 16/64 heads, 2/8 heads at 64k, "1024x8" read as 8 packed sequences of 1024
+  tokens, K = V = 128, bf16).
 """
 import random
 from dataclasses import dataclass, field, replace
@@ -132,7 +133,7 @@ def _dense(B, T, H, HV, op="gdr", **kw):
     return Scenario(op=op, layout="dense", B=B, T=T, H=H, HV=HV, **kw)
 
 
-FLA_SRC = "FLA/FlashQLA/FlashInfer comparison shape (issue 8)"
+FLA_SRC = "FLA/FlashQLA/FlashInfer comparison shape"
 QWEN3NEXT_SRC = "Qwen3-Next-80B-A3B GDN (transformers Qwen3NextConfig defaults)"
 QWEN35_SRC = "Qwen3.5-35B-A3B GDN (transformers Qwen3_5MoeTextConfig defaults)"
 QWEN35_BIG_SRC = "Qwen3.5-397B-A17B GDN (cache shapes in harmonyhu.com/2026/02/21/qwen3.5)"
@@ -153,10 +154,10 @@ _ALL = [
     packing(16, 64, prefix="QWEN35BIG_", source=QWEN35_BIG_SRC + "; 2 x 4096 rows, ~1000-token docs"),
     # conv over q|k|v channels (2*H*K + HV*V), the decode step, layers
     Scenario(op="conv", layout="dense", B=1, T=32768, H=16, HV=32, hidden=8192,
-             source="issue 5 target: T=32768, D=8192"),
+             source="long-sequence conv: T=32768, D=8192 (q|k|v of 16/32 heads)"),
     packing(16, 32, op="conv", hidden=8192, prefix="QWEN3NEXT_", source=QWEN3NEXT_SRC + " (q|k|v = 8192 ch)"),
     Scenario(op="recurrent", layout="decode", B=256, H=16, HV=32, dtype="bfloat16",
-             prefix="QWEN3NEXT_", source=QWEN3NEXT_SRC + "; issue 5 decode target (256 sequences)"),
+             prefix="QWEN3NEXT_", source=QWEN3NEXT_SRC + "; one decode step of 256 sequences"),
     packing(16, 32, op="layer", hidden=2048, prefix="QWEN3NEXT_", source=QWEN3NEXT_SRC),
     packing(2, 4, K=64, V=64, op="hybrid", hidden=256, prefix="SMALL_",
             source="small HybridLM 'GGGA' (2/4 heads, dim 64, width 256)"),
@@ -195,19 +196,16 @@ class Job:
 
 
 SUITES = {
-    # python -m bench: the README's main job on a CPU machine (< 3 min on 2 shared cores)
     "default": (
         Job("CPU_PACK_L4096_MB2_DOC1000_H2x4_K128_V128", ("fwd",), ("ours-torch", "hf-torch")),
         Job("CPU_B1_T512_H16x32_K128_V128", ("fwd",), ("ours-torch", "hf-torch", "naive")),
         Job("CPU_B1_T512_H16x32_K128_V128", ("fwdbwd",), ("ours-torch", "hf-torch")),
     ),
-    # the other ops on CPU, packed vs padded (a few minutes)
     "cpu-extra": (
         Job("CPU_CONV_PACK_L4096_MB2_DOC1000_D1024", ("fwd", "fwdbwd"), ("ours-torch",)),
         Job("CPU_LAYER_PACK_L4096_MB2_DOC1000_H2x4_D512", ("fwd", "fwdbwd"), ("ours",)),
         Job("CPU_HYBRID_PACK_L4096_MB2_DOC1000_H2x4_K64_D256", ("fwdbwd",), ("ours",)),
     ),
-    # an H200: FLA comparison shapes, the packing scenario, conv/decode, layer and hybrid (< 10 min)
     "gpu": (
         Job("B1_T32768_H16x32_K128_V128", ("fwd", "fwdbwd")),
         Job("B1_T32768_H16x64_K128_V128", ("fwd", "fwdbwd")),
@@ -225,11 +223,12 @@ SUITES = {
     ),
 }
 
+SUITE_DOCS = {
+    "default": "the README's main job on a CPU: gdr packed vs padded, ours vs peers (about a minute)",
+    "cpu-extra": "conv, GDN layer and hybrid LM, packed vs padded, on a CPU (a few minutes)",
+    "gpu": "an H200: FLA comparison shapes, the packing scenario, conv, decode, layer, hybrid (< 10 min)",
+    "tiny": "seconds: the tests' smoke run",
+}
+assert set(SUITE_DOCS) == set(SUITES), "every suite needs a line in SUITE_DOCS"
+
 assert all(j.scenario in SCENARIOS for jobs in SUITES.values() for j in jobs), "suite names a missing scenario"
-
-
-def lookup(name: str) -> Scenario:
-    try:
-        return SCENARIOS[name]
-    except KeyError:
-        raise SystemExit(f"unknown scenario {name!r}; `python -m bench list` shows them") from None

@@ -1,13 +1,14 @@
 """The sweep: for every job, provider, mode and layout - availability, correctness gate, timing,
 figures - as tidy rows (bench/output.py)."""
 import traceback
+import warnings
 
 import torch
 
 from bench import gdr, kernels, layers, model, timing
 from bench.common import DTYPES, Skip, sync
 from bench.output import row
-from bench.registry import lookup
+from bench.registry import SCENARIOS
 
 PROVIDERS = {"gdr": gdr.PROVIDERS, "packing": gdr.PROVIDERS, "conv": kernels.CONV_PROVIDERS,
              "recurrent": kernels.REC_PROVIDERS, "layer": layers.LAYER_PROVIDERS,
@@ -29,7 +30,7 @@ def plan(jobs, opt):
     """[(op, scenario, [provider names], [modes])] after the option filters."""
     out = []
     for job in jobs:
-        s = lookup(job.scenario).scaled(opt.scale)
+        s = SCENARIOS[job.scenario].scaled(opt.scale)
         op = job.op or s.op
         names = [n for n in PROVIDERS[op] if (job.providers is None or n in job.providers)
                  and (opt.providers is None or n in opt.providers)]
@@ -45,54 +46,94 @@ def layouts(s):
     return ("packed",) if s.layout in ("varlen", "decode") else ("dense",)
 
 
+class Progress:
+    """What the sweep reports while it runs (the CLI draws a bar on a terminal and prints a line per
+    case otherwise): start(total cases) once, then begin(text) before and done(n, text) after each
+    case, or each group of n cases that share one outcome (a provider that cannot run here)."""
+
+    def start(self, total):
+        pass
+
+    def begin(self, text):
+        pass
+
+    def done(self, n, text):
+        pass
+
+
 def run(jobs, opt, env, progress=None):
+    progress = progress or Progress()
     rows, gates = [], {}
-    device = opt.device
     work = plan(jobs, opt)
-    task = progress.add_task("benchmark", total=sum(len(n) * len(m) * len(layouts(s)) for _, s, n, m in work)) \
-        if progress else None
-
-    def advance(n=1):
-        if progress:
-            progress.advance(task, n)
-
+    progress.start(sum(len(n) * len(m) * len(layouts(s)) for _, s, n, m in work))
     for op, s, names, modes in work:
-        dtype_name = opt.dtype or (s.dtype if device.type == "cuda" else "float32")
-        dtype = DTYPES[dtype_name]
-        lay = layouts(s)
+        dtype_name = opt.dtype or (s.dtype if opt.device.type == "cuda" else "float32")
         base = dict(op=op, scenario=s.name, dtype=dtype_name, real_tokens=s.real_tokens,
                     padded_tokens=s.padded_tokens)
         for name in names:
-            p = PROVIDERS[op][name]
-            if progress:
-                progress.update(task, description=f"{op} {s.name} {name}")
-            why = _safe(lambda: p.why_not(device))
-            if why:
-                for mode in modes:
-                    rows.append(row(env, **base, provider=name, mode=mode, layout="-", metric="status",
-                                    status="skipped", note=why))
-                advance(len(modes) * len(lay))
-                continue
-            for mode in modes:
-                grads = mode != "fwd"
-                gkey = (GATE_FAMILY.get(op, op), name, dtype_name, grads)
-                if gkey not in gates:
-                    gates[gkey] = _gate(p, device, dtype, grads)
-                status, err, detail = gates[gkey]
-                rows.append(row(env, **base, provider=name, mode=mode, layout="gate", metric="gate_rel_err",
-                                p50=err, status=status, note=detail))
-                if status != "ok":
-                    rows.append(row(env, **base, provider=name, mode=mode, layout="-", metric="status",
-                                    status=status, note=("gate: " if status == "failed" else "") + detail))
-                    advance(len(lay))
-                    continue
-                for layout in lay:
-                    rows += _measure(p, op, s, layout, mode, dtype, opt, env, base)
-                    advance()
-                if s.layout == "packing":
-                    rows += _packing_rows(rows, env, base, name, mode, s)
+            progress.begin(f"{op} {s.name} {name}")
+            with warnings.catch_warnings(record=True) as caught:      # the usual filters apply
+                block = _provider_rows(PROVIDERS[op][name], op, s, modes, dtype_name, opt, env, base, gates,
+                                       progress)
+            _note_warnings(block, caught)
+            rows += block
     _speedups(rows, env, opt.baseline)
     return rows
+
+
+def _provider_rows(p, op, s, modes, dtype_name, opt, env, base, gates, progress):
+    """The rows of one provider on one scenario: availability, gate, then every mode and layout."""
+    device, dtype, lay = opt.device, DTYPES[dtype_name], layouts(s)
+    where = f"{op} {s.name} {p.name}"
+    rows = []
+    why = _safe(lambda: p.why_not(device))
+    if why:
+        for mode in modes:
+            rows.append(row(env, **base, provider=p.name, mode=mode, layout="-", metric="status",
+                            status="skipped", note=why))
+        progress.done(len(modes) * len(lay), f"{where}: skipped - {why}")
+        return rows
+    for mode in modes:
+        grads = mode != "fwd"
+        gkey = (GATE_FAMILY.get(op, op), p.name, dtype_name, grads)
+        if gkey not in gates:
+            gates[gkey] = _gate(p, device, dtype, grads)
+        status, err, detail = gates[gkey]
+        rows.append(row(env, **base, provider=p.name, mode=mode, layout="gate", metric="gate_rel_err",
+                        p50=err, status=status, note=detail))
+        if status != "ok":
+            rows.append(row(env, **base, provider=p.name, mode=mode, layout="-", metric="status",
+                            status=status, note=("gate: " if status == "failed" else "") + detail))
+            progress.done(len(lay), f"{where} {mode}: gate {status} - {detail}")
+            continue
+        for layout in lay:
+            case = _measure(p, op, s, layout, mode, dtype, opt, env, base)
+            rows += case
+            progress.done(1, f"{where} {mode} {layout}: {_outcome(case)}")
+        if s.layout == "packing":
+            rows += _packing_rows(rows, env, base, p.name, mode, s)
+    return rows
+
+
+def _outcome(case_rows):
+    r = case_rows[0]
+    if r["metric"] == "time":
+        return f"{r['p50'] * 1e3:.4g} ms"
+    return f"{r['status']} - {r['note']}"
+
+
+def _note_warnings(rows, caught):
+    """Warnings a provider raised (e.g. fla's platform warning at import) go into its rows' notes."""
+    seen = []
+    for w in caught:
+        text = f"{w.category.__name__}: {(str(w.message).splitlines() or [''])[0]}"
+        if text not in seen:
+            seen.append(text)
+    if not seen:
+        return
+    for r in rows:
+        if r["metric"] in ("time", "status"):
+            r["note"] = "; ".join(x for x in (r["note"], "warning " + "; ".join(seen)) if x)
 
 
 def _safe(f):
@@ -146,7 +187,8 @@ def _measure(p, op, s, layout, mode, dtype, opt, env, base):
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         return [r(metric="status", status="failed", note=f"{type(e).__name__}: {_first_line(e)}")]
-    note = "; ".join(x for x in (case.note, f"{n} timed runs" if n else "") if x)
+    note = "; ".join(x for x in (case.note, f"{n} of {opt.repeats} timed runs (--budget-s)"
+                                 if n and n < opt.repeats else "") if x)
     out = [r(metric="time", unit="s", p50=p50, p20=p20, p80=p80, note=note)]
     tok = s.real_tokens
     out.append(r(metric="tokens_per_s", unit="real tokens/s", p50=tok / p50, p20=tok / p80, p80=tok / p20))

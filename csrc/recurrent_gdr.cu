@@ -1,5 +1,5 @@
 // Recurrent (token-by-token) gated delta rule forward over cu_seqlens segments: the decode / verify /
-// short-prefill path. Per v-head and sequence, with S [K, V] float32 (DESIGN.md section 2):
+// short-prefill path. Per v-head and sequence, with S [K, V] float32 (docs/DESIGN.md section 2):
 //   S~ = exp(g_t) S,  u_t = beta_t (v_t - S~^T k_t),  S = S~ + k_t u_t^T,  o_t = scale S^T q_t
 // (q_t, k_t l2-normalised first with l2norm: x / sqrt(sum x^2 + 1e-6)).
 // Inputs: q, k [T, H, K], v [T, HV, V] (float32 / float16 / bfloat16, contiguous), g, beta [T, HV]

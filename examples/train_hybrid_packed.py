@@ -5,7 +5,9 @@ no padding, and no token attends to, convolves with or carries state from anothe
 The synthetic documents are arithmetic progressions modulo the vocabulary (random start, stride 1-3
 per document); the loss falls from ~4.2 to ~0.3 in 30 steps.
 
-    PYTHONPATH=. python examples/train_hybrid_packed.py --steps 30
+    make venv && .venv/bin/python examples/train_hybrid_packed.py --steps 30
+
+(any Python that has torch and gdn_packed installed runs it the same way).
 """
 import argparse
 import time

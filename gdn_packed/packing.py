@@ -1,6 +1,6 @@
 """Packing helpers for packed (THD / varlen) sequences described by ``cu_seqlens``.
 
-Layouts (see DESIGN.md section 3)
+Layouts (see docs/DESIGN.md section 3)
 ---------------------------------
 * **Padded batch** ``[B, L, ...]`` with an ``attention_mask`` ``[B, L]``: the real tokens of row ``b``
   are the positions where the mask is non-zero, taken in order (right padding, left padding or any

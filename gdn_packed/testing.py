@@ -1,5 +1,5 @@
 """Test helpers shared by tests/ and bench/: the float64 per-sequence reference on packed inputs,
-the relative-error metric of DESIGN.md section 7, NaN-poisoned outputs and a host-sync detector."""
+the relative-error metric of docs/DESIGN.md section 7, NaN-poisoned outputs and a host-sync detector."""
 from contextlib import contextmanager
 
 import torch
@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from gdn_packed.ops._common import poisoned_outputs  # noqa: F401  (re-exported)
 from gdn_packed.torch_ref.naive import naive_recurrent_gdr
 
-# bf16/fp16 budgets of DESIGN.md section 7, and the fp32-on-CPU budget
+# bf16/fp16 budgets of docs/DESIGN.md section 7, and the fp32-on-CPU budget
 BUDGETS = {
     torch.float32: dict(o=1e-5, state=1e-5, grad=1e-5),
     torch.float64: dict(o=1e-10, state=1e-10, grad=1e-10),
@@ -62,7 +62,7 @@ def gdr_case_id(case):
 
 def gdr_inputs(rows, H, HV, K, V, dtype=torch.float32, *, N=None, batch=1, seed=0, device="cpu",
                initial_state=False, slow_decay=True, unit_k=True):
-    """Random q, k, v, g, beta (and h0 [N, HV, K, V] float32) in the layout of DESIGN.md section 3.
+    """Random q, k, v, g, beta (and h0 [N, HV, K, V] float32) in the layout of docs/DESIGN.md section 3.
     g = logsigmoid(x + 2) (slow decay, the hard case for bf16) or logsigmoid(x). k has unit rows
     (the delta rule is stable for beta |k|^2 <= 2) unless unit_k=False, for kernels that l2-normalise
     k themselves."""

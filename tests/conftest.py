@@ -19,16 +19,32 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import pytest  # noqa: E402
 
 _TABLES = {}
+TABLES_ENV = "GDN_PACKED_TABLES"
 
 
 @pytest.fixture
 def report_table():
-    """report_table(title, line): a line for a table printed at the end of the pytest run."""
+    """report_table(title, line): a line for a report table (kernel resources, errors against FLA).
+    The tables go to .pytest_cache/d/gdn_packed/tables.txt; the terminal shows them with -v or
+    GDN_PACKED_TABLES=1, otherwise one line that names the file."""
     return lambda title, line: _TABLES.setdefault(title, []).append(line)
 
 
-def pytest_terminal_summary(terminalreporter):
-    for title, lines in _TABLES.items():
-        terminalreporter.section(title)
-        for line in lines:
-            terminalreporter.write_line(line)
+def pytest_terminal_summary(terminalreporter, config):
+    if not _TABLES:
+        return
+    text = "".join(f"== {title}\n" + "".join(line + "\n" for line in lines) + "\n"
+                   for title, lines in _TABLES.items())
+    cache = getattr(config, "cache", None)        # None with -p no:cacheprovider
+    path = None
+    if cache is not None:
+        path = cache.mkdir("gdn_packed") / "tables.txt"
+        path.write_text(text)
+    if path is None or config.option.verbose > 0 or os.environ.get(TABLES_ENV, "0") not in ("", "0"):
+        for title, lines in _TABLES.items():
+            terminalreporter.section(title)
+            for line in lines:
+                terminalreporter.write_line(line)
+    else:
+        terminalreporter.write_line(f"{len(_TABLES)} report table(s) in {path} (-v or {TABLES_ENV}=1 "
+                                    "prints them)")

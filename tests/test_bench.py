@@ -1,11 +1,14 @@
 """The benchmark CLI (bench/): an end-to-end run on tiny scenarios with every CPU provider, the
-result files' schema, the correctness gate rejecting a wrong provider, and the plot command."""
+result files' schema, what the console shows (tables that fit the width, one progress line per case
+when piped), bad arguments, the correctness gate rejecting a wrong provider, and the plot command."""
 import csv
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -14,17 +17,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench import gdr, output  # noqa: E402
-from bench.cli import main  # noqa: E402
+from bench.cli import RESULTS_DIR, main, parser  # noqa: E402
+from bench.registry import SUITES  # noqa: E402
 
 CPU_PROVIDERS = ("ours-torch", "hf-torch", "naive")
 FAST = ["--repeats", "3", "--warmup", "1", "--budget-s", "1", "--threads", "1"]
+WIDTH = 80
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
+    """The tiny suite in a subprocess whose output is a pipe (not a terminal), 80 columns wide."""
     out = tmp_path_factory.mktemp("results")
     cmd = [sys.executable, "-m", "bench", "--suite", "tiny", "--out", str(out), *FAST]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, COLUMNS=str(WIDTH)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     csvs, jsons = glob.glob(str(out / "*.csv")), glob.glob(str(out / "*.json"))
     assert len(csvs) == 1 and len(jsons) == 1, (csvs, jsons)
@@ -73,6 +80,97 @@ def test_cli_prints_the_tables(tiny_run):
     stdout, _, _ = tiny_run
     assert "padded/packed" in stdout and "ideal" in stdout
     assert "SKIPPED ours-triton: needs a GPU" in stdout
+    assert re.search(r"\d+ timed cases; the result files hold \d+ rows", stdout)
+
+
+def test_tables_fit_the_width_and_never_split_a_name(tiny_run):
+    stdout, csv_path, _ = tiny_run
+    with open(csv_path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    lines = [ln for ln in stdout.splitlines() if not ln.startswith("[")]     # progress lines aside
+    assert all(len(ln) <= WIDTH for ln in lines), max(lines, key=len)
+    words = {w for ln in lines for w in ln.split()}
+    timed = {(r["scenario"], r["provider"]) for r in rows if r["metric"] == "time"}
+    for scenario, provider in timed:
+        assert scenario in words and provider in words, (scenario, provider)
+
+
+def test_one_progress_line_per_case_when_piped(tiny_run):
+    stdout, csv_path, _ = tiny_run
+    progress = [re.match(r"\[(\d+)(?:-(\d+))?/(\d+)\] ", ln) for ln in stdout.splitlines()]
+    spans = [(int(m[1]), int(m[2] or m[1]), int(m[3])) for m in progress if m]
+    total = spans[-1][2]
+    assert [a for a, _, _ in spans] == [1] + [b + 1 for _, b, _ in spans[:-1]] and spans[-1][1] == total
+    with open(csv_path, newline="") as f:
+        timed = [r for r in csv.DictReader(f) if r["metric"] == "time"]
+    assert sum(1 for a, b, _ in spans if a == b) >= len(timed) > 0
+
+
+def test_results_go_to_an_ignored_folder_by_default():
+    assert parser().parse_args([]).out == RESULTS_DIR
+    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    probe = os.path.join(os.path.relpath(RESULTS_DIR, ROOT), "run.csv")
+    proc = subprocess.run(["git", "check-ignore", "-q", probe], cwd=ROOT)
+    assert proc.returncode == 0, f"{probe} is not ignored by git"
+
+
+@pytest.mark.parametrize("args, valid", [
+    (["--providers", "ours-trition"], "ours-triton"),
+    (["--modes", "backward"], "fwdbwd"),
+    (["--ops", "gdn"], "gdr"),
+    (["--scenarios", "B1_T32768"], "B1_T32768_H16x32_K128_V128"),
+    (["--suite", "cpu"], "cpu-extra"),
+    (["--dtype", "bf16"], "bfloat16"),
+    (["--baseline", "flash"], "fla"),
+    (["--device", "gpu"], "cuda"),
+], ids=lambda x: x[0] if isinstance(x, list) else "")
+def test_bad_names_exit_2_with_one_line_naming_the_valid_ones(args, valid, capsys):
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m bench: error:") and valid in err[0], err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_one_line(capsys):
+    assert main(["--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA device here" in err[0], err
+
+
+def test_nothing_left_after_the_filters_is_an_error(capsys):
+    assert main(["--suite", "default", "--ops", "conv"]) == 2
+    assert "nothing to run" in capsys.readouterr().err
+
+
+def test_help_and_list_name_every_suite_and_no_issue_numbers(capsys):
+    help_text = " ".join(parser().format_help().split())
+    assert all(f"{name}:" in help_text for name in SUITES)
+    assert main(["list"]) == 0
+    listing = capsys.readouterr().out
+    assert all(f"  {name}: " in listing for name in SUITES)
+    assert not re.search(r"\bissue \d+", listing)
+
+
+def test_a_providers_warning_goes_into_its_row_note(tmp_path, capsys):
+    right = gdr.PROVIDERS["ours-torch"].extra["call"]
+
+    def warns(q, k, v, g, beta, cu):
+        warnings.warn("this platform is not supported, rolling back", UserWarning)
+        return right(q, k, v, g, beta, cu)
+    gdr.PROVIDERS["warns"] = gdr.make_provider("warns", warns)
+    try:
+        rc = main(["--scenarios", "TINY_N3_T201_H2x4_K32_V32", "--providers", "warns", "--modes", "fwd",
+                   "--out", str(tmp_path), "--no-memory", *FAST])
+    finally:
+        del gdr.PROVIDERS["warns"]
+    assert rc == 0
+    rows = output.load(glob.glob(str(tmp_path / "*.json"))[0])
+    note = next(r["note"] for r in rows if r["provider"] == "warns" and r["metric"] == "time")
+    assert "UserWarning: this platform is not supported, rolling back" in note
+    assert "rolling back" not in capsys.readouterr().err
 
 
 def test_gate_rejects_a_wrong_provider_and_does_not_time_it(tmp_path, capsys):

@@ -101,7 +101,7 @@ def ptxas_report():
 
 
 @needs_nvcc
-def test_csrc_compiles_without_spills(ptxas_report, capsys):
+def test_csrc_compiles_without_spills(ptxas_report, report_table):
     recs = []
     for src, _, p in ptxas_report:
         for r in parse_ptxas(p.stdout + "\n" + p.stderr):
@@ -109,11 +109,11 @@ def test_csrc_compiles_without_spills(ptxas_report, capsys):
             recs.append(r)
     assert recs, "ptxas reported no kernels"
     names = demangle(sorted({r["name"] for r in recs}))
-    with capsys.disabled():
-        print(f"\n{'kernel':<58} {'arch':<7} {'regs':>4} {'smem':>6} {'spill':>5} {'stack':>5}")
-        for r in recs:
-            print(f"{names[r['name']][:58]:<58} {r['arch']:<7} {r['registers']!s:>4} {r['smem']:>6} "
-                  f"{r['spill']:>5} {r['stack']:>5}")
+    title = "csrc/ kernels, ptxas -v"
+    report_table(title, f"{'kernel':<58} {'arch':<7} {'regs':>4} {'smem':>6} {'spill':>5} {'stack':>5}")
+    for r in recs:
+        report_table(title, f"{names[r['name']][:58]:<58} {r['arch']:<7} {r['registers']!s:>4} {r['smem']:>6} "
+                            f"{r['spill']:>5} {r['stack']:>5}")
     kernels = {r["name"] for r in recs}
     missing = [f for f in KERNEL_FAMILIES if not any(f in names[k] for k in kernels)]
     assert not missing, f"kernels missing from the ptxas report: {missing}"

@@ -1,5 +1,5 @@
 """gdn_packed.chunk_gated_delta_rule (torch backend): forward, final state and gradients against the
-float64 per-sequence recurrence, on the packings of DESIGN.md section 7."""
+float64 per-sequence recurrence, on the packings of docs/DESIGN.md section 7."""
 import pytest
 import torch
 

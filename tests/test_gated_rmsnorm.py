@@ -12,7 +12,7 @@ from gdn_packed.torch_ref.gated_rmsnorm import gated_rmsnorm_ref
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     bool(triton_usable(torch.device(DEVICE))), reason="triton cannot run here"))]
-# DESIGN.md section 7: output budgets, and the gradient budgets (fp32 CPU 1e-5, fp32 GPU 3e-3, bf16 2.5e-2)
+# docs/DESIGN.md section 7: output budgets, and the gradient budgets (fp32 CPU 1e-5, fp32 GPU 3e-3, bf16 2.5e-2)
 BUDGET = {torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3, torch.bfloat16: 2e-2}
 GRAD_BUDGET = {torch.float32: 1e-5 if DEVICE == "cpu" else 3e-3, torch.bfloat16: 2.5e-2}
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not HAVE_MEGATRON, reason="megatron-core is not 
 needs_fla = pytest.mark.skipif(not HAVE_FLA, reason="fla-core (Megatron's kernels, the oracle) is not "
                                "installed")
 
-FP32 = 1e-5               # DESIGN.md section 7, fp32 on CPU
+FP32 = 1e-5               # docs/DESIGN.md section 7, fp32 on CPU
 BF16_OUT, BF16_GRAD = 2e-2, 2.5e-2
 SCENARIOS = ("sbhd_b2", "thd", "thd_padded")
 

@@ -33,7 +33,8 @@ def triton_usable(device) -> str:
     try:
         import triton  # noqa: F401
     except ImportError:
-        return "triton is not installed"
+        return ("backend='triton' needs the triton package, which is not installed: "
+                "pip install 'gdn_packed[triton]' (or pip install triton), or use backend='torch'")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return ("backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 "
                 "before importing triton, or use backend='torch'")

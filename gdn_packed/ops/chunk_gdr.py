@@ -161,18 +161,53 @@ chunk_gdr_fwd.register_autograd(_backward, setup_context=_setup_context)
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, *, cu_seqlens_padded=None, use_qk_l2norm_in_kernel=False,
                            A_log=None, dt_bias=None, backend="auto", validate=False):
-    """Chunked gated delta rule over packed sequences (DESIGN.md sections 2-4).
+    """The gated delta rule over packed sequences, computed in chunks of 64 tokens; forward and
+    backward (docs/DESIGN.md sections 2-4). Arguments follow FLA's chunk_gated_delta_rule.
 
-    q, k [B, T, H, K]; v [B, T, HV, V]; g (log-decay), beta [B, T, HV]; HV a multiple of H (GVA).
-    With `cu_seqlens` [N+1] (int32/int64) B must be 1 and sequence i holds the real rows
-    [cu_seqlens_padded[i], cu_seqlens_padded[i] + len_i) (cu_seqlens_padded defaults to cu_seqlens);
-    every other row is padding: 0 in `o`, 0 gradient. initial_state [N, HV, K, V] float32.
-    Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None).
+    Per sequence and value head the state S [K, V] (float32) starts at initial_state (or 0) and each
+    token does S = exp(g_t) S + k_t beta_t (v_t - exp(g_t) S^T k_t)^T, then o_t = scale S^T q_t.
 
-    A_log, dt_bias [HV] (both or neither): g and beta are then the raw a and b of the gating
-    (Qwen3-Next / Megatron), and the op computes g = -exp(A_log) * softplus(a + dt_bias) and
-    beta = sigmoid(b) in float32 itself (never rounding them to a's dtype); gradients flow to a, b,
-    A_log and dt_bias.
+    Args:
+        q, k: [B, T, H, K] queries and keys (float32, float16, bfloat16 or float64; q, k, v share one
+            dtype). K <= 256.
+        v: [B, T, HV, V] values, V <= 256. HV is a multiple of H: value head h uses qk head
+            h // (HV // H) (grouped value heads, no copy of q or k).
+        g: [B, T, HV] log-decay per token (normally <= 0). With A_log/dt_bias: the raw gate input a.
+        beta: [B, T, HV] update strength in [0, 1]. With A_log/dt_bias: the raw gate input b.
+        scale: the factor of q in o; None means K ** -0.5.
+        initial_state: [N, HV, K, V] float32 (or float64) state entering each sequence; None means
+            zeros. Gets a gradient when it requires one.
+        output_final_state: True returns the state after each sequence as the second value; False
+            returns None there.
+        cu_seqlens: [N+1] int32/int64 offsets of N sequences packed into the rows of a batch-1
+            input: sequence i has len_i = cu_seqlens[i+1] - cu_seqlens[i] real tokens
+            (non-decreasing, cu_seqlens[0] = 0; zero-length sequences are allowed). None: each of
+            the B rows is one sequence (N = B).
+        cu_seqlens_padded: [N+1] storage offsets, same dtype and shape as cu_seqlens: sequence i's
+            tokens are rows [cu_seqlens_padded[i], cu_seqlens_padded[i] + len_i), and every row
+            outside these ranges is padding. None: cu_seqlens (no gaps between sequences; rows
+            after cu_seqlens[-1] are still padding).
+            Padding rows are 0 in o, get 0 gradient and belong to no chunk.
+        use_qk_l2norm_in_kernel: replace q and k by x / sqrt(sum(x^2) + 1e-6) per head inside the op
+            (with its gradient), as FLA's flag does.
+        A_log, dt_bias: [HV] each, both or neither. With them g and beta hold the raw a and b of the
+            Qwen3-Next / Megatron gating, and the op computes g = -exp(A_log) * softplus(a + dt_bias)
+            and beta = sigmoid(b) itself, in float32 (never rounded to a's dtype); gradients reach a,
+            b, A_log and dt_bias.
+        backend: "auto" (default) picks "triton" for CUDA tensors ("torch" when triton is not
+            installed) and "torch" for CPU tensors. "torch": vectorised PyTorch, any device.
+            "triton": the Triton kernels; on CPU tensors only under the Triton interpreter
+            (TRITON_INTERPRET=1 set before triton is imported). "cuda": not implemented for this op
+            (raises NotImplementedError).
+        validate: also check the values of cu_seqlens (and cu_seqlens_padded): starting at 0,
+            non-decreasing, within the rows. That reads them back to the host, so it is off by
+            default (the op then never synchronises); GDN_PACKED_VALIDATE=1 turns it on everywhere.
+
+    Returns:
+        (o, final_state): o [B, T, HV, V] in v's dtype; final_state [N, HV, K, V] float32, or None
+        unless output_final_state.
+
+    Bad inputs raise TypeError / ValueError naming the argument, before any launch.
     """
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale)
     _check_gates(A_log, dt_bias, v.shape[2], q.device)

@@ -179,16 +179,42 @@ conv1d_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def causal_conv1d_varlen(x, weight, bias=None, activation="silu", cu_seqlens=None, *, cu_seqlens_padded=None,
                          initial_state=None, output_final_state=False, backend="auto", validate=False):
-    """Depthwise causal conv1d over packed sequences, restarting at every sequence.
+    """Depthwise causal conv1d over packed sequences, restarting at every sequence (it never reads
+    across a sequence boundary); forward and backward, channel-last.
 
-    x [1, T, D] channel-last packed with `cu_seqlens` [N+1] (int32/int64; optional
-    `cu_seqlens_padded` storage offsets, DESIGN.md section 3), or [B, L, D] without (each row one
-    sequence). weight [D, W] or Megatron's/nn.Conv1d's [D, 1, W], 1 <= W <= 8; bias [D] or None;
-    activation "silu" (alias "swish") or None. initial_state [N, D, W-1] in x's dtype: the W-1 inputs
-    before each sequence (oldest first; zeros when None). Returns (y [B, L, D] in x's dtype with exact
-    zeros on padding rows, final_state [N, D, W-1] (the last W-1 inputs of each sequence, preceded by
-    initial-state columns when the sequence is shorter) or None unless output_final_state).
-    Differentiable in x, weight, bias and initial_state; dweight/dbias are deterministic.
+    Per sequence and channel c: y[t] = act(bias[c] + sum_w weight[c, w] * x[t - (W-1) + w]), where
+    inputs before the sequence start come from initial_state (or are 0).
+
+    Args:
+        x: [1, T, D] packed rows with cu_seqlens, or [B, L, D] without (each row one sequence);
+            float32, float16, bfloat16 or float64.
+        weight: [D, W], or [D, 1, W] as in nn.Conv1d / Megatron; 1 <= W <= 8.
+        bias: [D] or None.
+        activation: "silu" (default; alias "swish") or None.
+        cu_seqlens: [N+1] int32/int64 offsets of N sequences packed into a batch-1 input, as in
+            chunk_gated_delta_rule; None: each of the B rows is one sequence (N = B).
+        cu_seqlens_padded: [N+1] storage offsets of the sequences' tokens, as in
+            chunk_gated_delta_rule; rows outside them are padding. None: cu_seqlens.
+            Padding rows are 0 in y and get 0 gradient.
+        initial_state: [N, D, W-1] in x's dtype: the W-1 inputs before each sequence, oldest
+            first; None means zeros.
+        output_final_state: True returns the last W-1 inputs of each sequence, [N, D, W-1] in x's
+            dtype (preceded by initial-state columns when the sequence is shorter), as the second
+            value; False returns None there.
+        backend: "auto" (default) picks "cuda" for CUDA tensors when gdn_packed._C can run there and
+            x is float32/float16/bfloat16 (else "torch"), and "torch" for CPU tensors. "torch":
+            PyTorch, any device. "cuda": the csrc/ kernels (CUDA tensors; TypeError for float64).
+            "triton": not implemented for this op (NotImplementedError).
+        validate: also check the values of cu_seqlens (and cu_seqlens_padded): starting at 0,
+            non-decreasing, within the rows. That reads them back to the host, so it is off by
+            default (the op then never synchronises); GDN_PACKED_VALIDATE=1 turns it on everywhere.
+
+    Returns:
+        (y, final_state): y [B, L, D] in x's dtype; final_state [N, D, W-1] or None unless
+        output_final_state. Differentiable in x, weight, bias and initial_state; dweight and dbias
+        are deterministic (fixed-order sums, no atomics).
+
+    Bad inputs raise TypeError / ValueError naming the argument, before any launch.
     """
     weight = _check_inputs(x, weight, bias, activation, cu_seqlens, cu_seqlens_padded, initial_state)
     if V.want_validate(validate) and cu_seqlens is not None:

@@ -85,10 +85,22 @@ gated_rmsnorm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def gated_rmsnorm(x, z, weight, eps=1e-6, backend="auto"):
-    """`x * rsqrt(mean(x^2) + eps) * weight * silu(z)` over the last dim, in float32.
+    """Gated RMSNorm, the output gate of the GDN block: x * rsqrt(mean(x^2) + eps) * weight * silu(z)
+    over the last dim, computed in float32; forward and backward.
 
-    x, z [..., N] (same shape, float dtypes); weight [N]. Returns y in x's dtype. Differentiable in
-    x, z and weight. backend: "auto" (triton on CUDA, torch on CPU) | "torch" | "triton".
+    Args:
+        x: [..., N] float tensor (any leading shape).
+        z: the gate, the shape of x.
+        weight: [N].
+        eps: added to mean(x^2); a non-negative float (default 1e-6).
+        backend: "auto" (default) picks "triton" for CUDA tensors ("torch" when triton is not
+            installed) and "torch" for CPU tensors. "torch": PyTorch, any device. "triton": the
+            fused Triton kernels (deterministic weight gradient); on CPU tensors only under the
+            Triton interpreter (TRITON_INTERPRET=1). "cuda": not implemented for this op
+            (NotImplementedError).
+
+    Returns:
+        y in x's shape and dtype. Differentiable in x, z and weight.
     """
     V.check_tensor("x", x)
     V.check_tensor("z", z, device=x.device)

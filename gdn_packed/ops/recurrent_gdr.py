@@ -119,19 +119,47 @@ def _(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, cu_seqlens_padded
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                      cu_seqlens=None, *, cu_seqlens_padded=None, state_indices=None,
                                      use_qk_l2norm_in_kernel=False, backend="auto", validate=False):
-    """The gated delta rule one token at a time over packed sequences (DESIGN.md sections 2-3).
+    """The gated delta rule one token at a time over packed sequences: the decode / verify /
+    short-prefill path; forward only (train with chunk_gated_delta_rule). docs/DESIGN.md sections 2-3.
+    Arguments follow FLA's fused_recurrent_gated_delta_rule, plus state_indices for a state pool.
 
-    q, k [B, T, H, K]; v [B, T, HV, V]; g (log-decay), beta [B, T, HV]; HV a multiple of H (GVA);
-    `cu_seqlens` / `cu_seqlens_padded` as in chunk_gated_delta_rule (B = 1 when given).
-    States, float32, either
-      - per sequence: initial_state [N, HV, K, V] or None; returns (o, final_state [N, HV, K, V] or
-        None unless output_final_state), or
-      - a pool: initial_state [P, HV, K, V] with state_indices [N] (int32/int64): sequence i starts
-        from pool[state_indices[i]] and writes its final state back there, in place; an index < 0
-        (or >= P) starts from zeros and writes nothing. Valid indices must be distinct within a call
-        (validate=True checks that and rejects indices >= P).
-        Returns (o, the pool if output_final_state else None).
-    o has v's dtype; padding rows are 0. Forward only (no autograd).
+    Per sequence and value head: S = exp(g_t) S + k_t beta_t (v_t - exp(g_t) S^T k_t)^T,
+    o_t = scale S^T q_t, with S [K, V] float32.
+
+    Args:
+        q, k: [B, T, H, K] (float32, float16, bfloat16 or float64; q, k, v share one dtype), K <= 256.
+        v: [B, T, HV, V], V <= 256; HV a multiple of H (value head h uses qk head h // (HV // H)).
+        g: [B, T, HV] log-decay per token (normally <= 0).
+        beta: [B, T, HV] update strength in [0, 1].
+        scale: the factor of q in o; None means K ** -0.5.
+        initial_state: float32. Without state_indices: [N, HV, K, V], the state entering each
+            sequence (None: zeros). With state_indices: the state pool [P, HV, K, V] (contiguous),
+            updated in place.
+        output_final_state: True returns the states as the second value: [N, HV, K, V] per sequence,
+            or the pool itself when state_indices is given (it is updated in place either way);
+            False returns None there.
+        cu_seqlens: [N+1] int32/int64 offsets of N sequences packed into a batch-1 input, as in
+            chunk_gated_delta_rule; None: each of the B rows is one sequence (N = B).
+        cu_seqlens_padded: [N+1] storage offsets of the sequences' tokens, as in
+            chunk_gated_delta_rule; rows outside them are padding. None: cu_seqlens.
+            Padding rows are 0 in o.
+        state_indices: [N] int32/int64, one pool slot per sequence: sequence i starts from
+            pool[state_indices[i]] and writes its final state back there. An index < 0 (or >= P)
+            starts from zeros and writes nothing. Valid indices must be distinct within one call
+            (validate=True checks that and rejects indices >= P).
+        use_qk_l2norm_in_kernel: replace q and k by x / sqrt(sum(x^2) + 1e-6) per head first.
+        backend: "auto" (default) picks "cuda" for CUDA tensors when gdn_packed._C can run there and
+            q is float32/float16/bfloat16 with K <= 128 (else "torch"), and "torch" for CPU tensors.
+            "torch": PyTorch, any device. "cuda": the csrc/ kernel (CUDA tensors; ValueError for
+            other dtypes or K > 128). "triton": not implemented for this op (NotImplementedError).
+        validate: also check the values of cu_seqlens (and cu_seqlens_padded): starting at 0,
+            non-decreasing, within the rows. That reads them back to the host, so it is off by
+            default (the op then never synchronises); GDN_PACKED_VALIDATE=1 turns it on everywhere.
+
+    Returns:
+        (o, final_state): o [B, T, HV, V] in v's dtype; final_state as output_final_state says.
+
+    Bad inputs raise TypeError / ValueError naming the argument, before any launch.
     """
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, state_indices, scale)
     if V.want_validate(validate):

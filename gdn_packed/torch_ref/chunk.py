@@ -1,5 +1,5 @@
 """The chunked gated delta rule in vectorised PyTorch: the CPU path and the readable statement of the
-algorithm that the Triton and CUDA kernels are checked against (DESIGN.md section 2).
+algorithm that the Triton and CUDA kernels are checked against (docs/DESIGN.md section 2).
 
 Layout. Inputs are flattened packed rows: q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV];
 initial_state [N, HV, K, V]; the chunk table (gdn_packed.ops.chunk_table) says which rows form each
@@ -13,7 +13,7 @@ Per chunk, with gamma = cumsum(g), E[r, s] = exp(gamma_r - gamma_s) for r >= s (
     Vnew = U - W S,  O = scale (diag(e^gamma) Q S + ((Q K^T) E) Vnew)
     S_next = e^Gamma S + (diag(e^(Gamma - gamma)) K)^T Vnew
 Only the state pass is sequential: it loops over the chunk index within a sequence, batched over all
-sequences and heads. The backward is the analytic chunked backward of DESIGN.md section 2 (a reverse
+sequences and heads. The backward is the analytic chunked backward of docs/DESIGN.md section 2 (a reverse
 state pass for dS, then every per-chunk gradient batched), not autograd of the forward graph.
 
 Numerics: everything is computed in float32 (float64 for float64 inputs); o is rounded to v's dtype
@@ -226,7 +226,7 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
           + (dKK + tr(dKK)) @ kc)
     dV = bc[..., None] * TdU
     dB = eg * (TdW * kc).sum(-1) + (TdU * vc).sum(-1) + (dA * KK * E).sum(-1)
-    # dg_r = sum_{t >= r} dgamma_t (DESIGN.md section 2), summed so that no large terms cancel:
+    # dg_r = sum_{t >= r} dgamma_t (docs/DESIGN.md section 2), summed so that no large terms cancel:
     #   sum_{t >= r} (rowsum X - colsum X)_t  =  sum_{t >= r, s < r} X[t, s]
     #   sum_{t >= r} (-tau_t) + sum_t tau_t   =  sum_{t < r} tau_t
     # (with fast decay the first forms lose ~1e-5 in fp32 to cancellation, these do not)

@@ -1,4 +1,4 @@
-"""The gated delta rule as DESIGN.md section 2 states it: one token at a time.
+"""The gated delta rule as docs/DESIGN.md section 2 states it: one token at a time.
 
     S~  = exp(g_t) * S_{t-1}
     u_t = beta_t * (v_t - S~^T k_t)

@@ -2,7 +2,7 @@
 `fused_recurrent_gated_delta_rule` and the statement csrc/recurrent_gdr.cu is checked against.
 
 Layout: q, k [T, H, K], v [T, HV, V], g, beta [T, HV] flattened packed rows; sequence i owns rows
-[base_i, base_i + len_i). All sequences advance together, one token per step (DESIGN.md section 2):
+[base_i, base_i + len_i). All sequences advance together, one token per step (docs/DESIGN.md section 2):
     S~ = exp(g_t) S,  u = beta_t (v_t - S~^T k_t),  S = S~ + k_t u^T,  o_t = scale S^T q_t
 A sequence past its end takes a step with k = 0, beta = 0, g = 0, which leaves S unchanged. GVA is a
 broadcast over the value heads of a qk-head (never a copy of q/k). States are float32 (float64 for

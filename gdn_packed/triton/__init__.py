@@ -1,3 +1,12 @@
-"""Triton kernels (GPU; CPU tensors only under TRITON_INTERPRET=1). Kernel families:
-chunk_fwd (forward of the chunked gated delta rule), segments (shared chunk-table index logic);
-chunk holds their host-side launch code and config heuristic."""
+"""Triton kernels (GPU; CPU tensors only under TRITON_INTERPRET=1, which is how the tests run them).
+
+    chunk.py            host side of the chunked gated delta rule: launch configs, the forward and
+                        backward entry points that gdn_packed.ops.chunk_gdr dispatches to
+    chunk_fwd.py        forward kernels of the chunked gated delta rule
+    chunk_bwd.py        backward kernels (and the backward's launch sequence)
+    chunk_bwd_state.py  the backward's reverse sequential pass over each sequence's chunks
+    chunk_gate.py       the gating from raw a, b (g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b))
+    gated_rmsnorm.py    the fused gated RMSNorm, forward and backward
+    segments.py         chunk-table and padding-row index logic shared by the kernels
+Which kernels run, their grids and what they store in between: docs/DESIGN.md section 11.
+"""

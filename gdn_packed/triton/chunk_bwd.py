@@ -1,4 +1,4 @@
-"""Backward of the packed chunked gated delta rule: Triton kernels (DESIGN.md section 2, "Backward, one
+"""Backward of the packed chunked gated delta rule: Triton kernels (docs/DESIGN.md section 2, "Backward, one
 chunk"), over the chunk table of gdn_packed/torch_ref/chunk_table.py.
 
 Per chunk (C rows), gamma = cumsum(g), eg = e^gamma, eGg = e^(Gamma - gamma), eG = e^Gamma,
@@ -8,7 +8,7 @@ E[r, s] = e^(gamma_r - gamma_s) (r >= s, else 0), M = (Q K^T) E, T = (I + A)^-1 
     dQ    = scale diag(eg) dO S^T + dP K,           dP = scale (dO Vnew^T) E
     dK    = dP^T Q + diag(eGg) Vnew dS_next^T + diag(beta eg) T^T dW' + (dKK + dKK^T) K
     dV    = diag(beta) T^T dVnew,   dW' = -dVnew S^T,  dA = strict_lower(-T^T dT T^T),  dKK = dA beta_r E
-    dbeta, dgamma as in DESIGN.md; dg = reverse cumsum of dgamma within the chunk.
+    dbeta, dgamma as in docs/DESIGN.md; dg = reverse cumsum of dgamma within the chunk.
 
 Launches, in order (grids depend only on T, N and the shapes; unused chunk slots exit at once):
   chunk_prep (the forward's)    grid (NC, HV): Tm = (I + A)^-1, M = scale causal(QK^T) E, row norms.

@@ -1,4 +1,4 @@
-"""The reverse sequential pass of the chunked gated delta rule backward (DESIGN.md section 2): one
+"""The reverse sequential pass of the chunked gated delta rule backward (docs/DESIGN.md section 2): one
 program per (sequence, value head, V-block), grid (N, HV, cdiv(V, BV)), walking the sequence's chunk
 slots cu_chunks[n+1]-1 .. cu_chunks[n] with a [K, BV] float32 state-gradient block in registers.
 (The forward-order recompute of S_in and Vnew is the forward's chunk_state_output_kernel with

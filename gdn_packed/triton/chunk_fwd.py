@@ -1,4 +1,4 @@
-"""Triton forward of the chunked gated delta rule over the device-side chunk table (DESIGN.md section 2).
+"""Triton forward of the chunked gated delta rule over the device-side chunk table (docs/DESIGN.md section 2).
 
 Per chunk (C = 64 rows, gamma = cumsum g from the chunk start, E[r,s] = exp(gamma_r - gamma_s), r >= s):
     A = strict_lower(diag(beta) (K K^T) * E),  Tm = (I + A)^-1,  M = scale * causal(Q K^T) * E

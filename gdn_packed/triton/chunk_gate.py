@@ -1,4 +1,4 @@
-"""The gating of Qwen3-Next / Megatron for the chunked gated delta rule, from raw inputs (DESIGN.md
+"""The gating of Qwen3-Next / Megatron for the chunked gated delta rule, from raw inputs (docs/DESIGN.md
 section 2, "Gating used by the layers"), in float32:
 
     g = -exp(A_log[h]) softplus(a + dt_bias[h]),   beta = sigmoid(b)

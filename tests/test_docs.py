@@ -1,0 +1,94 @@
+"""What a new user reads: every doc path the repository cites exists in it, help() of every public
+op documents each of its arguments and what backend="auto" picks, and a missing optional dependency
+gets a message that says what to do."""
+import inspect
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gdn_packed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a path ending in .md that is not part of a URL or of a longer path (relative, ./ ../ or absolute)
+DOC_PATH = re.compile(r"(?<![\w/.:-])((?:/|\.{1,2}/)?(?:[\w.-]+/)*[\w.-]+\.md)\b")
+SKIP_DIRS = {".git", ".venv", "build", "__pycache__", ".pytest_cache"}
+
+
+def repo_files():
+    """Files of the repository: tracked and untracked-but-not-ignored (a walk when git is absent)."""
+    proc = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                          capture_output=True)
+    if proc.returncode == 0:
+        return [p for p in proc.stdout.decode().split("\0") if p and os.path.isfile(os.path.join(ROOT, p))]
+    return [os.path.relpath(os.path.join(d, f), ROOT) for d, dirs, files in os.walk(ROOT)
+            if not dirs.__setitem__(slice(None), [x for x in dirs if x not in SKIP_DIRS and
+                                                  not x.endswith(".egg-info")]) for f in files]
+
+
+def doc_references():
+    """(file, line number, cited path) for every .md path cited in a text file of the repository."""
+    for rel in repo_files():
+        try:
+            with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+                text = f.read()
+        except (UnicodeDecodeError, OSError):
+            continue                                   # binary (e.g. the built _C)
+        for n, line in enumerate(text.splitlines(), 1):
+            for m in DOC_PATH.finditer(line):
+                yield rel, n, m[1]
+
+
+def test_every_cited_doc_path_exists_in_the_repo():
+    refs = list(doc_references())
+    assert any(path == "docs/DESIGN.md" for _, _, path in refs)
+    root = os.path.realpath(ROOT)
+    missing = []
+    for rel, n, path in refs:
+        here = os.path.dirname(os.path.join(root, rel))
+        candidates = [path] if os.path.isabs(path) else [os.path.join(here, path), os.path.join(root, path)]
+        found = [c for c in map(os.path.realpath, candidates) if os.path.isfile(c)]
+        if not any(c.startswith(root + os.sep) for c in found):
+            missing.append(f"{rel}:{n}: {path}")
+    assert not missing, "doc paths cited but not in the repository:\n" + "\n".join(missing)
+
+
+PUBLIC_OPS = [gdn_packed.chunk_gated_delta_rule, gdn_packed.fused_recurrent_gated_delta_rule,
+              gdn_packed.causal_conv1d_varlen, gdn_packed.gated_rmsnorm]
+
+
+def test_every_public_op_is_exported():
+    for op in PUBLIC_OPS:
+        assert op.__name__ in gdn_packed.__all__
+
+
+@pytest.mark.parametrize("op", PUBLIC_OPS, ids=lambda op: op.__name__)
+def test_help_documents_every_argument(op):
+    doc = inspect.getdoc(op)
+    documented = set(re.findall(r"^ {4}(\w+(?:, \w+)*):", doc, flags=re.M))
+    names = {n for entry in documented for n in entry.split(", ")}
+    missing = [p for p in inspect.signature(op).parameters if p not in names]
+    assert not missing, f"{op.__name__}'s docstring has no 'name:' entry under Args for {missing}"
+
+
+@pytest.mark.parametrize("op", PUBLIC_OPS, ids=lambda op: op.__name__)
+def test_help_says_what_auto_picks_on_cpu_and_cuda(op):
+    backend = re.search(r"^ {4}backend:(.*?)(?=^ {4}\w+:|\Z)", inspect.getdoc(op), flags=re.M | re.S)
+    assert backend, f"{op.__name__}: no backend entry"
+    text = " ".join(backend.group(1).split())
+    assert '"auto"' in text and "CUDA tensors" in text and "CPU tensors" in text, text
+    for name in ("torch", "triton", "cuda"):
+        assert f'"{name}"' in text, f"{op.__name__}: backend {name!r} not described"
+
+
+def test_triton_backend_without_triton_says_how_to_get_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)           # `import triton` raises ImportError
+    q = k = torch.randn(1, 4, 1, 8)
+    v = torch.randn(1, 4, 1, 8)
+    g, beta = torch.zeros(1, 4, 1), torch.ones(1, 4, 1)
+    with pytest.raises(RuntimeError) as e:
+        gdn_packed.chunk_gated_delta_rule(q, k, v, g, beta, backend="triton")
+    assert "pip install 'gdn_packed[triton]'" in str(e.value) and "backend='torch'" in str(e.value)
