@@ -8,8 +8,10 @@ inside this process. Cases (each returns measurements; the asserts live in test_
     oracle  Megatron's block vs ours, fp32 and bf16, on SBHD batch 2, THD, THD with alignment padding
     packed  ours alone in deterministic mode: packing, padding, run-to-run, host syncs, SBHD batches
     module  constructor/spec/checkpoint contract: init, sharded_state_dict, errors, spec helper,
-            TransformerLayer integration
-    tp      TP=2 (and TP=2 + sequence parallel) over gloo with two CPU processes vs TP=1
+            TransformerLayer integration (Megatron-LM main's keywords), zero-centred out_norm
+    tp      TP=2 (+ sequence parallel, + zero-centred out_norm) over gloo, two CPU processes, vs TP=1
+    cp      CP=2 over gloo, two CPU processes: ours vs ours at CP=1 and vs Megatron's block at CP=2
+    cp_tp   CP=2 x TP=2 (+ sequence parallel) over gloo, four CPU processes, vs CP=1 x TP=1
 """
 import json
 import os
@@ -27,6 +29,13 @@ HIDDEN, HK, HV, DK, DV, W = 128, 2, 4, 32, 32, 4
 LENGTHS = [70, 1, 64, 65]            # THD: odd lengths, a 1-token sequence, a chunk edge
 LENGTHS_PADDED = [70, 1, 64, 45]     # THD + cu_seqlens_q_padded, each padded to a multiple of 16
 ALIGN = 16
+
+
+def use_heads(hk, hv):
+    """Set the GDN head counts of this process's configs and weights (the CP x TP case needs the key
+    heads divisible by 4)."""
+    global HK, HV
+    HK, HV = hk, hv
 
 
 def setup(port, rank=0, world_size=1):
@@ -186,48 +195,34 @@ def case_oracle():
 
     def errs(result, ref, real):
         out, dx, g = result[:3]
-        e = dict(out=rel(on_real(out, real), on_real(ref[0], real)),
-                 dx=rel(on_real(dx, real), on_real(ref[1], real)),
-                 grads={n: rel(g[n], ref[2][n]) for n in ref[2]})
-        # A_log and dt_bias gradients are sums over all tokens that nearly cancel: their error is
-        # also given relative to the sum of the magnitudes of the per-token terms (the scale an
-        # fp32 sum of exact terms would be accurate to)
-        e["gate_grads_vs_terms"] = {n: (g[n].double() - ref[2][n]).norm().item() / ref[3][n].norm().item()
-                                    for n in ("A_log", "dt_bias")}
-        return e
+        return dict(out=rel(on_real(out, real), on_real(ref[0], real)),
+                    dx=rel(on_real(dx, real), on_real(ref[1], real)),
+                    grads={n: rel(g[n], ref[2][n]) for n in ref[2]})
 
     def gated_run(block, x, psp, wts):
-        """fwd_bwd of one of our blocks, plus the gradients of the per-token gates g and beta and
-        the per-head sums of |per-token gradient terms| of A_log (dg * g) and dt_bias
-        (dg * -exp(A_log) * sigmoid(a + dt_bias))."""
-        store, gates = {}, block._gates
+        """fwd_bwd of one of our blocks, plus the per-token gradients of the raw gate inputs a and b
+        (the in_proj output columns that the op turns into g and beta)."""
+        store = {}
 
-        def capture(a, b):
-            g, beta = gates(a, b)
-            g.retain_grad()
-            beta.retain_grad()
-            store.update(a=a, g=g, beta=beta)
-            return g, beta
-        block._gates = capture
+        def keep_grad(module, args, output):
+            output[0].register_hook(lambda grad: store.update(grad=grad))
+        handle = block.in_proj.register_forward_hook(keep_grad)
         out, dx, grads = fwd_bwd(block, x, psp, wts)
-        del block._gates
-        g, dg, a = store["g"].detach(), store["g"].grad, store["a"].detach()
-        sig = torch.sigmoid(a + block.dt_bias.detach())
-        terms = {"A_log": (dg * g).abs(), "dt_bias": (dg * -block.A_log.detach().exp() * sig).abs()}
-        return (out, dx, grads, {n: t.reshape(-1, t.shape[-1]).sum(0) for n, t in terms.items()},
-                {"g": dg, "beta": store["beta"].grad})
+        handle.remove()
+        hv = block.num_v_heads_local_tp
+        db, da = store["grad"][..., -2 * hv:].split(hv, dim=-1)  # [S, B, hv] each
+        return out, dx, grads, {"a": da, "b": db}
 
     def gate_errs(result, ref, real):
-        """Per-token dg and dbeta against float64 (gates are [B, S, hv]; real is [S, B])."""
-        return {n: rel(on_real(result[4][n].transpose(0, 1), real), on_real(ref[4][n].transpose(0, 1), real))
-                for n in ("g", "beta")}
+        """Per-token da and db against float64 (real rows)."""
+        return {n: rel(on_real(result[3][n], real), on_real(ref[3][n], real)) for n in ("a", "b")}
 
     meg, ours, ref = pair(torch.float32, full_weights())
     for name in ("sbhd_b2", "thd", "thd_padded"):
         x, psp, wts, real = scenario(name, torch.float32)
         m, o, r = (fwd_bwd(meg, x, psp, wts), gated_run(ours, x, psp, wts),
                    gated_run(ref, x.double(), psp, wts))
-        res[f"fp32_{name}"] = dict(vs_megatron=errs(o, m + (r[3],), real), ours_vs_fp64=errs(o, r, real),
+        res[f"fp32_{name}"] = dict(vs_megatron=errs(o, m, real), ours_vs_fp64=errs(o, r, real),
                                    megatron_vs_fp64=errs(m, r, real),
                                    ours_gate_grads_vs_fp64=gate_errs(o, r, real))
         if real is not None:
@@ -307,15 +302,42 @@ def case_packed():
     wb = torch.randn(xb.shape, generator=gen)
     ob, db, _ = fwd_bwd(ours, xb, None, wb)
     rows_out = [fwd_bwd(ours, xb[:, j:j + 1], None, wb[:, j:j + 1]) for j in range(3)]
-    res["sbhd_b3_vs_rows_out_bitwise"] = all(torch.equal(ob[:, j:j + 1], rows_out[j][0]) for j in range(3))
+    res["sbhd_b3_vs_rows_out_rel"] = max(rel(ob[:, j:j + 1], rows_out[j][0]) for j in range(3))
     res["sbhd_b3_vs_rows_dx_rel"] = max(rel(db[:, j:j + 1], rows_out[j][1]) for j in range(3))
     # one SBHD row == the same sequence as THD
     ot, _, _ = fwd_bwd(ours, xb[:, :1], thd_params(torch.tensor([0, 50], dtype=torch.int32)),
                        wb[:, :1])
     res["sbhd_vs_thd_out_bitwise"] = torch.equal(rows_out[0][0], ot)
+    res["float64_ops"] = _float64_ops(ours, xb, wb)
     res["ran_without_fla_and_causal_conv1d"] = not any(
         m.split(".")[0] in ("fla", "causal_conv1d") and mod is not None for m, mod in sys.modules.items())
     return res
+
+
+def _float64_ops(block, x, wts):
+    """Names of the ops of one fp32 forward+backward of `block` that take or make a float64 tensor
+    (recorded at the dispatcher: the block's own ops, Megatron's linears, our custom ops' calls),
+    and whether the backward was seen at all."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.f64, self.names = set(), set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.names.add(str(func))
+            if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64
+                   for t in tree_leaves((args, kwargs, out))):
+                self.f64.add(str(func))
+            return out
+    log = Log()
+    with log:
+        fwd_bwd(block, x, None, wts)
+    return {"float64": sorted(log.f64),
+            "saw_backward": any("chunk_gdr_bwd" in n for n in log.names)}
 
 
 class _FakeGroup:
@@ -372,17 +394,15 @@ def case_module():
     res["sharded_keys"] = sorted(_sharded_view(ours))
 
     # errors
-    def err(fn):
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001
-            return f"{type(e).__name__}: {e}"
-        return None
-    res["cp2_error"] = err(lambda: build(GatedDeltaNet, config(), pgs(cp=_FakeGroup(2))))
+    err = _err
     res["gelu_error"] = err(lambda: build(GatedDeltaNet, config(activation_func=F.gelu)))
+    res["unknown_keyword_error"] = err(lambda: build(GatedDeltaNet, config(), bogus_option=1))
+    res["heads_tp_cp_error"] = err(lambda: build(GatedDeltaNet, config(), pgs(cp=_FakeGroup(4))))
     one_seq = thd_params(torch.tensor([0, 10], dtype=torch.int32))
     res["thd_batch2_error"] = err(lambda: ours(torch.randn(10, 2, HIDDEN), None,
                                                packed_seq_params=one_seq))
+    res.update(_cu_seqlens_kv_errors(ours))
+    res.update(_cp_layout_errors())
 
     # spec helper: Megatron's own spec builders with our block in place of theirs
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
@@ -400,10 +420,118 @@ def case_module():
     gdn_spec = use_packed_gdn(get_gated_delta_net_module_spec(config(), LocalSpecProvider()))
     res["gdn_spec_module"] = gdn_spec.module.__module__
     res["gdn_spec_metainfo"] = gdn_spec.metainfo
-    res["no_gdn_error"] = err(lambda: use_packed_gdn(hybrid.submodules.mlp_layer))
+    mlp_only = hybrid.submodules.mlp_layer
+    res["no_gdn_spec_returned_equal"] = use_packed_gdn(mlp_only) == mlp_only
+    res["no_gdn_strict_error"] = err(lambda: use_packed_gdn(mlp_only, strict=True))
 
     # integration: a Megatron TransformerLayer built from a spec with our block, THD input
     res.update(_transformer_layer_run())
+    res.update(_zero_centered_out_norm())
+    return res
+
+
+def _err(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _cu_seqlens_kv_errors(block):
+    """cu_seqlens_kv (or its padded form) different from cu_seqlens_q: a ValueError, as Megatron
+    asserts; the same values in another tensor are accepted."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    x = torch.randn(10, 1, HIDDEN)
+
+    def run(**kw):
+        return block(x, None, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, **kw))
+    return {"kv_values_error": _err(lambda: run(cu_seqlens_kv=torch.tensor([0, 5, 10], dtype=torch.int32))),
+            "kv_shape_error": _err(lambda: run(cu_seqlens_kv=torch.tensor([0, 10], dtype=torch.int32))),
+            "kv_padded_error": _err(lambda: run(cu_seqlens_q_padded=cu, cu_seqlens_kv=cu,
+                                                cu_seqlens_kv_padded=torch.tensor([0, 8, 10], dtype=torch.int32))),
+            "kv_equal_copy_ok": _err(lambda: run(cu_seqlens_kv=cu.clone().long())) is None}
+
+
+def _cp_layout_errors():
+    """Layout errors under context parallelism, raised before any communication (a stand-in CP group
+    of size 2): SBHD length not a multiple of 2 x cp (a shape check, always), THD storage lengths
+    not multiples of 2 x cp or offsets not spanning the input (value checks, when validating)."""
+    from gdn_packed.megatron import GatedDeltaNet
+    block = build(GatedDeltaNet, config(), pgs(cp=_FakeGroup(2)))
+    load(block, full_weights())
+    res = {"sbhd_cp_length_error": _err(lambda: block(torch.randn(7, 2, HIDDEN), None))}
+    os.environ["GDN_PACKED_VALIDATE"] = "1"
+    try:
+        bad_len = thd_params(torch.tensor([0, 6, 16], dtype=torch.int32))          # 6 % 4 != 0
+        res["thd_cp_length_error"] = _err(lambda: block(torch.randn(8, 1, HIDDEN), None,
+                                                        packed_seq_params=bad_len))
+        short = thd_params(torch.tensor([0, 8], dtype=torch.int32))                # spans 8 of 16
+        res["thd_cp_total_error"] = _err(lambda: block(torch.randn(8, 1, HIDDEN), None,
+                                                       packed_seq_params=short))
+    finally:
+        del os.environ["GDN_PACKED_VALIDATE"]
+    return res
+
+
+class TERMSNorm(torch.nn.Module):
+    """Stand-in for Transformer Engine's RMSNorm (CUDA only, not installable here), built the way
+    Megatron's TENorm builds it: same class name and module path, the attributes the block reads
+    (weight, eps, zero_centered_gamma) and its formula y = x / rms(x) * w, w = 1 + weight when
+    config.layernorm_zero_centered_gamma, in plain torch. Its forward is the unfused path."""
+
+    def __init__(self, config, hidden_size, eps):
+        super().__init__()
+        self.eps = eps
+        self.zero_centered_gamma = config.layernorm_zero_centered_gamma
+        init = torch.zeros if self.zero_centered_gamma else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        xf = x.float()
+        w = self.weight.float() + 1 if self.zero_centered_gamma else self.weight.float()
+        return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * w).to(x.dtype)
+
+
+TERMSNorm.__name__ = TERMSNorm.__qualname__ = "RMSNorm"
+TERMSNorm.__module__ = "transformer_engine.pytorch.module.rmsnorm"
+
+
+def zero_centered(sd):
+    """The same weights for a zero-centred out_norm (its scale is 1 + weight)."""
+    return {**sd, "out_norm.weight": sd["out_norm.weight"] - 1}
+
+
+def _zero_centered_out_norm():
+    """Qwen3.5's out_norm (layernorm_zero_centered_gamma=True, TE RMSNorm): the fused path is taken
+    (the out_norm module is never called) and gives the outputs and gradients of the unfused path
+    (out_norm(o) * silu(z), forced) and of the plain norm with weight 1 + weight."""
+    import gdn_packed.megatron.gdn as ours_mod
+    from gdn_packed.megatron import GatedDeltaNet
+    sd = full_weights(conv_bias=True)
+    x, psp, wts, real = scenario("thd_padded", torch.float32)
+    zc = build(GatedDeltaNet, config(layernorm_zero_centered_gamma=True), out_norm=TERMSNorm, conv_bias=True)
+    load(zc, zero_centered(sd))
+    fused = fwd_bwd(zc, x, psp, wts)
+    res = {"zc_out_norm_fused": zc.out_norm_fused, "zc_out_norm_calls_fused": zc.out_norm.calls}
+    kind = ours_mod.fused_rmsnorm_kind
+    ours_mod.fused_rmsnorm_kind = lambda norm: None
+    try:
+        unfused = fwd_bwd(zc, x, psp, wts)
+    finally:
+        ours_mod.fused_rmsnorm_kind = kind
+    res["zc_out_norm_calls_unfused"] = zc.out_norm.calls
+    plain = build(GatedDeltaNet, config(), conv_bias=True)
+    load(plain, sd)
+    plain_run = fwd_bwd(plain, x, psp, wts)
+    for tag, other in (("unfused", unfused), ("plain", plain_run)):
+        res[f"zc_vs_{tag}"] = {"out": rel(fused[0][real], other[0][real]), "dx": rel(fused[1][real], other[1][real]),
+                               **{n: rel(fused[2][n], other[2][n]) for n in fused[2]}}
+    res["zc_pad_out_zero"] = bool((fused[0][~real] == 0).all())
     return res
 
 
@@ -436,7 +564,10 @@ def _transformer_layer_run():
         input_layernorm=LocalSpecProvider().layer_norm(rms_norm=True),
         self_attention=ModuleSpec(module=GatedDeltaNet, submodules=local_submodules()),
         self_attn_bda=get_bias_dropout_add))
-    layer = build_module(spec, config=cfg, layer_number=1, pg_collection=pgs())
+    # the keywords Megatron-LM main's HybridStack passes when it builds a GDN layer
+    # (megatron/core/models/hybrid/hybrid_block.py); TransformerLayer hands pp_layer_offset on
+    layer = build_module(spec, config=cfg, layer_number=3, pg_collection=pgs(), add_layer_offset=False,
+                         pp_layer_offset=2, name="decoder.layers.0")
     load(layer.self_attention, full_weights())   # (perform_initialization=False leaves them empty)
     with torch.no_grad():
         layer.input_layernorm.weight.fill_(1.0)
@@ -446,7 +577,9 @@ def _transformer_layer_run():
     out = out[0] if isinstance(out, tuple) else out
     out.sum().backward()
     # residual stream: padding rows pass through unchanged (our block adds exactly 0 there)
-    return {"layer_out_shape": list(out.shape),
+    return {"layer_pp_layer_offset": layer.self_attention.pp_layer_offset,
+            "layer_number": layer.self_attention.layer_number,
+            "layer_out_shape": list(out.shape),
             "layer_pad_rows_are_residual": torch.equal(out[~real], x[~real].detach()),
             "layer_grad_finite": bool(torch.isfinite(x.grad).all())}
 
@@ -471,24 +604,28 @@ def _shard(sd, rank, tp):
 
 
 def _tp_worker(rank, port, path):
-    """One of two ranks: TP=1 (a one-rank group) and TP=2 (+ SP) of our block on the same weights
-    and input; rank 0 gathers the TP=2 results and writes the comparison to `path`."""
+    """One of two ranks: TP=1 (a one-rank group) and TP=2 of our block on the same weights and
+    input: plain out_norm, plain + sequence parallel, and a zero-centred TE RMSNorm out_norm
+    (Qwen3.5) without SP; rank 0 gathers the TP=2 results and writes the comparison to `path`."""
     setup(port, rank, 2)
     from megatron.core import parallel_state
     parallel_state._set_global_memory_buffer()  # the SP all-gather buffer of the parallel linears
 
     from gdn_packed.megatron import GatedDeltaNet
     solo = [dist.new_group([r]) for r in range(2)][rank]
-    sd = full_weights(conv_bias=True)
     x, psp, wts, real = scenario("thd_padded", torch.float32)
     rows = x.shape[0]
-    ref = build(GatedDeltaNet, config(), pgs(tp=solo, cp=solo), PlainRMSNorm, conv_bias=True)
-    load(ref, sd)
-    r_out, r_dx, r_g = fwd_bwd(ref, x, psp, wts)
     res = {}
-    for sp in (False, True):
-        tp = build(GatedDeltaNet, config(tensor_model_parallel_size=2, sequence_parallel=sp),
-                   pgs(cp=solo), PlainRMSNorm, conv_bias=True)
+    for key, sp, norm, sd, kw in (
+            ("tp2", False, PlainRMSNorm, full_weights(conv_bias=True), {}),
+            ("tp2_sp", True, PlainRMSNorm, full_weights(conv_bias=True), {}),
+            ("tp2_zero_centered", False, TERMSNorm, zero_centered(full_weights(conv_bias=True)),
+             dict(layernorm_zero_centered_gamma=True))):
+        ref = build(GatedDeltaNet, config(**kw), pgs(tp=solo, cp=solo), norm, conv_bias=True)
+        load(ref, sd)
+        r_out, r_dx, r_g = fwd_bwd(ref, x, psp, wts)
+        tp = build(GatedDeltaNet, config(tensor_model_parallel_size=2, sequence_parallel=sp, **kw),
+                   pgs(cp=solo), norm, conv_bias=True)
         load(tp, _shard(sd, rank, 2))
         if sp:  # sequence parallel: each rank holds a contiguous slice of the rows
             n = rows // 2
@@ -506,13 +643,17 @@ def _tp_worker(rank, port, path):
             full[name] = parts
         if rank == 0:
             shards = [_shard(r_g, r, 2) for r in range(2)]
-            key = "tp2_sp" if sp else "tp2"
             res[key] = dict(out=rel(out, r_out), dx=rel(dx, r_dx),
                             grads={n: max(rel(full[n][r], shards[r][n]) for r in range(2))
                                    for n in full if n != "out_norm.weight"},
                             out_norm_grad=rel(full["out_norm.weight"][0], r_g["out_norm.weight"]),
                             out_norm_grad_same_on_ranks=torch.equal(*full["out_norm.weight"]),
+                            out_norm_fused=tp.out_norm_fused,
                             pad_out_zero=bool((out[~real] == 0).all()))
+    _finish(rank, path, res)
+
+
+def _finish(rank, path, res):
     if rank == 0:
         with open(path, "w") as f:
             json.dump(res, f)
@@ -526,21 +667,173 @@ def _gather_rows(t):
     return torch.cat(parts)
 
 
-def case_tp(port):
+# --- context parallelism -------------------------------------------------------------------------
+def cp_scenario(name):
+    """(x, packed_seq_params or None, loss weights, real-row mask or None, storage offsets) for the
+    CP checks: "thd_padded_tail" is THD with cu_seqlens_q_padded (lengths 70, 1, 64, 45 each padded
+    to a multiple of 16) and a 16-row pad tail (a last sequence of 0 real tokens: Megatron needs
+    the storage offsets to span every row); "sbhd_b2" is SBHD, 80 rows x batch 2."""
+    if name == "sbhd_b2":
+        x, psp, wts, real = scenario("sbhd_b2", torch.float32)
+        return x, psp, wts, real, [0, x.shape[0]]
+    cu, pad, rows, real = layout(LENGTHS_PADDED, ALIGN)
+    cu = torch.cat([cu, cu[-1:]])
+    pad = torch.cat([pad, pad[-1:] + ALIGN])
+    real = torch.cat([real, torch.zeros(ALIGN, dtype=torch.bool)])
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(rows + ALIGN, 1, HIDDEN, generator=gen)
+    wts = torch.randn(x.shape, generator=gen) * real[:, None, None]
+    return x, thd_params(cu, pad), wts, real[:, None], pad.tolist()
+
+
+def cp_rows(offsets, cp, rank):
+    """The rows (natural order) that CP rank `rank` holds, in its local order: of every sequence's
+    storage segment, chunks `rank` and 2 cp - 1 - `rank` of its 2 cp equal chunks (Megatron's
+    attention load balancing), sequence after sequence."""
+    rows = []
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        n = (end - start) // (2 * cp)
+        for c in (rank, 2 * cp - 1 - rank):
+            rows.extend(range(start + c * n, start + (c + 1) * n))
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def run_sharded(block, x, psp, wts, rows, group_world):
+    """fwd_bwd of `block` on this rank's `rows` of x; returns the output and input gradient
+    reassembled in natural order from every rank (ranks holding the same rows agree), and the
+    parameter gradients as this rank computed them."""
+    out, dx, grads = fwd_bwd(block, x[rows], psp, wts[rows])
+    ids = [torch.empty_like(rows) for _ in range(group_world)]
+    dist.all_gather(ids, rows)
+    full = []
+    for t in (out, dx):
+        parts = [torch.empty_like(t) for _ in range(group_world)]
+        dist.all_gather(parts, t.contiguous())
+        whole = torch.full((x.shape[0],) + tuple(t.shape[1:]), float("nan"), dtype=t.dtype)
+        for i, part in zip(ids, parts):
+            whole[i] = part
+        full.append(whole)
+    return full[0], full[1], grads
+
+
+def _summed(grads, group):
+    """Parameter gradients summed over `group` (what Megatron's DDP does over the CP ranks)."""
+    out = {}
+    for n, g in grads.items():
+        g = g.clone()
+        dist.all_reduce(g, group=group)
+        out[n] = g
+    return out
+
+
+def _cp_worker(rank, port, path):
+    """One of two ranks. On THD with cu_seqlens_q_padded and a pad tail, and on SBHD batch 2: ours at
+    CP=2 against ours at CP=1 (each rank runs it whole) and against Megatron's block at CP=2 (fla-core
+    under the interpreter) on the same weights and inputs, plus ours in float64 at CP=1 for the
+    A_log / dt_bias gradients. Parameter gradients are summed over the CP ranks."""
+    setup(port, rank, 2)
+    import triton_shim  # noqa: F401
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGDN
+
+    from gdn_packed.megatron import GatedDeltaNet
+    solo = [dist.new_group([r]) for r in range(2)][rank]
+    world = dist.group.WORLD
+    sd = full_weights(conv_bias=True)
+    res = {}
+    for name in ("thd_padded_tail", "sbhd_b2"):
+        x, psp, wts, real, offsets = cp_scenario(name)
+        rows = cp_rows(offsets, 2, rank)
+        one = build(GatedDeltaNet, config(), pgs(tp=solo, cp=solo), conv_bias=True)
+        load(one, sd)
+        r_out, r_dx, r_g = fwd_bwd(one, x, psp, wts)
+        f64 = build(GatedDeltaNet, config(torch.float64), pgs(tp=solo, cp=solo), conv_bias=True)
+        load(f64, {k: v.double() for k, v in sd.items()})
+        d_out, d_dx, d_g = fwd_bwd(f64, x.double(), psp, wts)
+        runs = {}
+        for tag, cls in (("ours", GatedDeltaNet), ("megatron", MegatronGDN)):
+            blk = build(cls, config(), pgs(tp=solo, cp=world), conv_bias=True)
+            load(blk, sd)
+            out, dx, grads = run_sharded(blk, x, psp, wts, rows, 2)
+            runs[tag] = (out, dx, _summed(grads, world))
+        if rank:
+            continue
+        (o_out, o_dx, o_g), (m_out, m_dx, m_g) = runs["ours"], runs["megatron"]
+        r = res[name] = {}
+        r["cp2_vs_cp1"] = dict(out=rel(on_real(o_out, real), on_real(r_out, real)),
+                               dx=rel(on_real(o_dx, real), on_real(r_dx, real)),
+                               grads={n: rel(o_g[n], r_g[n]) for n in r_g})
+        r["cp2_vs_megatron_cp2"] = dict(out=rel(on_real(o_out, real), on_real(m_out, real)),
+                                        dx=rel(on_real(o_dx, real), on_real(m_dx, real)),
+                                        grads={n: rel(o_g[n], m_g[n]) for n in r_g})
+        r["gate_param_grads_vs_fp64"] = {n: {"ours_cp2": rel(o_g[n], d_g[n]), "megatron_cp2": rel(m_g[n], d_g[n])}
+                                         for n in ("A_log", "dt_bias")}
+        r["finite"] = bool(torch.isfinite(on_real(o_out, real)).all() and torch.isfinite(on_real(o_dx, real)).all())
+        if real is not None:
+            r["pad_rows"] = int((~real).sum())
+            r["pad_out_zero"] = bool((o_out[~real] == 0).all())
+            r["pad_dx_zero"] = bool((o_dx[~real] == 0).all())
+    _finish(rank, path, res)
+
+
+def _cp_tp_worker(rank, port, path):
+    """One of four ranks, CP=2 x TP=2 (TP groups {0,1}, {2,3}; CP groups {0,2}, {1,3}), without and
+    with sequence parallelism, on THD with cu_seqlens_q_padded and a pad tail: ours against ours at
+    CP=1 x TP=1 on the same weights and input. Gradients are summed over CP and compared shard by
+    shard."""
+    setup(port, rank, 4)
+    use_heads(4, 8)
+    from megatron.core import parallel_state
+    parallel_state._set_global_memory_buffer()
+
+    from gdn_packed.megatron import GatedDeltaNet
+    solo = [dist.new_group([r]) for r in range(4)][rank]
+    tp_group = [dist.new_group(g) for g in ([0, 1], [2, 3])][rank // 2]
+    cp_group = [dist.new_group(g) for g in ([0, 2], [1, 3])][rank % 2]
+    tp_rank, cp_rank = rank % 2, rank // 2
+    sd = full_weights(conv_bias=True)
+    x, psp, wts, real, offsets = cp_scenario("thd_padded_tail")
+    one = build(GatedDeltaNet, config(), pgs(tp=solo, cp=solo), PlainRMSNorm, conv_bias=True)
+    load(one, sd)
+    r_out, r_dx, r_g = fwd_bwd(one, x, psp, wts)
+    r_shard = _shard(r_g, tp_rank, 2)
+    res = {}
+    for sp in (False, True):
+        blk = build(GatedDeltaNet, config(tensor_model_parallel_size=2, sequence_parallel=sp),
+                    pgs(tp=tp_group, cp=cp_group), PlainRMSNorm, conv_bias=True)
+        load(blk, _shard(sd, tp_rank, 2))
+        rows = cp_rows(offsets, 2, cp_rank)
+        if sp:  # then each TP rank holds a contiguous half of its CP rank's rows
+            rows = rows.chunk(2)[tp_rank]
+        out, dx, grads = run_sharded(blk, x, psp, wts, rows, 4)
+        grads = _summed(grads, cp_group)
+        errs = {n: rel(grads[n], r_shard[n]) for n in grads}
+        all_errs = [None] * 4
+        dist.all_gather_object(all_errs, errs)
+        res["cp2_tp2_sp" if sp else "cp2_tp2"] = dict(
+            out=rel(on_real(out, real), on_real(r_out, real)), dx=rel(on_real(dx, real), on_real(r_dx, real)),
+            grads={n: max(e[n] for e in all_errs) for n in errs},
+            pad_out_zero=bool((out[~real] == 0).all()), pad_dx_zero=bool((dx[~real] == 0).all()))
+    _finish(rank, path, res)
+
+
+def case_distributed(worker, nprocs, port):
     import tempfile
 
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "tp.json")
-        mp.spawn(_tp_worker, args=(port, path), nprocs=2, join=True)
+        path = os.path.join(d, "result.json")
+        mp.spawn(worker, args=(port, path), nprocs=nprocs, join=True)
         with open(path) as f:
             return json.load(f)
 
 
+DISTRIBUTED = {"tp": (_tp_worker, 2), "cp": (_cp_worker, 2), "cp_tp": (_cp_tp_worker, 4)}
+
+
 def main():
     case, port = sys.argv[1], int(sys.argv[2])
-    if case == "tp":
-        result = case_tp(port)
+    if case in DISTRIBUTED:
+        result = case_distributed(*DISTRIBUTED[case], port)
     else:
         setup(port)
         result = {"oracle": case_oracle, "packed": case_packed, "module": case_module}[case]()

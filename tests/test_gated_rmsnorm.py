@@ -17,12 +17,29 @@ BUDGET = {torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3, torch.bfloat16: 2e-2
 GRAD_BUDGET = {torch.float32: 1e-5 if DEVICE == "cpu" else 3e-3, torch.bfloat16: 2.5e-2}
 
 
-def inputs(shape, dtype, seed=0, requires_grad=True):
+def inputs(shape, dtype, seed=0, requires_grad=True, zero_centered=False):
+    """x, z and a weight around 1 (around 0 when zero-centred: the scale 1 + weight is then ~1)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*shape, generator=gen) * 3
     z = torch.randn(*shape, generator=gen) * 2
-    w = 1 + 0.5 * torch.randn(shape[-1], generator=gen)
+    w = (0.0 if zero_centered else 1.0) + 0.5 * torch.randn(shape[-1], generator=gen)
     return [t.to(DEVICE, dtype).requires_grad_(requires_grad) for t in (x, z, w)]
+
+
+def check_against_float64(backend, dtype, shape, zero_centered):
+    x, z, w = inputs(shape, dtype, zero_centered=zero_centered)
+    with poisoned_outputs():
+        y = gated_rmsnorm(x, z, w, eps=1e-6, backend=backend, zero_centered=zero_centered)
+        dy = torch.randn_like(y)
+        gx, gz, gw = torch.autograd.grad(y, (x, z, w), dy)
+    xd, zd, wd = (t.detach().double().requires_grad_() for t in (x, z, w))
+    yd = gated_rmsnorm_ref(xd, zd, wd, 1e-6, zero_centered=zero_centered)
+    rx, rz, rw = torch.autograd.grad(yd, (xd, zd, wd), dy.double())
+    assert y.dtype == dtype and gx.dtype == dtype and gw.dtype == dtype
+    budget = BUDGET[dtype]
+    assert rel_err(y, yd) <= budget
+    for got, ref in ((gx, rx), (gz, rz), (gw, rw)):
+        assert rel_err(got, ref) <= GRAD_BUDGET[dtype]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -30,19 +47,27 @@ def inputs(shape, dtype, seed=0, requires_grad=True):
 @pytest.mark.parametrize("shape", [(1, 37, 4, 32), (3, 5, 2, 64), (1, 1, 1, 24), (100, 128)],
                          ids=["T37-H4-V32", "B3-T5-H2-V64", "T1-V24", "M100-V128"])
 def test_matches_float64_reference(backend, dtype, shape):
-    x, z, w = inputs(shape, dtype)
-    with poisoned_outputs():
-        y = gated_rmsnorm(x, z, w, eps=1e-6, backend=backend)
-        dy = torch.randn_like(y)
-        gx, gz, gw = torch.autograd.grad(y, (x, z, w), dy)
-    xd, zd, wd = (t.detach().double().requires_grad_() for t in (x, z, w))
-    yd = gated_rmsnorm_ref(xd, zd, wd, 1e-6)
-    rx, rz, rw = torch.autograd.grad(yd, (xd, zd, wd), dy.double())
-    assert y.dtype == dtype and gx.dtype == dtype and gw.dtype == dtype
-    budget = BUDGET[dtype]
-    assert rel_err(y, yd) <= budget
-    for got, ref in ((gx, rx), (gz, rz), (gw, rw)):
-        assert rel_err(got, ref) <= GRAD_BUDGET[dtype]
+    check_against_float64(backend, dtype, shape, zero_centered=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 37, 4, 32), (100, 128)], ids=["T37-H4-V32", "M100-V128"])
+def test_zero_centered_matches_float64_reference(backend, dtype, shape):
+    """Zero-centred weight (scale 1 + weight): outputs and all three gradients against float64."""
+    check_against_float64(backend, dtype, shape, zero_centered=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_centered_scale_is_formed_in_float32(backend):
+    """A small bf16 zero-centred weight: 1 + weight rounded to bf16 would lose it (bf16 spacing at 1
+    is 2^-7), the op keeps it. Its output equals the plain op given the fp32 scale 1 + weight."""
+    x, z, _ = inputs((8, 64), torch.bfloat16, requires_grad=False)
+    w = torch.full((64,), 2.0 ** -10, device=DEVICE, dtype=torch.bfloat16)
+    y = gated_rmsnorm(x.float(), z.float(), w, backend=backend, zero_centered=True)
+    want = gated_rmsnorm(x.float(), z.float(), 1 + w.float(), backend=backend)
+    assert torch.equal(y, want)
+    assert not torch.equal(y, gated_rmsnorm(x.float(), z.float(), (1 + w).float(), backend=backend))
 
 
 def test_zero_rows_give_zero_output_and_finite_grads():
@@ -65,12 +90,14 @@ def test_weight_gradient_is_deterministic(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_opcheck(backend):
+@pytest.mark.parametrize("zero_centered", [False, True], ids=["plain", "zero_centered"])
+def test_opcheck(backend, zero_centered):
     x, z, w = inputs((2, 7, 3, 16), torch.float32)
-    torch.library.opcheck(gated_rmsnorm_fwd, (x, z, w, 1e-6, backend))
-    _, rstd = gated_rmsnorm_fwd(x.detach(), z.detach(), w.detach(), 1e-6, backend)
+    torch.library.opcheck(gated_rmsnorm_fwd, (x, z, w, 1e-6, zero_centered, backend))
+    _, rstd = gated_rmsnorm_fwd(x.detach(), z.detach(), w.detach(), 1e-6, zero_centered, backend)
     dy = torch.randn_like(x)
-    torch.library.opcheck(gated_rmsnorm_bwd, (dy, x.detach(), z.detach(), w.detach(), rstd, backend))
+    torch.library.opcheck(gated_rmsnorm_bwd,
+                          (dy, x.detach(), z.detach(), w.detach(), rstd, zero_centered, backend))
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -93,6 +120,7 @@ def test_torch_compile_fullgraph_matches_eager():
     (dict(x=torch.randint(0, 3, (2, 4))), TypeError, "x must have dtype"),
     (dict(backend="cuda"), NotImplementedError, "backend='cuda'"),
     (dict(eps=-1.0), ValueError, "eps"),
+    (dict(zero_centered=1), TypeError, "zero_centered must be a bool"),
 ])
 def test_bad_input_raises_a_named_error(bad, err, match):
     args = dict(x=torch.randn(2, 4), z=torch.randn(2, 4), weight=torch.ones(4), eps=1e-6, backend="torch")

@@ -1,8 +1,9 @@
-"""Megatron-Core integration: a drop-in `GatedDeltaNet` block (megatron-core 0.19.2 contract) on
-gdn_packed kernels, and spec helpers that put it in place of Megatron's.
+"""Megatron-Core integration: a drop-in `GatedDeltaNet` block (megatron-core 0.19.2 contract, with
+TP, SP and CP; Megatron-LM main's constructor keywords) on gdn_packed kernels, and spec helpers that
+put it in place of Megatron's.
 
     from gdn_packed.megatron import GatedDeltaNet, use_packed_gdn
-    spec = use_packed_gdn(megatron_spec)      # any spec holding Megatron's GatedDeltaNet
+    spec = use_packed_gdn(megatron_spec)      # every Megatron GatedDeltaNet in the spec replaced
 
 Needs megatron-core (only this subpackage does); never fla-core or causal-conv1d.
 """

@@ -1,23 +1,28 @@
 """Megatron-Core `GatedDeltaNet` block on gdn_packed kernels (drop-in for megatron-core 0.19.2).
 
-Same constructor, forward contract, submodules, parameter names/shapes/dtypes/initialisation and
-`sharded_state_dict` as `megatron.core.ssm.gated_delta_net.GatedDeltaNet`, so a Megatron checkpoint
-loads strictly and the block can be swapped in through the module spec (see `spec.py`).
+Same constructor (plus Megatron-LM main's `pp_layer_offset`), forward contract, submodules,
+parameter names/shapes/dtypes/initialisation and `sharded_state_dict` as
+`megatron.core.ssm.gated_delta_net.GatedDeltaNet`, so a Megatron checkpoint loads strictly and the
+block can be swapped in through the module spec (see `spec.py`).
 
-Per TP rank (local sizes: qk = H*K/tp, v = HV*V/tp, hv = HV/tp):
+Per TP rank (local sizes: qk = H*K/tp, v = HV*V/tp, hv = HV/tp; under CP each rank then keeps 1/cp
+of every section's heads for whole sequences, see `context_parallel.py`):
 
     [s, b, hidden] -in_proj-> [q qk | k qk | v v | z v | b hv | a hv]     (ColumnParallelLinear, SP gather)
+    (CP > 1: one all-to-all, sequence shards -> whole sequences, 1/cp of the heads)
     q,k,v   = silu(causal_conv1d_varlen([q k v], conv1d.weight, cu_seqlens))
-    g       = -exp(A_log) * softplus(a + dt_bias),  beta = sigmoid(b)     (float32)
-    o       = chunk_gated_delta_rule(q, k, v, g, beta, l2norm(q, k), GVA by indexing)
-    y       = rmsnorm(o) * out_norm.weight * silu(z)                       (fused gated RMSNorm)
+    o       = chunk_gated_delta_rule(q, k, v, a, b, A_log=, dt_bias=, l2norm(q, k), GVA by indexing)
+              (the op forms g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b) in float32)
+    y       = rmsnorm(o) * w * silu(z),  w = out_norm.weight (1 + weight when zero-centred)
+    (CP > 1: one all-to-all back)
     out     = out_proj(y)                                                  (RowParallelLinear, SP scatter)
 
 THD input (`PackedSeqParams(qkv_format="thd")`, batch 1): real lengths from `cu_seqlens_q`, storage
 offsets from `cu_seqlens_q_padded` when given. Padding rows are skipped by every kernel and are 0 in
-the output (and get 0 gradient); nothing reads cu_seqlens back to the host. SBHD input: any batch,
-each row one sequence. Context parallelism is refused (cp_size > 1 raises at construction).
+the output (and get 0 gradient); nothing reads cu_seqlens back to the host unless validating
+(GDN_PACKED_VALIDATE=1). SBHD input: any batch, each row one sequence.
 """
+import contextlib
 from functools import partial
 from typing import Optional
 
@@ -41,10 +46,12 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import deprecate_inference_params
 
+from gdn_packed import _validate as V
+from gdn_packed.megatron import context_parallel as cpx
 from gdn_packed.ops.chunk_gdr import chunk_gated_delta_rule
 from gdn_packed.ops.conv1d import causal_conv1d_varlen
 from gdn_packed.ops.gated_rmsnorm import gated_rmsnorm
-from gdn_packed.packing import padding_row_mask
+from gdn_packed.packing import padding_row_mask, validate_cu_seqlens
 
 # names of the in_proj output sections and of the conv1d channel sections, as in Megatron's
 # checkpoints (sharded_state_dict splits the fused tensors into these so TP can be resharded)
@@ -53,13 +60,19 @@ CONV_SECTION_NAMES = ("query", "key", "value")
 
 
 class GatedDeltaNet(MegatronModule):
-    """Gated DeltaNet mixer with Megatron-Core 0.19.2's interface, on gdn_packed kernels.
+    """Gated DeltaNet mixer with Megatron-Core's interface, on gdn_packed kernels.
 
     Args are those of Megatron's block: `config` (TransformerConfig with the `linear_*` fields),
     `submodules` (GatedDeltaNetSubmodules: in_proj, out_norm, out_proj specs), `layer_number`,
     `bias` (linear biases), `conv_bias`, `conv_init` (uniform range of the conv weights, None keeps
     torch's default), `use_qk_l2norm`, `A_init_range`, `pg_collection` (needs `.tp` and `.cp`),
-    `name`, `cp_comm_type` (accepted and ignored, as in Megatron).
+    `name`, `cp_comm_type` (accepted and ignored, as in Megatron: context parallelism is the
+    all-to-all of `context_parallel.py`), `pp_layer_offset` (Megatron-LM main: the global layer
+    offset of this pipeline stage, kept as an attribute). Any other keyword is a TypeError naming it.
+
+    `out_norm_fused` tells whether the output norm runs fused with the gate (the gated-RMSNorm op):
+    it does for torch.nn.RMSNorm and Transformer Engine's RMSNorm, zero-centred or not; any other
+    out_norm module runs as in Megatron (out_norm(o) * silu(z)).
     """
 
     def __init__(
@@ -76,6 +89,7 @@ class GatedDeltaNet(MegatronModule):
         *,
         name: Optional[str] = None,
         cp_comm_type: Optional[str] = None,
+        pp_layer_offset: int = 0,
     ):
         super().__init__(config)
         if pg_collection is None:
@@ -83,6 +97,7 @@ class GatedDeltaNet(MegatronModule):
         if not (0 <= A_init_range[0] <= A_init_range[1]):
             raise ValueError(f"A_init_range must be (lo, hi) with 0 <= lo <= hi, got {A_init_range}")
         self.layer_number = layer_number
+        self.pp_layer_offset = pp_layer_offset
         self.bias = bias
         self.conv_bias = conv_bias
         self.conv_init = conv_init
@@ -90,13 +105,10 @@ class GatedDeltaNet(MegatronModule):
         self.A_init_range = A_init_range
         self.pg_collection = pg_collection
         self.tp_group = pg_collection.tp
+        self.cp_group = pg_collection.cp
         self.tp_size = pg_collection.tp.size()
         self.cp_size = pg_collection.cp.size()
         self.sp_size = self.tp_size if config.sequence_parallel else 1
-        if self.cp_size > 1:
-            raise NotImplementedError(
-                f"gdn_packed.megatron.GatedDeltaNet does not support context parallelism "
-                f"(cp size {self.cp_size}); run with context_parallel_size=1 or use Megatron's block")
 
         self.hidden_size = config.hidden_size
         self.act_fn = config.activation_func
@@ -109,10 +121,12 @@ class GatedDeltaNet(MegatronModule):
         self.value_head_dim = config.linear_value_head_dim
         self.num_key_heads = config.linear_num_key_heads
         self.num_value_heads = config.linear_num_value_heads
+        shards = self.tp_size * self.cp_size  # heads are split over TP, then over CP
         for what, n in (("linear_num_key_heads", self.num_key_heads),
                         ("linear_num_value_heads", self.num_value_heads)):
-            if n % self.tp_size:
-                raise ValueError(f"config.{what} = {n} must be divisible by the TP size {self.tp_size}")
+            if n % shards:
+                raise ValueError(f"config.{what} = {n} must be divisible by the TP size x CP size "
+                                 f"{self.tp_size} x {self.cp_size}")
         if self.num_value_heads % self.num_key_heads:
             raise ValueError(f"linear_num_value_heads ({self.num_value_heads}) must be a multiple of "
                              f"linear_num_key_heads ({self.num_key_heads})")
@@ -158,7 +172,8 @@ class GatedDeltaNet(MegatronModule):
                 p.partition_dim = 0
         self.out_norm = build_module(submodules.out_norm, config=config,
                                      hidden_size=self.value_head_dim, eps=config.layernorm_epsilon)
-        if self.tp_size > 1 and _fusable_rmsnorm_eps(self.out_norm, config.params_dtype) is not None:
+        self.out_norm_fused = fused_rmsnorm_kind(self.out_norm) is not None
+        if self.tp_size > 1 and self.out_norm_fused:
             # The forward all-reduces this weight's gradient over TP (see _gated_norm); keep
             # Megatron's finalize_model_grads from summing it a second time under SP.
             self.out_norm.weight.sequence_parallel = False
@@ -175,10 +190,12 @@ class GatedDeltaNet(MegatronModule):
     def reset_parameters(self):
         """Megatron's init (under config.perform_initialization): conv weights U(-conv_init,
         conv_init) when conv_init is set, dt_bias = 1, A_log = log(U(A_init_range)), drawn from the
-        model-parallel RNG stream in that order."""
+        model-parallel RNG stream in that order (on a machine without CUDA, which has no such
+        stream, from torch's default generator)."""
         if not self.config.perform_initialization:
             return
-        with get_cuda_rng_tracker().fork(), torch.no_grad():
+        rng = get_cuda_rng_tracker().fork() if torch.cuda.is_available() else contextlib.nullcontext()
+        with rng, torch.no_grad():
             if self.conv_init is not None:
                 self.conv1d.weight.uniform_(-self.conv_init, self.conv_init)
             self.dt_bias.fill_(1.0)
@@ -197,62 +214,61 @@ class GatedDeltaNet(MegatronModule):
         inference_params=None,
         **kwargs,
     ):
-        """hidden_states [s, b, hidden] (s is the local shard under sequence parallelism) ->
-        (output [s, b, hidden], out_proj bias or None). `attention_mask` is ignored (causality is
-        by construction; packing comes from `packed_seq_params`)."""
+        """hidden_states [s, b, hidden] (s is the local shard under sequence and context
+        parallelism) -> (output [s, b, hidden], out_proj bias or None). `attention_mask` is ignored
+        (causality is by construction; packing comes from `packed_seq_params`)."""
         if deprecate_inference_params(inference_context, inference_params) is not None:
             raise NotImplementedError("gdn_packed.megatron.GatedDeltaNet does not support inference "
                                       "(inference_context) yet")
         cu_seqlens, cu_seqlens_padded = self._packed_layout(packed_seq_params, hidden_states)
 
-        qkvzba, _ = self.in_proj(hidden_states)  # [S, B, in_proj_dim / tp], S = full length
+        qkvzba, _ = self.in_proj(hidden_states)  # [S/cp, B, in_proj_dim / tp] (SP gathered)
+        cp, rank = self.cp_size, self.cp_group.rank()
+        if cp > 1:
+            gather, scatter = self._cp_row_order(cu_seqlens, cu_seqlens_padded, qkvzba)
+            features = cpx.feature_order(self.in_proj_split_sections, cp, qkvzba.device)
+            qkvzba = cpx.cp_to_hp(qkvzba, features, gather, self.cp_group)  # [S, B, . / cp]
         S, B = qkvzba.shape[:2]
         x = qkvzba.transpose(0, 1)  # [B, S, .] (a view; B = 1 for THD)
-        qk, v_, hv = self.qk_dim_local_tp, self.v_dim_local_tp, self.num_v_heads_local_tp
+        qk, v_, hv = (n // cp for n in (self.qk_dim_local_tp, self.v_dim_local_tp,
+                                        self.num_v_heads_local_tp))
         qkv, z, b, a = torch.split(x, [2 * qk + v_, v_, hv, hv], dim=-1)
 
-        qkv, _ = causal_conv1d_varlen(
-            qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, activation="silu",
-            cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+        conv_sections = [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp]
+        conv_weight = cpx.rank_share(self.conv1d.weight.squeeze(1), conv_sections, rank, cp)
+        conv_bias = (None if self.conv1d.bias is None
+                     else cpx.rank_share(self.conv1d.bias, conv_sections, rank, cp))
+        qkv, _ = causal_conv1d_varlen(qkv, conv_weight, conv_bias, activation="silu",
+                                      cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
         q, k, v = torch.split(qkv, [qk, qk, v_], dim=-1)
-        q = q.unflatten(-1, (self.num_k_heads_local_tp, self.key_head_dim))
-        k = k.unflatten(-1, (self.num_k_heads_local_tp, self.key_head_dim))
+        q = q.unflatten(-1, (qk // self.key_head_dim, self.key_head_dim))
+        k = k.unflatten(-1, (qk // self.key_head_dim, self.key_head_dim))
         v = v.unflatten(-1, (hv, self.value_head_dim))
-        g, beta = self._gates(a, b)
 
+        # raw a, b in: the op forms g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b)
         o, _ = chunk_gated_delta_rule(
-            q, k, v, g, beta, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
-            use_qk_l2norm_in_kernel=self.use_qk_l2norm)
+            q, k, v, a, b, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
+            use_qk_l2norm_in_kernel=self.use_qk_l2norm,
+            A_log=cpx.rank_share(self.A_log, [self.num_v_heads_local_tp], rank, cp),
+            dt_bias=cpx.rank_share(self.dt_bias, [self.num_v_heads_local_tp], rank, cp))
         z = z.unflatten(-1, (hv, self.value_head_dim))
 
+        norm = partial(self._gated_norm, cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded)
+        if cp > 1:
+            norm = partial(self._gated_norm_to_cp, norm=norm, scatter=scatter)
         if self.recompute_norm_out:
             self.norm_out_checkpoint = tensor_parallel.CheckpointWithoutOutput()
-            norm = partial(self._gated_norm, cu_seqlens=cu_seqlens,
-                           cu_seqlens_padded=cu_seqlens_padded)
             y = self.norm_out_checkpoint.checkpoint(norm, o, z)
         else:
-            y = self._gated_norm(o, z, cu_seqlens, cu_seqlens_padded)
+            y = norm(o, z)
         out, out_bias = self.out_proj(y)
         if self.recompute_norm_out:
             self.norm_out_checkpoint.discard_output_and_register_recompute(out)
         return out, out_bias
 
-    def _gates(self, a, b):
-        """g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b): [B, S, hv], float32
-        (float64 for float64 input).
-
-        On CPU they are computed in float64 and rounded: ATen's vectorised and scalar softplus /
-        sigmoid differ in the last float32 bit, so a token's gate would depend on whether it falls in
-        the vector body or the tail of the loop (i.e. on how the batch is packed); the rounded
-        float64 values do not."""
-        out = torch.float64 if a.dtype == torch.float64 else torch.float32
-        dt = torch.float64 if a.device.type == "cpu" else out
-        g = -self.A_log.to(dt).exp() * F.softplus(a.to(dt) + self.dt_bias.to(dt))
-        beta = b.to(dt).sigmoid()
-        return g.to(out), beta.to(out)
-
     def _packed_layout(self, packed_seq_params, hidden_states):
-        """(cu_seqlens, cu_seqlens_padded) for THD input, (None, None) otherwise. Never syncs."""
+        """(cu_seqlens, cu_seqlens_padded) for THD input, (None, None) otherwise. Never syncs on
+        CUDA tensors unless validating."""
         if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
             return None, None
         if hidden_states.shape[1] != 1:
@@ -261,32 +277,78 @@ class GatedDeltaNet(MegatronModule):
         cu = packed_seq_params.cu_seqlens_q
         if cu is None:
             raise ValueError("packed_seq_params.cu_seqlens_q is required for qkv_format='thd'")
+        V.check_cu_seqlens_meta(cu, "packed_seq_params.cu_seqlens_q")
         cu_padded = packed_seq_params.cu_seqlens_q_padded
-        if cu_padded is cu:
-            cu_padded = None
-        elif cu_padded is not None and cu_padded.dtype != cu.dtype:
-            cu_padded = cu_padded.to(cu.dtype)
-        return cu, cu_padded
+        if cu_padded is not None:
+            V.check_cu_seqlens_meta(cu_padded, "packed_seq_params.cu_seqlens_q_padded")
+            if cu_padded.dtype != cu.dtype:
+                cu_padded = cu_padded.to(cu.dtype)
+            V.check_padded_meta(cu, cu_padded, "packed_seq_params.cu_seqlens_q",
+                                "packed_seq_params.cu_seqlens_q_padded")
+        _check_kv_equals_q(packed_seq_params)
+        return cu, (None if cu_padded is cu else cu_padded)
+
+    def _cp_row_order(self, cu_seqlens, cu_seqlens_padded, qkvzba):
+        """The natural-order row tables of `context_parallel.natural_row_order` for this input
+        (sequences at their storage offsets), after the layout checks: shapes always, cu_seqlens
+        values when validating."""
+        cp, rows = self.cp_size, qkvzba.shape[0] * self.cp_size
+        cu_storage = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
+        if cu_storage is None:
+            if rows % (2 * cp):
+                raise ValueError(
+                    f"context parallelism (cp size {cp}) splits each sequence into 2 x {cp} equal "
+                    f"chunks: the sequence length {rows} (hidden_states rows x SP x CP) must be a "
+                    f"multiple of {2 * cp}")
+        else:
+            if cu_storage.numel() < 2:
+                raise ValueError("packed_seq_params.cu_seqlens_q must hold at least one sequence "
+                                 "under context parallelism")
+            if V.want_validate(False):
+                name = "packed_seq_params.cu_seqlens_q" + ("" if cu_seqlens_padded is None else "_padded")
+                self._validate_cp_offsets(cu_storage, rows, name)
+        return cpx.natural_row_order(cu_storage, cp, rows, qkvzba.device)
+
+    def _validate_cp_offsets(self, cu_storage, rows, name):
+        """[sync] Megatron's CP layout checks: the storage offsets span all `rows` rows and every
+        storage length is a multiple of 2 x cp."""
+        cp = self.cp_size
+        validate_cu_seqlens(cu_storage, name=name)
+        cu = cu_storage.detach().to("cpu", torch.int64)
+        if int(cu[-1]) != rows:
+            raise ValueError(f"{name}[-1] = {int(cu[-1])} must equal the total sequence length "
+                             f"{rows} (hidden_states rows x SP x CP) under context parallelism")
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        if any(n % (2 * cp) for n in lengths):
+            raise ValueError(f"{name}: under context parallelism (cp size {cp}) every sequence's "
+                             f"storage length must be a multiple of {2 * cp}, got {lengths}")
+
+    def _gated_norm_to_cp(self, o, z, norm, scatter):
+        """The gated norm, then the all-to-all back to this rank's sequence shard (under CP the
+        norm-out recompute covers both, as in Megatron)."""
+        return cpx.hp_to_cp(norm(o, z), scatter, self.cp_group)
 
     def _gated_norm(self, o, z, cu_seqlens, cu_seqlens_padded):
         """rmsnorm(o) * out_norm.weight * silu(z) over the value head dim, returned as [S, B, v].
 
-        A torch RMSNorm out_norm (the local spec) or TE RMSNorm without zero-centred gamma runs as
-        the fused gated-RMSNorm op; any other out_norm module runs as Megatron does it
+        A torch RMSNorm or a Transformer Engine RMSNorm out_norm (zero-centred or not) runs as the
+        fused gated-RMSNorm op; any other out_norm module runs as Megatron does it
         (out_norm(o) * silu(z)), with padding rows zeroed explicitly."""
         B, S = o.shape[:2]
         norm = self.out_norm
-        eps = _fusable_rmsnorm_eps(norm, o.dtype)
-        if eps is not None:
+        kind = fused_rmsnorm_kind(norm)
+        if kind is not None:
+            eps, zero_centered = kind
             weight = norm.weight
             if self.tp_size > 1:  # replicated over TP, each rank sees its own heads: sum the grads
                 weight = tensor_parallel.copy_to_tensor_model_parallel_region(weight, self.tp_group)
-            y = gated_rmsnorm(o, z, weight, eps)
+            y = gated_rmsnorm(o, z, weight, torch.finfo(o.dtype).eps if eps is None else eps,
+                              zero_centered=zero_centered)
         else:
             y = (norm(o.reshape(-1, o.shape[-1])).view(o.shape) * F.silu(z.float())).to(o.dtype)
             if cu_seqlens is not None:
                 real = padding_row_mask(cu_seqlens, cu_seqlens_padded, total_rows=S)
-                y = y * real.view(1, S, 1, 1).to(y.dtype)
+                y = torch.where(real.view(1, S, 1, 1), y, torch.zeros((), dtype=y.dtype, device=y.device))
         return y.reshape(B, S, -1).transpose(0, 1).contiguous()
 
     # ------------------------------------------------------------------------------------------
@@ -327,14 +389,37 @@ class GatedDeltaNet(MegatronModule):
         self.out_proj.backward_dw()
 
 
-def _fusable_rmsnorm_eps(norm, dtype):
-    """eps when `norm` is a plain RMSNorm (y = x * rsqrt(mean x^2 + eps) * weight), else None."""
+def fused_rmsnorm_kind(norm):
+    """(eps, zero_centered) when `norm` is an RMSNorm the gated-RMSNorm op computes exactly
+    (y = x * rsqrt(mean x^2 + eps) * w, w = weight or 1 + weight): torch.nn.RMSNorm with a weight
+    (eps None: the input dtype's eps, as torch does), or Transformer Engine's RMSNorm (its
+    zero_centered_gamma); None for any other module."""
     if isinstance(norm, nn.RMSNorm):
-        if norm.weight is None:
-            return None
-        return norm.eps if norm.eps is not None else torch.finfo(dtype).eps
+        return None if norm.weight is None else (norm.eps, False)
     if type(norm).__name__ == "RMSNorm" and type(norm).__module__.startswith("transformer_engine"):
-        if getattr(norm, "zero_centered_gamma", True) or getattr(norm, "eps", None) is None:
-            return None
-        return float(norm.eps)
+        eps, zero_centered = getattr(norm, "eps", None), getattr(norm, "zero_centered_gamma", None)
+        if isinstance(eps, (int, float)) and isinstance(zero_centered, bool):
+            return float(eps), zero_centered
     return None
+
+
+def _check_kv_equals_q(psp):
+    """Megatron asserts that the kv offsets equal the q offsets (each side's padded offsets when
+    given, else its real ones): a GDN layer has one sequence layout. The same tensor passes at once;
+    otherwise shapes are compared always, values when both are CPU tensors or when validating (on
+    CUDA that reads them back)."""
+    q_name = "cu_seqlens_q" + ("_padded" if psp.cu_seqlens_q_padded is not None else "")
+    kv_name = "cu_seqlens_kv" + ("_padded" if psp.cu_seqlens_kv_padded is not None else "")
+    q, kv = getattr(psp, q_name), getattr(psp, kv_name)
+    if kv is None or kv is q:
+        return
+    if kv.shape == q.shape:
+        if kv.device.type == "cpu" and q.device.type == "cpu":
+            if torch.equal(kv.long(), q.long()):
+                return
+        elif not V.want_validate(False) or torch.equal(kv.cpu().long(), q.cpu().long()):
+            return
+    show = lambda t: t.tolist() if t.numel() <= 16 else f"shape {tuple(t.shape)}"  # noqa: E731
+    raise ValueError(f"packed_seq_params.{kv_name} must equal packed_seq_params.{q_name}: a "
+                     f"GatedDeltaNet layer has one sequence layout (as in Megatron); got {show(kv)} "
+                     f"and {show(q)}")

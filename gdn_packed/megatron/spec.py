@@ -1,6 +1,7 @@
 """Module-spec helpers: put gdn_packed's GatedDeltaNet where a Megatron spec has Megatron's.
 
     spec = use_packed_gdn(any_megatron_spec)    # ModuleSpec, list of specs, or a *Submodules dataclass
+                                                # (strict=True: raise when it holds no GDN layer)
 
 Everything else in the spec (TE or local linears, norms, layer wiring, metainfo) is kept, so the
 model builds with the same parameters and loads the same checkpoints.
@@ -21,17 +22,19 @@ def _is_megatron_gdn(module) -> bool:
             and module.__module__ in _MEGATRON_GDN_MODULES)
 
 
-def use_packed_gdn(spec):
+def use_packed_gdn(spec, strict=False):
     """A copy of `spec` with every Megatron `GatedDeltaNet` replaced by gdn_packed's.
 
     `spec` may be a ModuleSpec, a list/tuple of them, or a submodules dataclass (e.g.
     TransformerBlockSubmodules, HybridStackSubmodules); it is walked recursively and not modified.
-    A bare Megatron GatedDeltaNet class is replaced too. Raises ValueError when nothing was replaced,
-    so a spec without GDN layers is not silently left as it was."""
+    A bare Megatron GatedDeltaNet class is replaced too. A spec without any (a pipeline stage that
+    holds only attention layers) comes back as an equal copy; with `strict=True` that raises
+    ValueError instead."""
     found = []
     out = _replace(spec, found)
-    if not found:
-        raise ValueError("use_packed_gdn: the spec contains no Megatron GatedDeltaNet to replace")
+    if strict and not found:
+        raise ValueError("use_packed_gdn(strict=True): the spec contains no Megatron GatedDeltaNet "
+                         "to replace")
     return out
 
 

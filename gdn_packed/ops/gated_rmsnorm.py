@@ -1,9 +1,10 @@
 """Gated RMSNorm as torch custom ops: the one registration site.
 
-    y = x * rsqrt(mean(x^2, -1) + eps) * weight * silu(z)          (float32 math, y in x's dtype)
+    y = x * rsqrt(mean(x^2, -1) + eps) * w * silu(z)               (float32 math, y in x's dtype)
+    w = weight, or 1 + weight when zero_centered (TE's zero_centered_gamma; formed in float32)
 
-    gdn_packed::gated_rmsnorm_fwd  (x, z, weight, eps, backend) -> (y, rstd)
-    gdn_packed::gated_rmsnorm_bwd  (dy, x, z, weight, rstd, backend) -> (dx, dz, dweight)
+    gdn_packed::gated_rmsnorm_fwd  (x, z, weight, eps, zero_centered, backend) -> (y, rstd)
+    gdn_packed::gated_rmsnorm_bwd  (dy, x, z, weight, rstd, zero_centered, backend) -> (dx, dz, dweight)
 
 The output gate of the GDN block (`rmsnorm(o) * silu(z)` over the value head dim). The forward saves
 x, z, weight and rstd (float32, one per row). Backends: "torch" (torch_ref/gated_rmsnorm.py, any
@@ -33,58 +34,58 @@ def _rows(x):
 
 
 @torch.library.custom_op("gdn_packed::gated_rmsnorm_fwd", mutates_args=())
-def gated_rmsnorm_fwd(x: Tensor, z: Tensor, weight: Tensor, eps: float, backend: str
-                      ) -> tuple[Tensor, Tensor]:
+def gated_rmsnorm_fwd(x: Tensor, z: Tensor, weight: Tensor, eps: float, zero_centered: bool,
+                      backend: str) -> tuple[Tensor, Tensor]:
     y = new_output(x.shape, x.dtype, x.device)
     rstd = new_output(x.shape[:-1], torch.float32, x.device)
     fwd, _ = _impl(backend)
     y2 = y.view(-1, x.shape[-1])
-    fwd(_rows(x), _rows(z), weight.contiguous(), eps, y2, rstd.view(-1))
+    fwd(_rows(x), _rows(z), weight.contiguous(), eps, zero_centered, y2, rstd.view(-1))
     return y, rstd
 
 
 @gated_rmsnorm_fwd.register_fake
-def _(x, z, weight, eps, backend):
+def _(x, z, weight, eps, zero_centered, backend):
     return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("gdn_packed::gated_rmsnorm_bwd", mutates_args=())
-def gated_rmsnorm_bwd(dy: Tensor, x: Tensor, z: Tensor, weight: Tensor, rstd: Tensor, backend: str
-                      ) -> tuple[Tensor, Tensor, Tensor]:
+def gated_rmsnorm_bwd(dy: Tensor, x: Tensor, z: Tensor, weight: Tensor, rstd: Tensor,
+                      zero_centered: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     dx = new_output(x.shape, x.dtype, x.device)
     dz = new_output(z.shape, z.dtype, z.device)
     dweight = new_output(weight.shape, weight.dtype, weight.device)
     _, bwd = _impl(backend)
     N = x.shape[-1]
     bwd(_rows(dy), _rows(x), _rows(z), weight.contiguous(), rstd.reshape(-1).contiguous(),
-        dx.view(-1, N), dz.view(-1, N), dweight)
+        zero_centered, dx.view(-1, N), dz.view(-1, N), dweight)
     return dx, dz, dweight
 
 
 @gated_rmsnorm_bwd.register_fake
-def _(dy, x, z, weight, rstd, backend):
+def _(dy, x, z, weight, rstd, zero_centered, backend):
     return x.new_empty(x.shape), z.new_empty(z.shape), weight.new_empty(weight.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    x, z, weight, eps, backend = inputs
+    x, z, weight, eps, zero_centered, backend = inputs
     ctx.save_for_backward(x, z, weight, output[1])
     ctx.mark_non_differentiable(output[1])
-    ctx.backend = backend
+    ctx.zero_centered, ctx.backend = zero_centered, backend
 
 
 def _backward(ctx, dy, drstd):
     x, z, weight, rstd = ctx.saved_tensors
     if dy is None:
         dy = torch.zeros_like(x)
-    dx, dz, dweight = gated_rmsnorm_bwd(dy, x, z, weight, rstd, ctx.backend)
-    return dx, dz, dweight, None, None
+    dx, dz, dweight = gated_rmsnorm_bwd(dy, x, z, weight, rstd, ctx.zero_centered, ctx.backend)
+    return dx, dz, dweight, None, None, None
 
 
 gated_rmsnorm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def gated_rmsnorm(x, z, weight, eps=1e-6, backend="auto"):
+def gated_rmsnorm(x, z, weight, eps=1e-6, backend="auto", *, zero_centered=False):
     """Gated RMSNorm, the output gate of the GDN block: x * rsqrt(mean(x^2) + eps) * weight * silu(z)
     over the last dim, computed in float32; forward and backward.
 
@@ -98,6 +99,8 @@ def gated_rmsnorm(x, z, weight, eps=1e-6, backend="auto"):
             fused Triton kernels (deterministic weight gradient); on CPU tensors only under the
             Triton interpreter (TRITON_INTERPRET=1). "cuda": not implemented for this op
             (NotImplementedError).
+        zero_centered: the weight is zero-centred and the scale is 1 + weight (Transformer Engine's
+            zero_centered_gamma, Megatron's layernorm_zero_centered_gamma), formed in float32.
 
     Returns:
         y in x's shape and dtype. Differentiable in x, z and weight.
@@ -112,5 +115,7 @@ def gated_rmsnorm(x, z, weight, eps=1e-6, backend="auto"):
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     backend = resolve_backend(backend, x.device, have=BACKENDS_IMPLEMENTED)
-    y, _ = gated_rmsnorm_fwd(x, z, weight, float(eps), backend)
+    if not isinstance(zero_centered, bool):
+        raise TypeError(f"zero_centered must be a bool, got {type(zero_centered).__name__}")
+    y, _ = gated_rmsnorm_fwd(x, z, weight, float(eps), zero_centered, backend)
     return y

@@ -1,12 +1,14 @@
 """Gated RMSNorm, the torch backend and the reference.
 
-    y = x * rstd * weight * silu(z),   rstd = 1 / sqrt(mean(x^2) + eps)     (over the last dim, N)
+    y = x * rstd * w * silu(z),   rstd = 1 / sqrt(mean(x^2) + eps)     (over the last dim, N)
 
-Backward, with xhat = x * rstd, s = silu(z), u = dy * weight * s (the gradient of xhat):
+with the scale w = weight, or w = 1 + weight for a zero-centred weight (TE's zero_centered_gamma,
+Megatron's layernorm_zero_centered_gamma; 1 + weight is formed in float32, never in weight's dtype).
+Backward, with xhat = x * rstd, s = silu(z), u = dy * w * s (the gradient of xhat):
 
     dx     = rstd * (u - xhat * mean(u * xhat))
-    dz     = dy * xhat * weight * sigmoid(z) * (1 + z * (1 - sigmoid(z)))
-    dweight = sum over rows of dy * xhat * s
+    dz     = dy * xhat * w * sigmoid(z) * (1 + z * (1 - sigmoid(z)))
+    dweight = sum over rows of dy * xhat * s              (the same for both weight conventions)
 
 Everything is computed in float32 whatever the input dtype; y, dx, dz are rounded to their tensor's
 dtype once, at the end. `rstd` (float32, one per row) is the only saved intermediate.
@@ -14,17 +16,22 @@ dtype once, at the end. `rstd` (float32, one per row) is the only saved intermed
 import torch
 
 
-def gated_rmsnorm_fwd_torch(x, z, weight, eps, y, rstd):
+def _scale(weight, zero_centered):
+    w = weight.float()
+    return w + 1 if zero_centered else w
+
+
+def gated_rmsnorm_fwd_torch(x, z, weight, eps, zero_centered, y, rstd):
     """x, z [M, N]; weight [N]; writes y [M, N] (x's dtype) and rstd [M] (float32)."""
     xf = x.float()
     r = torch.rsqrt(xf.square().mean(-1) + eps)
-    y.copy_(xf * r[:, None] * weight.float() * torch.nn.functional.silu(z.float()))
+    y.copy_(xf * r[:, None] * _scale(weight, zero_centered) * torch.nn.functional.silu(z.float()))
     rstd.copy_(r)
 
 
-def gated_rmsnorm_bwd_torch(dy, x, z, weight, rstd, dx, dz, dweight):
+def gated_rmsnorm_bwd_torch(dy, x, z, weight, rstd, zero_centered, dx, dz, dweight):
     """Writes dx, dz [M, N] and dweight [N] (weight's dtype)."""
-    xf, zf, dyf, w = x.float(), z.float(), dy.float(), weight.float()
+    xf, zf, dyf, w = x.float(), z.float(), dy.float(), _scale(weight, zero_centered)
     xhat = xf * rstd[:, None]
     sig = torch.sigmoid(zf)
     s = zf * sig
@@ -34,6 +41,7 @@ def gated_rmsnorm_bwd_torch(dy, x, z, weight, rstd, dx, dz, dweight):
     dweight.copy_((dyf * xhat * s).sum(0))
 
 
-def gated_rmsnorm_ref(x, z, weight, eps=1e-6):
+def gated_rmsnorm_ref(x, z, weight, eps=1e-6, zero_centered=False):
     """The formula, differentiable by autograd: the test reference (run it in float64)."""
-    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight * torch.nn.functional.silu(z)
+    w = weight + 1 if zero_centered else weight
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w * torch.nn.functional.silu(z)

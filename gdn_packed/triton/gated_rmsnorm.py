@@ -2,6 +2,8 @@
 
     y = x * rstd * w * silu(z),   rstd = 1 / sqrt(mean(x^2) + eps)   over the last dim (N)
 
+w is the weight, or 1 + weight when ZERO_CENTERED (a zero-centred weight; 1 + weight in float32).
+
 Inputs are contiguous rows: x, z, dy [M, N] (fp32/bf16/fp16), w [N]. All arithmetic is float32; only
 the loads and the final stores of y, dx, dz convert dtype (so bf16 is also right under the Triton
 interpreter, which only gets bf16 casts right).
@@ -21,7 +23,7 @@ MAX_N = 16384
 
 
 @triton.jit
-def gated_rmsnorm_fwd_kernel(x, z, w, y, rstd, M, N, eps,
+def gated_rmsnorm_fwd_kernel(x, z, w, y, rstd, M, N, eps, ZERO_CENTERED: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -32,6 +34,8 @@ def gated_rmsnorm_fwd_kernel(x, z, w, y, rstd, M, N, eps,
     b_x = tl.load(x + offs, mask=mask, other=0.).to(tl.float32)
     b_z = tl.load(z + offs, mask=mask, other=0.).to(tl.float32)
     b_w = tl.load(w + o_n, mask=m_n, other=0.).to(tl.float32)
+    if ZERO_CENTERED:
+        b_w += 1.
     b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / N + eps)
     b_y = b_x * b_r[:, None] * b_w[None, :] * (b_z * tl.sigmoid(b_z))
     tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=mask)
@@ -40,11 +44,13 @@ def gated_rmsnorm_fwd_kernel(x, z, w, y, rstd, M, N, eps,
 
 @triton.jit
 def gated_rmsnorm_bwd_kernel(dy, x, z, w, rstd, dx, dz, dw_partial, M, N, rows_per_prog,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                             ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     i_p = tl.program_id(0)
     o_n = tl.arange(0, BLOCK_N)
     m_n = o_n < N
     b_w = tl.load(w + o_n, mask=m_n, other=0.).to(tl.float32)
+    if ZERO_CENTERED:
+        b_w += 1.
     b_dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     row0 = i_p * rows_per_prog
     for i in range(0, rows_per_prog, BLOCK_M):
@@ -77,12 +83,12 @@ def _blocks(N):
     return BLOCK_M, BLOCK_N, (4 if BLOCK_N <= 1024 else 8)
 
 
-def gated_rmsnorm_fwd_triton(x, z, weight, eps, y, rstd):
+def gated_rmsnorm_fwd_triton(x, z, weight, eps, zero_centered, y, rstd):
     """x, z, y [M, N] contiguous; weight [N]; rstd [M] float32."""
     M, N = x.shape
     BLOCK_M, BLOCK_N, num_warps = _blocks(N)
     grid = (triton.cdiv(M, BLOCK_M),)
-    gated_rmsnorm_fwd_kernel[grid](x, z, weight, y, rstd, M, N, eps,
+    gated_rmsnorm_fwd_kernel[grid](x, z, weight, y, rstd, M, N, eps, ZERO_CENTERED=zero_centered,
                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps)
 
 
@@ -94,7 +100,7 @@ def _num_programs(device, row_blocks):
     return max(1, min(cap, row_blocks))
 
 
-def gated_rmsnorm_bwd_triton(dy, x, z, weight, rstd, dx, dz, dweight):
+def gated_rmsnorm_bwd_triton(dy, x, z, weight, rstd, zero_centered, dx, dz, dweight):
     """Writes dx, dz [M, N] (contiguous) and dweight [N] (weight's dtype), deterministically."""
     M, N = x.shape
     BLOCK_M, BLOCK_N, num_warps = _blocks(N)
@@ -103,5 +109,6 @@ def gated_rmsnorm_bwd_triton(dy, x, z, weight, rstd, dx, dz, dweight):
     rows_per_prog = triton.cdiv(row_blocks, P) * BLOCK_M
     dw_partial = torch.empty(P, N, dtype=torch.float32, device=x.device)
     gated_rmsnorm_bwd_kernel[(P,)](dy, x, z, weight, rstd, dx, dz, dw_partial, M, N, rows_per_prog,
+                                   ZERO_CENTERED=zero_centered,
                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps)
     dweight.copy_(dw_partial.sum(0))
