@@ -1,0 +1,55 @@
+"""Launch configs of the Triton kernels: one fixed heuristic on (K, V, dtype, GPU), never autotuned,
+so the launch sequence is the same for every cu_seqlens of the same T and N (CUDA-graph safe) and the
+set of compiled kernels is known ahead of time (tests/test_sm90_aot.py compiles every variant;
+`python -m bench kernels` reports registers, shared memory, spills and CTAs per SM of each).
+Each config dict holds the kernel's block constexprs plus num_warps and num_stages.
+"""
+import torch
+import triton
+
+CHUNK = 64          # rows per chunk; the kernels are written for 64 (one wgmma M tile per warpgroup)
+
+_SMEM_KB = {9: 227, 8: 163}
+
+
+def pow2(x):
+    return triton.next_power_of_2(x)
+
+
+def smem_kb(device):
+    """Shared memory per block (KB) the kernels may plan for on `device` (sm_90 sizes off CUDA)."""
+    if device.type != "cuda":
+        return _SMEM_KB[9]
+    major, minor = torch.cuda.get_device_capability(device)
+    return 227 if major >= 9 else 163 if (major, minor) in ((8, 0), (8, 6), (8, 7), (8, 9)) else 99
+
+
+def dot_precision(dtype):
+    """input_precision of the fp32 x fp32 dots (the C x C products of prep; every dot of fp32 inputs).
+    tf32 (one pass) everywhere except fp16 inputs, whose 11-bit stored products would be limited by
+    tf32's own 11 bits: tf32x3 there. fp32 inputs therefore run at tf32 accuracy on a GPU (docs/DESIGN.md
+    numerics: the GPU fp32 budgets); the interpreter computes every dot in fp32."""
+    return "tf32x3" if dtype == torch.float16 else "tf32"
+
+
+def prep_config(K, dtype):
+    """chunk_fwd_prep_kernel: K K^T and Q K^T over K-blocks of BK (64; 32 for fp32 inputs, whose tiles
+    are twice the bytes), 4 warps, 1 stage (the loop is short and the C x C tiles dominate)."""
+    BK = min(pow2(K), 32 if dtype == torch.float32 else 64)
+    return dict(BK=BK, PREC=dot_precision(dtype), num_warps=4, num_stages=1)
+
+
+def state_config(K, V, dtype, smem=227, store_states=False):
+    """chunk_fwd_state_kernel: the transposed state block S^T [BV, BK] (BK = K padded to a power of
+    two) in fp32 registers. BV = 64 (the wgmma M of one warpgroup: the S^T products take the state from
+    registers), smaller only when V is; 4 warps, 8 when BK > 128 (the [64, 256] state is 128 registers
+    per thread of one warpgroup). 2 stages (the next chunk's tiles copied while this one computes) when
+    two fit in shared memory, else 1. One stage holds q, k [C, BK], v [C, BV] in the input dtype and
+    Ts, MT [C, C] in the input dtype (fp32 for fp32 inputs). The STORE_STATES variant (the backward's
+    recompute) runs with 1 stage: its stores of S^T and X'^T need the registers a second stage takes."""
+    BK = pow2(K)
+    BV = max(16, min(64, pow2(V)))
+    esize = torch.finfo(dtype).bits // 8
+    stage_kb = (2 * CHUNK * BK + CHUNK * BV + 2 * CHUNK * CHUNK) * esize / 1024
+    return dict(BK=BK, BV=BV, PREC=dot_precision(dtype), num_warps=8 if BK > 128 else 4,
+                num_stages=2 if 2 * stage_kb + 16 <= smem and not store_states else 1)
