@@ -25,11 +25,13 @@ def smem_kb(device):
 
 
 def dot_precision(dtype):
-    """input_precision of the fp32 x fp32 dots (the C x C products of prep; every dot of fp32 inputs).
-    tf32 (one pass) everywhere except fp16 inputs, whose 11-bit stored products would be limited by
-    tf32's own 11 bits: tf32x3 there. fp32 inputs therefore run at tf32 accuracy on a GPU (docs/DESIGN.md
-    numerics: the GPU fp32 budgets); the interpreter computes every dot in fp32."""
-    return "tf32x3" if dtype == torch.float16 else "tf32"
+    """input_precision of every dot with fp32 operands: the C x C products of prep (T's doubling
+    steps, M T) for every input dtype, and every dot of fp32 inputs. "tf32" (one tensor-core pass, as
+    Triton's default and FLA): the products are stored in the input dtype afterwards, and bf16/fp16
+    rounding (2^-9 / 2^-11) is not smaller than tf32's (2^-11); "tf32x3" spills registers in prep.
+    So fp32 inputs run at tf32 accuracy on a GPU and are held to the GPU fp32 budgets of
+    docs/DESIGN.md there (the interpreter computes every dot in fp32: the CPU budgets)."""
+    return "tf32"
 
 
 def prep_config(K, dtype):
