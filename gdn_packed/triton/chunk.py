@@ -48,7 +48,6 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=
     N = cu_chunks.numel() - 1
     store = s_out is not None
     cfg = state_config(K, V, q.dtype, smem_kb(q.device), store_states=store)
-    cfg.pop("PREC")
     gates, eg_last, _, ts, mt = prep
     unused = s_out if store else ht         # stand-in for the pointers this variant does not touch
     pick = lambda x: unused if x is None else x   # noqa: E731
