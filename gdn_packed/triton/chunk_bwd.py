@@ -186,12 +186,14 @@ def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, 
     DT = k.dtype.element_ty
     o_c = tl.arange(0, C)
     rows, m_c = start + o_c, o_c < length
-    o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < K
+    o_b = tl.arange(0, BK)
+    m_k = i_k * BK + o_b < K
     m_qk = m_c[:, None] & m_k[None, :]
-    p_qk = rows[:, None] * (H * K) + i_qh * K + o_k[None, :]
-    b_q = tl.load(q + p_qk, mask=m_qk, other=0.)                      # raw q, k [C, BK]
-    b_k = tl.load(k + p_qk, mask=m_qk, other=0.)
+    # scalar int64 bases and int32 tile offsets (no per-element 64-bit address arithmetic)
+    p_qk = start * (H * K) + i_qh * K + i_k * BK
+    o_qk = o_c[:, None] * (H * K) + o_b[None, :]
+    b_q = tl.load(q + p_qk + o_qk, mask=m_qk, other=0.)               # raw q, k [C, BK]
+    b_k = tl.load(k + p_qk + o_qk, mask=m_qk, other=0.)
     p_rn = (j * HV + i_qh * G) * (2 * C)
     b_rq = tl.load(rn + p_rn + o_c)                                   # (the group shares rq, rk)
     b_rk = tl.load(rn + p_rn + C + o_c)
@@ -213,24 +215,26 @@ def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, 
         b_g2 = _gate_row(gates, j, i_h, HV, 2, C)
         b_g3 = _gate_row(gates, j, i_h, HV, 3, C)
         b_g4 = _gate_row(gates, j, i_h, HV, 4, C)
+        p_cv = start * (HV * V) + i_h * V
+        p_vk = p_slot * (V * K) + i_k * BK
         for i_v in range(0, V, BV):
             o_v = i_v + tl.arange(0, BV)
             m_v = o_v < V
-            p_ct = p_slot * (V * C) + o_v[None, :] * C + o_c[:, None]    # [C, BV] of a [V, C] buffer
-            b_xp = tl.load(xp + p_ct, mask=m_v[None, :], other=0.)         # X'
+            o_ct = o_v[None, :] * C + o_c[:, None]                        # [C, BV] of a [V, C] buffer
+            b_xp = tl.load(xp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)     # X'
             b_u = _mma(b_ts, b_xp, b_xp.to(tl.float32), F32).to(DT)       # U = X' + Ts X'
-            b_dx = tl.load(dxp + p_ct, mask=m_v[None, :], other=0.).to(DT)
+            b_dx = tl.load(dxp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.).to(DT)
             m_cv = m_c[:, None] & m_v[None, :]
-            p_cv = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
-            b_do = tl.load(do + p_cv, mask=m_cv, other=0.)
-            b_v = tl.load(v + p_cv, mask=(o_c < len_v)[:, None] & m_v[None, :], other=0.)
+            o_cv = o_c[:, None] * (HV * V) + o_v[None, :]
+            b_do = tl.load(do + p_cv + o_cv, mask=m_cv, other=0.)
+            b_v = tl.load(v + p_cv + o_cv, mask=(o_c < len_v)[:, None] & m_v[None, :], other=0.)
             b_dxv += _rowdot(b_dx, b_v)
             b_dM = _mma(b_do, tl.trans(b_u), b_dM, F32)
             b_dA = _mma(b_dx, tl.trans(b_u), b_dA, F32)
-            p_vk = p_slot * (V * K) + o_v[:, None] * K + o_k[None, :]      # [BV, BK] of [V, K]
+            o_vk = o_v[:, None] * K + o_b[None, :]                        # [BV, BK] of [V, K]
             m_vk = m_v[:, None] & m_k[None, :]
-            b_s = tl.load(st + p_vk, mask=m_vk, other=0.)                 # S^T
-            b_dsn = tl.load(dsn + p_vk, mask=m_vk, other=0.)              # dSn^T
+            b_s = tl.load(st + p_vk + o_vk, mask=m_vk, other=0.)          # S^T
+            b_dsn = tl.load(dsn + p_vk + o_vk, mask=m_vk, other=0.)       # dSn^T
             b_sds += tl.sum(b_s * b_dsn, 0)
             b_f = _mma(b_do, b_s.to(DT), tl.zeros([C, BK], dtype=tl.float32), F32)
             b_qF += _rowdot(b_q, b_f)
@@ -267,8 +271,8 @@ def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, 
         p_part = (i_k * T + rows) * HV + i_h
         tl.store(dgam_part + p_part, b_dgam, mask=m_c)
         tl.store(dbeta_part + p_part, b_db, mask=m_c)
-    tl.store(dq + p_qk, b_dq.to(dq.dtype.element_ty), mask=m_qk)
-    tl.store(dk + p_qk, b_dk.to(dk.dtype.element_ty), mask=m_qk)
+    tl.store(dq + p_qk + o_qk, b_dq.to(dq.dtype.element_ty), mask=m_qk)
+    tl.store(dk + p_qk + o_qk, b_dk.to(dk.dtype.element_ty), mask=m_qk)
 
 
 @triton.jit
@@ -317,7 +321,7 @@ def bwd_configs(K, V, dtype):
     np2 = triton.next_power_of_2
     return dict(
         dstate=dict(BK=np2(K), BV=min(64, np2(V)), num_warps=4 if K <= 128 else 8, num_stages=1),
-        grads=dict(BK=min(64, np2(K)), BV=min(64, np2(V)), num_warps=8, num_stages=1),
+        grads=dict(BK=min(32, np2(K)), BV=min(32, np2(V)), num_warps=8, num_stages=1),
         finalize=dict(BKP=np2(K), num_warps=4, num_stages=1),
     )
 
