@@ -1,8 +1,9 @@
 """Ahead-of-time check of the Triton backward kernels for the H200 (sm_90), without a GPU.
 
-In a subprocess without TRITON_INTERPRET, every backward kernel (the recompute is the forward's state
-pass with STORE_STATES; the gating kernels of chunk_gate.py too) is compiled with the launch config
-that the dispatcher (gdn_packed.triton.chunk_bwd.bwd_configs, chunk.state_config) gives for each
+In a subprocess without TRITON_INTERPRET, every backward kernel of chunk_bwd.py (dstate, grads,
+finalize; the gating kernels of chunk_gate.py too; the forward prep/state kernels it also launches are
+compiled by the forward's AOT test) is compiled with the launch config
+that the dispatcher (gdn_packed.triton.chunk_bwd.bwd_configs) gives for each
 (dtype, K, V) below, through triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)).
 Asserted per kernel: it compiles, shared memory <= 227 KB, HGMMA (warpgroup MMA) in the SASS of the
 kernels built around bf16/fp16 dots, and no register spills (cuobjdump --dump-resource-usage
@@ -44,52 +45,38 @@ def _shapes():
 
 
 SHAPES = _shapes()
-DOT_KERNELS = ("chunk_state_output_kernel[STORE_STATES]", "chunk_bwd_dstate_kernel", "chunk_bwd_dqk_kernel",
-               "chunk_bwd_wy_kernel")
+DOT_KERNELS = ("chunk_bwd_dstate_kernel", "chunk_bwd_grads_kernel")
 
 
 def _kernels(dt, K, V):
-    """(kernel, pointer/scalar signature, constexprs, (num_warps, num_stages)) of every backward launch."""
+    """(kernel, pointer/scalar signature, constexprs, (num_warps, num_stages)) of every backward launch
+    (l2norm and initial-state gradient on: the larger variants)."""
     import torch
     import triton
 
     from gdn_packed.triton import chunk_bwd as B
-    from gdn_packed.triton import chunk_bwd_state as S
-    from gdn_packed.triton import chunk_fwd as F
-    from gdn_packed.triton.chunk import CHUNK, prep_config, state_config
 
     dtype = dict(bf16=torch.bfloat16, fp16=torch.float16, fp32=torch.float32)[dt]
     cfg = B.bwd_configs(K, V, dtype)
-    split = bool(prep_config(K, dtype)["SPLIT"])
-    cc, f = (dt if split else "fp32"), "*fp32"
-    x = f"*{dt}"
-    idx = dict(table="*i32", cu_chunks="*i32")
-    c = dict(K=K, V=V, C=CHUNK, USE_L2=True)
-    nk = triton.cdiv(K, cfg["dqk"]["BK"])
-    r = state_config(K, V, dtype)
-    d, q, w, fin = cfg["dstate"], cfg["dqk"], cfg["wy"], cfg["finalize"]
+    x, f = f"*{dt}", "*fp32"
+    idx = dict(table="*i32", H="i32", HV="i32")
+    d, gr, fin = cfg["dstate"], cfg["grads"], cfg["finalize"]
+    f32 = dt == "fp32"
     return [
-        (F.chunk_state_output_kernel,
-         dict(q=x, k=x, v=x, g=f, beta=f, t_in=f"*{cc}", m_in=f"*{cc}", rn_in=f, h0=f, o=x, ht=f,
-              s_out=f, vnew_out=f, scale="fp32", T_rows="i32", **idx),
-         dict(c, **HOT, BK=r["BK"], BV=r["BV"], HAS_H0=True, SPLIT=split, STORE_STATES=True),
-         (r["num_warps"], r["num_stages"])),
-        (S.chunk_bwd_dstate_kernel,
-         dict(q=x, k=x, g=f, beta=f, do=x, t_in=f"*{cc}", m_in=f"*{cc}", rn_in=f, dht=f, dsn=f, dvn=f, dh0=f,
-              scale="fp32", H="i32", HV="i32", **idx),
-         dict(c, BK=d["BK"], BV=d["BV"], HAS_DHT=True, SPLIT=split), (d["num_warps"], d["num_stages"])),
-        (B.chunk_bwd_dqk_kernel,
-         dict(q=x, k=x, g=f, do=x, vnew=f, dvn=f, s_in=f, dsn=f, rn_in=f, dq_part=f, dk_part=f, dwp=f,
-              dgam_part=f, table="*i32", scale="fp32", T="i32", H="i32", HV="i32"),
-         dict(c, BK=q["BK"], BV=q["BV"], SPLIT=split), (q["num_warps"], q["num_stages"])),
-        (B.chunk_bwd_wy_kernel,
-         dict(k=x, v=x, g=f, beta=f, tm=f"*{cc}", rn_in=f, dvn=f, dwp=f, dk_part=f, dgam_part=f, dv=x, dbeta=f,
-              dg=f, table="*i32", T="i32", H="i32", HV="i32"),
-         dict(c, NK=nk, BK=w["BK"], BV=w["BV"], SPLIT=split), (w["num_warps"], w["num_stages"])),
-        (B.chunk_bwd_qk_finalize_kernel,
-         dict(q=x, k=x, dq_part=f, dk_part=f, real="*i8", dq=x, dk=x, dv=x, dg=f, dbeta=f, T="i32",
-              H="i32", HV="i32"),
-         dict(K=K, V=V, BT=fin["BT"], BKF=fin["BKF"], BVF=fin["BVF"], USE_L2=True),
+        (B.chunk_bwd_dstate_kernel,
+         dict(q=x, k=x, do=x, gates=f, eg_last=f, ts=x, mm=x, dht=f, dsn=f, dxp=f, dv=x, dh0=f, dq=x, dk=x,
+              dg=f, dbeta=f, cu_chunks="*i32", T_rows="i32", **idx),
+         dict(K=K, V=V, C=B.CHUNK, BK=d["BK"], BV=d["BV"], HAS_DHT=True, F32=f32),
+         (d["num_warps"], d["num_stages"])),
+        (B.chunk_bwd_grads_kernel,
+         dict(q=x, k=x, v=x, g=f, do=x, gates=f, eg_last=f, rn=f, ts=x, xp=x, st=f, dsn=f, dxp=f, dq=f, dk=f,
+              dgam_part=f, dbeta_part=f, scale="fp32", T="i32", **idx),
+         dict(K=K, V=V, C=B.CHUNK, BK=gr["BK"], BV=gr["BV"], USE_L2=True, F32=f32),
+         (gr["num_warps"], gr["num_stages"])),
+        (B.chunk_bwd_finalize_kernel,
+         dict(q=x, k=x, dq_pre=f, dk_pre=f, rn=f, dgam_part=f, dbeta_part=f, dq=x, dk=x, dg=f, dbeta=f,
+              T="i32", **idx),
+         dict(K=K, C=B.CHUNK, BKP=fin["BKP"], NK=triton.cdiv(K, gr["BK"]), USE_L2=True),
          (fin["num_warps"], fin["num_stages"])),
     ] + (_gate_kernels(dt) if K == V == 128 else [])
 
