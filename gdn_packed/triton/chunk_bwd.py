@@ -36,8 +36,12 @@ Deterministic: no atomics; every scratch element has one writer; every sum runs 
 
 Numerics: every tensor-core dot takes its operands in the input dtype with fp32 accumulation (fp32
 inputs: tf32x3 dots, ~fp32 exact). Rounded to the input dtype only as dot operands: dS^T, dO^T scaled
-by its gate, dU^T, dX'^T scaled by its gate (dstate); U, dX', S^T, dSn^T, Pm, DA (grads). Kept fp32:
-dS (registers and scratch), dX' (scratch), every accumulator, gate, exponential and row dot.
+by its gate, dU^T, dX'^T scaled by its gate (dstate); U, dX', S^T, dSn^T (grads). Pm and DA enter
+their products with K^, Q^ as fp32 tf32 dots: dgam takes the row sums and the column sums of the same
+C x C products (Pm (.) Q^K^^T, DA (.) K^K^^T) from two different dots, and their difference, summed
+by the reverse cumsum, cancels only if both see Pm, DA at better than bf16 precision (bf16 operands
+there put dg at ~1.2-1.5x FLA's error; tf32 keeps it below). Kept fp32: dS (registers and
+scratch), dX' (scratch), every accumulator, gate, exponential and row dot.
 Names: `b_` block values, `p_`/`o_` pointers/offsets, `m_` masks, as in FLA.
 """
 import torch
@@ -56,6 +60,16 @@ def _mma(a, b, acc, F32: tl.constexpr):
         out = tl.dot(a, b, acc, input_precision="tf32x3")
     else:
         out = tl.dot(a, b, acc)
+    return out
+
+
+@triton.jit
+def _mma_tf32(a, b, acc, F32: tl.constexpr):
+    """acc + a @ b with fp32 operands: tf32 (bf16/fp16 inputs), tf32x3 (F32, ~fp32 exact)."""
+    if F32:
+        out = tl.dot(a, b, acc, input_precision="tf32x3")
+    else:
+        out = tl.dot(a, b, acc, input_precision="tf32")
     return out
 
 
@@ -250,16 +264,16 @@ def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, 
         b_pm = tl.where(causal, scale * b_dM * b_E, 0.)                  # Pm
         b_da = tl.where(o_c[:, None] > o_c[None, :], -b_dA * b_E, 0.)     # DA
         zero = tl.zeros([C, BK], dtype=tl.float32)
-        b_t = _mma((b_pm * b_rk[None, :]).to(DT), b_k, zero, F32)        # Pm K^
+        b_t = _mma_tf32(b_pm * b_rk[None, :], b_k.to(tl.float32), zero, F32)        # Pm K^
         b_qM = b_rq * _rowdot(b_q, b_t)
         b_dq += b_rq[:, None] * b_t
-        b_t = _mma(tl.trans(b_pm * b_rq[:, None]).to(DT), b_q, zero, F32)   # Pm^T Q^
+        b_t = _mma_tf32(tl.trans(b_pm * b_rq[:, None]), b_q.to(tl.float32), zero, F32)   # Pm^T Q^
         b_colP = b_rk * _rowdot(b_k, b_t)
         b_dk += b_rk[:, None] * b_t
-        b_t = _mma((b_da * b_rk[None, :]).to(DT), b_k, zero, F32)        # DA K^
+        b_t = _mma_tf32(b_da * b_rk[None, :], b_k.to(tl.float32), zero, F32)        # DA K^
         b_rowA = b_rk * _rowdot(b_k, b_t)
         b_dk += (b_rk * b_beta)[:, None] * b_t
-        b_t = _mma(tl.trans(b_da * (b_beta * b_rk)[:, None]).to(DT), b_k, zero, F32)   # DA^T beta K^
+        b_t = _mma_tf32(tl.trans(b_da * (b_beta * b_rk)[:, None]), b_k.to(tl.float32), zero, F32)   # DA^T beta K^
         b_colA = b_rk * _rowdot(b_k, b_t)
         b_dk += b_rk[:, None] * b_t
         b_eg = _gate_row(gates, j, i_h, HV, 1, C)                       # eg rk
@@ -317,11 +331,18 @@ def chunk_bwd_finalize_kernel(q, k, dq_pre, dk_pre, rn, dgam_part, dbeta_part, d
 
 
 def bwd_configs(K, V, dtype):
-    """Block sizes and warps of the backward kernels (one config each, no autotune)."""
+    """Block sizes and warps of the backward kernels (one config each, no autotune), from sm_90 AOT
+    compiles (registers / spills in bench/NOTES.md, "backward rework"):
+    - dstate: the whole K (padded to a power of two) x BV = 64 (wgmma M = 64 with dS^T as the register
+      A operand; at 1x32768, HV = 32, V = 128: 64 programs, one wave); 4 warps (8 when K > 128).
+    - grads: K-blocks of 16 and V-blocks of 32 at 8 warps, the largest blocks that compile without
+      spills (the [C, BK] / [BV, BK] pointer tiles of six streamed operands cost more registers than
+      the accumulators); every K-block recomputes U, dO U^T and dX' U^T.
+    - finalize: the whole K row, 4 warps (no dots)."""
     np2 = triton.next_power_of_2
     return dict(
         dstate=dict(BK=np2(K), BV=min(64, np2(V)), num_warps=4 if K <= 128 else 8, num_stages=1),
-        grads=dict(BK=min(32, np2(K)), BV=min(32, np2(V)), num_warps=8, num_stages=1),
+        grads=dict(BK=min(16, np2(K)), BV=min(32, np2(V)), num_warps=8, num_stages=1),
         finalize=dict(BKP=np2(K), num_warps=4, num_stages=1),
     )
 
