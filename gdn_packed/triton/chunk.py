@@ -6,8 +6,10 @@ the number of chunk slots and the shapes, never on the values of cu_seqlens (no 
 import torch
 import triton
 
+from gdn_packed.triton.chunk_bwd import (chunk_bwd_dstate_kernel, chunk_bwd_finalize_kernel,
+                                        chunk_bwd_grads_kernel)
 from gdn_packed.triton.chunk_fwd import chunk_fwd_prep_kernel, chunk_fwd_state_kernel
-from gdn_packed.triton.configs import CHUNK, prep_config, smem_kb, state_config
+from gdn_packed.triton.configs import CHUNK, bwd_configs, prep_config, smem_kb, state_config
 
 
 def _check_chunk(C):
@@ -80,7 +82,59 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 
 def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
                          do, dht, dq, dk, dv, dg, dbeta, dh0):
-    """Backward of backend="triton" (gdn_packed/triton/chunk_bwd.py)."""
-    from gdn_packed.triton.chunk_bwd import chunk_gdr_bwd_triton as bwd
-    bwd(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
-        do, dht, dq, dk, dv, dg, dbeta, dh0)
+    """Backward of backend="triton" on flattened rows: writes every row of dq, dk [T, H, K], dv [T, HV, V],
+    dg, dbeta [T, HV] (0 on padding rows) and dh0 [N, HV, K, V] fp32. The op saves only the inputs, so
+    the forward's prep (with M instead of M T) and state pass (STORE_STATES) run again, then the three
+    backward kernels of chunk_bwd.py. Grids depend only on T, N, the chunk slots and the shapes.
+
+    Scratch per token x value head (K = V = 128, bf16, G = HV // H = 2): S^T 256 B and X'^T 128 B in
+    the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 512 B and dX'^T
+    256 B fp32 (dstate); dgam / dbeta partials 8 B per K-block; with l2norm fp32 dq, dk (256 B per
+    token x qk head)."""
+    _check_chunk(C)
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    N, NC = cu_chunks.numel() - 1, table.shape[0]
+    dev = q.device
+    outs = (dq, dk, dv, dg, dbeta)
+    if N == 0:                  # no sequence: every row is padding
+        for x in outs:
+            x.zero_()
+        return
+    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    work = [x if x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
+            for x in outs]
+    dq_, dk_, dv_, dg_, dbeta_ = work
+    cfg = bwd_configs(K, V, q.dtype)
+    l2 = bool(use_l2norm)
+    f32 = dict(dtype=torch.float32, device=dev)
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    prep = gates, eg_last, rn, ts, mm = chunk_fwd_prep(q, k, g, beta, table, HV, scale, l2, store_m=True)
+    # S^T entering each chunk and X'^T, as the forward's dots used them; slots outside every
+    # sequence are never written here and never read (the grads kernel exits on empty slots)
+    st = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
+    xp = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
+    dsn = torch.empty(NC, HV, V, K, **f32)
+    dxp = torch.empty(NC, HV, V, C, **f32)
+    if HV > 0:
+        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, s_out=st, x_out=xp)
+        c = cfg["dstate"]
+        dht_ = None if dht is None else dht.to(torch.float32).contiguous()
+        chunk_bwd_dstate_kernel[(triton.cdiv(V, c["BV"]), HV, N)](
+            q, k, do, gates, eg_last, ts, mm, dh0 if dht_ is None else dht_, dsn, dxp, dv_, dh0, dq_, dk_,
+            dg_, dbeta_, table, cu_chunks, T, H, HV, K=K, V=V, C=C, HAS_DHT=dht_ is not None, **c)
+    if NC > 0 and HV > 0:
+        c = cfg["grads"]
+        NK = triton.cdiv(K, c["BK"])
+        part = torch.empty(2, NK, T, HV, **f32)
+        pre = torch.empty(2, T, H, K, **f32) if l2 else None
+        chunk_bwd_grads_kernel[(NK, H, NC)](
+            q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, dxp, pre[0] if l2 else dq_,
+            pre[1] if l2 else dk_, part[0], part[1], table, scale, T, H, HV, K=K, V=V, C=C, USE_L2=l2,
+            **c)
+        chunk_bwd_finalize_kernel[(H, NC)](
+            q, k, pre[0] if l2 else dq_, pre[1] if l2 else dk_, rn, part[0], part[1], dq_, dk_, dg_,
+            dbeta_, table, T, H, HV, K=K, C=C, NK=NK, USE_L2=l2, **cfg["finalize"])
+    for x, y in zip(outs, work):
+        if x is not y:
+            x.copy_(y)

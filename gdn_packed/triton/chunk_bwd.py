@@ -1,372 +1,286 @@
-"""Backward of the packed chunked gated delta rule: Triton kernels (docs/DESIGN.md section 2, "Backward, one
-chunk"), over the chunk table of gdn_packed/torch_ref/chunk_table.py.
+"""Backward of the packed chunked gated delta rule: Triton kernels.
 
-Per chunk (C rows), gamma = cumsum(g), eg = e^gamma, eGg = e^(Gamma - gamma), eG = e^Gamma,
-E[r, s] = e^(gamma_r - gamma_s) (r >= s, else 0), M = (Q K^T) E, T = (I + A)^-1 from the forward:
-    dVnew = scale M^T dO + diag(eGg) K dS_next
-    dS    = eG dS_next + scale Q^T diag(eg) dO - W^T dVnew          (reverse over each sequence's chunks)
-    dQ    = scale diag(eg) dO S^T + dP K,           dP = scale (dO Vnew^T) E
-    dK    = dP^T Q + diag(eGg) Vnew dS_next^T + diag(beta eg) T^T dW' + (dKK + dKK^T) K
-    dV    = diag(beta) T^T dVnew,   dW' = -dVnew S^T,  dA = strict_lower(-T^T dT T^T),  dKK = dA beta_r E
-    dbeta, dgamma as in docs/DESIGN.md; dg = reverse cumsum of dgamma within the chunk.
+Notation (per chunk slot j, value head hv, qk head h = hv // G, G = HV // H; rows i < C = 64, rows at or
+past the slot's length L are dead and every per-row gate is 0 there), as in the forward prep/state
+kernels: q^ = rq q, k^ = rk k (rq, rk = 1 without l2norm), gam = in-chunk cumsum of g, eg = e^gam,
+w_i = e^(gam_(L-1) - gam_i), egL = e^gam_(L-1), E_ij = e^(gam_i - gam_j) (j <= i, else 0),
+A = strict_lower(beta_i E_ij k^_i.k^_j), T = (I + A)^-1, Ts = T - I, M = scale E (Q^ K^^T) (j <= i),
+X' = beta (V - eg K^ S), U = T X', O = scale eg Q^ S + M U, S_next = egL S + K^^T (w U).
+Given dO and dSn (gradient of the state leaving the chunk), chunk by chunk in reverse:
+    dU  = M^T dO + w K^ dSn          dX' = T^T dU = dU + Ts^T dU          dv = beta dX'
+    dS  = egL dSn + scale Q^^T (eg dO) - K^^T (beta eg dX')     (enters the previous chunk as its dSn)
+and in parallel, with dM = dO U^T, dA = -dX' U^T, Pm = scale dM E (j <= i), DA = dA E (j < i):
+    dQ^ = scale eg dO S^T + Pm K^
+    dK^ = Pm^T Q^ - beta eg dX' S^T + w U dSn^T + beta DA K^ + DA^T (beta K^)
+    dbeta = dX'.v - eg k^.(dX' S^T) + k^.(DA K^)                 (row dots: no C x C Gram matrix)
+    dgam  = q^.dQ^ - k^.(Pm^T Q^) + beta k^.(DA K^) - k^.(DA^T beta K^) - beta eg k^.(dX' S^T) - tau,
+            tau_i = w_i k^_i.(U dSn^T)_i; the last real row also gets sum(tau) + egL <S, dSn>
+    dg  = reverse cumsum of dgam within the chunk;  l2norm: dq = rq (dQ^ - q^ (q^.dQ^)) (same for k).
+(Checked against autograd of the float64 recurrence to 1e-15 by a torch prototype of these formulas.)
 
-Launches, in order (grids depend only on T, N and the shapes; unused chunk slots exit at once):
-  chunk_prep (the forward's)    grid (NC, HV): Tm = (I + A)^-1, M = scale causal(QK^T) E, row norms.
-  chunk_state_pass (the forward's chunk_state_output_kernel with STORE_STATES) grid (N, HV,
-                               cdiv(V, BV)): per-chunk entering states S_in and Vnew, no o.
-  chunk_bwd_dstate_kernel      grid (N, HV, cdiv(V, BV)): reverse pass: dS_next per chunk, dVnew, dh0
-                               (dht passed through zero-length sequences) (chunk_bwd_state.py).
-  chunk_bwd_dqk_kernel         grid (NC, HV, cdiv(K, BK)): loops over V-blocks; writes the per-value-head
-                               dQ partial, the dP/dS part of dK, dW' and this K-block's share of dgamma.
-  chunk_bwd_wy_kernel          grid (NC, HV): through the inverse: dV, dbeta, the WY part of dK (added
-                               to the partial in place: one writer), dgamma, dg = reverse cumsum.
-  chunk_bwd_qk_finalize_kernel grid (cdiv(T, BT), H): sums the dQ/dK partials over the G value heads of
-                               a group in a fixed order, l2norm backward, writes dq, dk on every row
-                               (0 on padding) and the zeros of dv, dg, dbeta on padding rows.
-Deterministic by construction: no atomics, every scratch element has one writer, and the sums over
-K-blocks (dgamma) and value heads (dq, dk) run in a fixed order in one program.
+Launches (grids depend only on T, N and the shapes; unused chunk slots exit at once; fastest grid axis
+first):
+  forward prep (store_m: M instead of M T) and state pass (STORE_STATES: S^T at chunk start
+      [NC, HV, V, K] and X'^T [NC, HV, V, C], in the input dtype as the forward's dots used them);
+      launched by gdn_packed/triton/chunk.py, chunk_gdr_bwd_triton
+  chunk_bwd_dstate_kernel  grid (cdiv(V, BV), HV, N): the reverse sequential pass, dS^T [BV, K] fp32 in
+      registers (transposed: it is the register A operand of dS^T K^T). Writes dSn^T per chunk slot
+      fp32 [NC, HV, V, K], dX'^T fp32 [NC, HV, V, C], dv = beta dX' (input dtype), dh0; and exact
+      zeros on the padding rows of dv, dg, dbeta, dq, dk.
+  chunk_bwd_grads_kernel   grid (cdiv(K, BK), H, NC): one program per K-block, qk head and chunk slot;
+      loops the G value heads of the qk head and the V-blocks; dq, dk of the group summed in registers
+      (no GVA partials); writes dq, dk (input dtype; fp32 pre-l2norm values with l2norm) and the
+      dgam / dbeta partials of its K-block [NK, T, HV] fp32.
+  chunk_bwd_finalize_kernel grid (H, NC): dg = reverse cumsum of the summed dgam partials, dbeta, and
+      the l2norm backward of dq, dk.
+Deterministic: no atomics; every scratch element has one writer; every sum runs in a fixed order.
 
-Layouts (row-major, contiguous): q, k [T, H, K]; v, do [T, HV, V]; g, beta [T, HV]; table int32 [NC, 4];
-cu_chunks int32 [N+1]. Scratch (freed after the backward; per token and value head at K = V = 128,
-bf16): Tm, M hi/lo planes [NC, HV, 2, C, C] 512 B; S_in, dS_next fp32 [NC, HV, K, V] 2 kB; Vnew,
-dVnew fp32 [T, HV, V] 1 kB; dQ/dK partials and dW' fp32 [T, HV, K] 1.5 kB; dgamma partials [NK, T, HV].
-Numerics: fp32 accumulation; gate sums, exponentials, states, Vnew, dVnew and all partials stay fp32.
-Products with a state (S, dS_next) and with dO go through the forward's _dot_state, those with Tm / M
-through _dot_pair (bf16/fp16: hi + lo split, ~fp32 exact; fp32 inputs: tf32 on the GPU); raw q, k enter
-the dots and l2norm row factors scale fp32 results. Rounded to the input dtype: Vnew and dVnew as the
-left operand of dO-free products, dP and dKK (C x C) before their products with q / k, and the outputs.
-The C x C x C products of dA are fp32 (tf32x3) dots.
+Numerics: every tensor-core dot takes its operands in the input dtype with fp32 accumulation (fp32
+inputs: every dot with fp32 operands at configs.dot_precision, tf32). Rounded to the input dtype only as dot operands: dS^T, dO^T scaled
+by its gate, dU^T, dX'^T scaled by its gate (dstate); U, dX', S^T, dSn^T (grads). Pm and DA enter
+their products with K^, Q^ as fp32 tf32 dots: dgam takes the row sums and the column sums of the same
+C x C products (Pm (.) Q^K^^T, DA (.) K^K^^T) from two different dots, and their difference, summed
+by the reverse cumsum, cancels only if both see Pm, DA at better than bf16 precision (bf16 operands
+there put dg at ~1.2-1.5x FLA's error; tf32 keeps it below). Kept fp32: dS (registers and
+scratch), dX' (scratch), every accumulator, gate, exponential and row dot.
 Names: `b_` block values, `p_`/`o_` pointers/offsets, `m_` masks, as in FLA.
 """
 import torch
 import triton
 import triton.language as tl
 
-from gdn_packed.triton.chunk_fwd_legacy import (CHUNK, chunk_prep, chunk_state_pass, split_planes,
-                                     state_config)
-from gdn_packed.triton.chunk_bwd_state import chunk_bwd_dstate_kernel, load_cc_planes
-from gdn_packed.triton.chunk_fwd_legacy import _dot_pair, _dot_state, _mm_f32, _rows_tile, load_row_norms
-from gdn_packed.triton.common import chunk_rows
+from gdn_packed.triton.common import (chunk_rows, padding_after, padding_before_first, segment_decay,
+                                      zero_rows)
+
 
 @triton.jit
-def _causal_decay(b_gam, C: tl.constexpr):
-    """E [C, C]: exp(gamma_r - gamma_s) for r >= s, else 0 (only differences with r >= s are formed)."""
+def _gate_row(gates, j, hv, HV, r: tl.constexpr, C: tl.constexpr):
+    """Row r of the forward's gates [NC, HV, 5, C] (0 beta, 1 eg rk, 2 scale eg rq, 3 w rk,
+    4 beta eg rk; 0 on dead rows) for chunk slot j, value head hv."""
+    return tl.load(gates + ((j * HV + hv) * 5 + r) * C + tl.arange(0, C))
+
+
+@triton.jit
+def _cc(p, j, hv, HV, C: tl.constexpr):
+    """The [C, C] matrix of chunk slot j, value head hv from a [NC, HV, C, C] buffer (fully written)."""
     o_c = tl.arange(0, C)
-    causal = o_c[:, None] >= o_c[None, :]
-    return tl.exp(tl.where(causal, b_gam[:, None] - b_gam[None, :], float("-inf")))
+    return tl.load(p + (j * HV + hv) * (C * C) + o_c[:, None] * C + o_c[None, :])
 
 
 @triton.jit
-def _chunk_gates(g, rows, m_c, i_h, HV, C: tl.constexpr):
-    """gamma [C] (chunk-local cumsum of g, constant past the length), Gamma, and E [C, C]."""
-    b_g = tl.load(g + rows * HV + i_h, mask=m_c, other=0.).to(tl.float32)
-    b_gam = tl.cumsum(b_g, 0)
-    return b_gam, tl.sum(b_g, 0), _causal_decay(b_gam, C)
-
-
-@triton.jit
-def chunk_bwd_dqk_kernel(q, k, g, do, vnew, dvn, s_in, dsn, rn_in, dq_part, dk_part, dwp, dgam_part,
-                         table, scale, T, H, HV, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-                         BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
-                         SPLIT: tl.constexpr):
-    j, i_h, i_kb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    start, length = chunk_rows(table, j, C)
-    if length == 0:
-        return
-    o_c = tl.arange(0, C)
-    rows, m_c = start + o_c, o_c < length
-    DT = q.dtype.element_ty
-    i_qh = i_h // (HV // H)
-    o_k = i_kb * BK + tl.arange(0, BK)
-
-    # the V loop first, with only its four accumulators live (q, k, gates are loaded after it)
-    b_dqS = tl.zeros([C, BK], dtype=tl.float32)     # dO S^T
-    b_dkS = tl.zeros([C, BK], dtype=tl.float32)     # Vnew dS_next^T
-    b_dw = tl.zeros([C, BK], dtype=tl.float32)      # dW' = -dVnew S^T
-    b_dM = tl.zeros([C, C], dtype=tl.float32)       # dO Vnew^T
-    b_sds = tl.zeros([BK], dtype=tl.float32)        # <S, dS_next> over this K-block
-    p_st = (j * HV + i_h) * (K * V)
-    for i_v in range(0, V, BV):
-        o_v = i_v + tl.arange(0, BV)
-        m_v = m_c[:, None] & (o_v < V)[None, :]
-        p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
-        b_do = tl.load(do + p_v, mask=m_v, other=0.).to(DT)
-        b_vn = tl.load(vnew + p_v, mask=m_v, other=0.)
-        b_dvn = tl.load(dvn + p_v, mask=m_v, other=0.)
-        m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
-        p_s = p_st + o_k[:, None] * V + o_v[None, :]
-        b_St = tl.trans(tl.load(s_in + p_s, mask=m_s, other=0.).to(tl.float32))
-        b_dSt = tl.trans(tl.load(dsn + p_s, mask=m_s, other=0.).to(tl.float32))
-        b_dqS += _dot_state(b_do, b_St, SPLIT)
-        b_dkS += _dot_state(b_vn.to(DT), b_dSt, SPLIT)
-        b_dw -= _dot_state(b_dvn.to(DT), b_St, SPLIT)
-        b_dM += _dot_state(b_do, tl.trans(b_vn), SPLIT)
-        b_sds += tl.sum(tl.trans(b_St * b_dSt), 1)
-    m_k = m_c[:, None] & (o_k < K)[None, :]
-    p_o = rows[:, None] * (HV * K) + i_h * K + o_k[None, :]
-    tl.store(dwp + p_o, b_dw, mask=m_k)
-
-    b_gam, b_Gam, b_E = _chunk_gates(g, rows, m_c, i_h, HV, C)
-    b_eg = tl.exp(b_gam)
-    b_eGg = tl.exp(b_Gam - b_gam)
-    b_rq, b_rk = load_row_norms(rn_in, j, i_h, HV, C, USE_L2)
-    p_qk = rows[:, None] * (H * K) + i_qh * K + o_k[None, :]
-    b_qr = tl.load(q + p_qk, mask=m_k, other=0.)                 # raw q, k: exact dot operands
-    b_kr = tl.load(k + p_qk, mask=m_k, other=0.)
-    b_dM = b_dM * scale
-    b_dP = b_dM * b_E
-    b_dq = scale * b_eg[:, None] * b_dqS + tl.dot((b_dP * b_rk[None, :]).to(DT), b_kr.to(DT))
-    b_dk = tl.dot(tl.trans(b_dP * b_rq[:, None]).to(DT), b_qr.to(DT)) + b_eGg[:, None] * b_dkS
-    tl.store(dq_part + p_o, b_dq, mask=m_k)
-    tl.store(dk_part + p_o, b_dk, mask=m_k)
-
-    # this K-block's share of dgamma (every term is linear in a sum over K)
-    b_X = b_dM * tl.dot(b_qr.to(DT), tl.trans(b_kr.to(DT))) * b_rq[:, None] * b_rk[None, :] * b_E
-    b_tau = b_eGg * b_rk * tl.sum(b_kr.to(tl.float32) * b_dkS, 1)
-    b_dgam = (tl.sum(b_X, 1) - tl.sum(b_X, 0)
-              + scale * b_eg * b_rq * tl.sum(b_qr.to(tl.float32) * b_dqS, 1) - b_tau)
-    b_last = tl.sum(b_tau, 0) + tl.exp(b_Gam) * tl.sum(b_sds, 0)
-    b_dgam += tl.where(o_c == length - 1, b_last, 0.)
-    tl.store(dgam_part + (i_kb * T + rows) * HV + i_h, b_dgam, mask=m_c)
-
-
-@triton.jit
-def _dot_pair_right(a, b_hi, b_lo, SPLIT: tl.constexpr):
-    """fp32 a @ (b_hi + b_lo): the mirror of _dot_pair (the stored pair on the right); fp32 inputs:
-    one fp32 dot with tf32x3 (this product feeds dA, which every k, beta, g gradient reads)."""
-    if SPLIT:
-        a_hi = a.to(b_hi.dtype)
-        acc = tl.dot(a_hi, b_hi)
-        acc = tl.dot(a_hi, b_lo, acc)
-        acc = tl.dot((a - a_hi.to(tl.float32)).to(b_hi.dtype), b_hi, acc)
-    else:
-        acc = _mm_f32(a, b_hi)
-    return acc
-
-
-@triton.jit
-def chunk_bwd_wy_kernel(k, v, g, beta, tm, rn_in, dvn, dwp, dk_part, dgam_part, dv, dbeta, dg, table, T,
-                        H, HV, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, NK: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, SPLIT: tl.constexpr):
-    j, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    start, length = chunk_rows(table, j, C)
-    if length == 0:
-        return
-    o_c = tl.arange(0, C)
-    rows, m_c = start + o_c, o_c < length
-    DT = k.dtype.element_ty
-    i_qh = i_h // (HV // H)
-    b_beta = tl.load(beta + rows * HV + i_h, mask=m_c, other=0.).to(tl.float32)
-    # T^T as a stored pair (hi, lo planes, or fp32 twice), only ever a dot operand
-    b_Tt_hi, b_Tt_lo = load_cc_planes(tm, j, i_h, HV, SPLIT, C, True)
-
-    # dT = dVnew Vb^T + dW' Kb^T, dV = diag(beta) T^T dVnew; the C x C tiles are built one at a time
-    # (dT, then dA, then K K^T and E) so that no more than four are live
-    b_dT = tl.zeros([C, C], dtype=tl.float32)
-    b_db = tl.zeros([C], dtype=tl.float32)
-    for i_v in range(0, V, BV):
-        o_v = i_v + tl.arange(0, BV)
-        m_v = m_c[:, None] & (o_v < V)[None, :]
-        p_v = rows[:, None] * (HV * V) + i_h * V + o_v[None, :]
-        b_dvn = tl.load(dvn + p_v, mask=m_v, other=0.)
-        b_v = tl.load(v + p_v, mask=m_v, other=0.).to(tl.float32)
-        b_tdu = _dot_pair(b_Tt_hi, b_Tt_lo, b_dvn, SPLIT)
-        tl.store(dv + p_v, (b_beta[:, None] * b_tdu).to(dv.dtype.element_ty), mask=m_v)
-        b_db += tl.sum(b_tdu * b_v, 1)
-        b_dT += tl.dot(b_dvn.to(DT), tl.trans((b_v * b_beta[:, None]).to(DT)))
-
-    b_g = tl.load(g + rows * HV + i_h, mask=m_c, other=0.).to(tl.float32)
-    b_gam = tl.cumsum(b_g, 0)
-    b_eg = tl.exp(b_gam)
-    b_kb = b_beta * b_eg
-    _, b_rk = load_row_norms(rn_in, j, i_h, HV, C, USE_L2)
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        b_kr = _rows_tile(k + i_qh * K, rows, m_c, H * K, o_k, o_k < K)
-        b_dw = _rows_tile(dwp + i_h * K, rows, m_c, HV * K, o_k, o_k < K)
-        b_dT += tl.dot(b_dw.to(DT), tl.trans((b_kr.to(tl.float32) * (b_rk * b_kb)[:, None]).to(DT)))
-
-    # dA = strict_lower(-T^T dT T^T)
-    b_dA = -_dot_pair_right(_dot_pair(b_Tt_hi, b_Tt_lo, b_dT, SPLIT), b_Tt_hi, b_Tt_lo, SPLIT)
-    b_dA = tl.where(o_c[:, None] > o_c[None, :], b_dA, 0.)
-    b_kk = tl.zeros([C, C], dtype=tl.float32)
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        b_kr = _rows_tile(k + i_qh * K, rows, m_c, H * K, o_k, o_k < K)
-        b_kk += tl.dot(b_kr.to(DT), tl.trans(b_kr.to(DT)))
-    b_E = _causal_decay(b_gam, C)
-    b_dAE = b_dA * b_E
-    b_kk = b_kk * b_rk[:, None] * b_rk[None, :]
-    b_db += tl.sum(b_dAE * b_kk, 1)
-    b_dKK = b_dAE * b_beta[:, None]
-    b_X = b_dKK * b_kk
-    b_dgam = tl.sum(b_X, 1) - tl.sum(b_X, 0)
-    # (dKK + dKK^T) Kn with Kn = diag(rk) Kraw: rk scales the contraction index, folded in before rounding
-    b_dKs = ((b_dKK + tl.trans(b_dKK)) * b_rk[None, :]).to(DT)
-    for i_k in range(0, K, BK):
-        o_k = i_k + tl.arange(0, BK)
-        m_k = m_c[:, None] & (o_k < K)[None, :]
-        b_kr = _rows_tile(k + i_qh * K, rows, m_c, H * K, o_k, o_k < K)
-        p_o = rows[:, None] * (HV * K) + i_h * K + o_k[None, :]
-        b_dw = tl.load(dwp + p_o, mask=m_k, other=0.)
-        b_tdw = _dot_pair(b_Tt_hi, b_Tt_lo, b_dw, SPLIT)
-        b_dk = tl.load(dk_part + p_o, mask=m_k, other=0.)
-        b_dk += b_kb[:, None] * b_tdw + tl.dot(b_dKs, b_kr.to(DT))
-        tl.store(dk_part + p_o, b_dk, mask=m_k)
-        b_s = tl.sum(b_tdw * b_kr.to(tl.float32), 1) * b_rk
-        b_db += b_eg * b_s
-        b_dgam += b_kb * b_s
-    for i_kb in range(0, NK):
-        b_dgam += tl.load(dgam_part + (i_kb * T + rows) * HV + i_h, mask=m_c, other=0.)
-    b_dg = tl.cumsum(b_dgam, 0, reverse=True)
-    tl.store(dg + rows * HV + i_h, b_dg.to(dg.dtype.element_ty), mask=m_c)
-    tl.store(dbeta + rows * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_c)
-
-
-@triton.jit
-def chunk_bwd_qk_finalize_kernel(q, k, dq_part, dk_part, real, dq, dk, dv, dg, dbeta, T, H, HV,
-                                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                                 BKF: tl.constexpr, BVF: tl.constexpr, USE_L2: tl.constexpr):
-    i_t, i_qh = tl.program_id(0), tl.program_id(1)
+def _zero_padding(dq, dk, dv, dg, dbeta, a, b, hv, i_v, H, HV, K: tl.constexpr, V: tl.constexpr,
+                  BKP: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
+    """Zeros on padding rows [a, b): dv columns of V-block i_v of value head hv; dg, dbeta of hv (V-block
+    0); dq, dk of qk head hv // G (V-block 0 of the group's first value head)."""
     G = HV // H
-    rows = i_t.to(tl.int64) * BT + tl.arange(0, BT)
-    m_t = rows < T
-    m_r = (tl.load(real + rows, mask=m_t, other=0) != 0) & m_t
-    o_k = tl.arange(0, BKF)
-    m_k = m_r[:, None] & (o_k < K)[None, :]
-    m_out = m_t[:, None] & (o_k < K)[None, :]
-    p_in = rows[:, None] * (H * K) + i_qh * K + o_k[None, :]
-    b_dq = tl.zeros([BT, BKF], dtype=tl.float32)
-    b_dk = tl.zeros([BT, BKF], dtype=tl.float32)
-    for i_g in range(0, G):
-        p_p = rows[:, None] * (HV * K) + (i_qh * G + i_g) * K + o_k[None, :]
-        b_dq += tl.load(dq_part + p_p, mask=m_k, other=0.)
-        b_dk += tl.load(dk_part + p_p, mask=m_k, other=0.)
-    if USE_L2:
-        b_q = tl.load(q + p_in, mask=m_k, other=0.).to(tl.float32)
-        b_r = tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)
-        b_dq = b_r[:, None] * (b_dq - b_q * (b_r * b_r * tl.sum(b_dq * b_q, 1))[:, None])
-        b_k = tl.load(k + p_in, mask=m_k, other=0.).to(tl.float32)
-        b_r = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)
-        b_dk = b_r[:, None] * (b_dk - b_k * (b_r * b_r * tl.sum(b_dk * b_k, 1))[:, None])
-    tl.store(dq + p_in, b_dq.to(dq.dtype.element_ty), mask=m_out)
-    tl.store(dk + p_in, b_dk.to(dk.dtype.element_ty), mask=m_out)
-    # padding rows of the per-v-head outputs (real rows are written by chunk_bwd_wy_kernel)
-    m_p = m_t & ~m_r
-    o_v = tl.arange(0, BVF)
+    zero_rows(dv, a, b, hv * V + i_v * BV, tl.minimum(V - i_v * BV, BV), HV * V, BV, C)
+    if i_v == 0:
+        zero_rows(dg, a, b, hv, 1, HV, 1, C)
+        zero_rows(dbeta, a, b, hv, 1, HV, 1, C)
+        if hv % G == 0:
+            zero_rows(dq, a, b, (hv // G) * K, K, H * K, BKP, C)
+            zero_rows(dk, a, b, (hv // G) * K, K, H * K, BKP, C)
+
+
+@triton.jit(do_not_specialize=["T_rows"])
+def chunk_bwd_dstate_kernel(q, k, do, gates, eg_last, ts, mm, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta,
+                            table, cu_chunks, T_rows, H, HV, K: tl.constexpr, V: tl.constexpr,
+                            C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                            HAS_DHT: tl.constexpr):
+    i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_qh = i_h // (HV // H)
+    DT = k.dtype.element_ty
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_s = m_v[:, None] & m_k[None, :]
+    p_st = o_v[:, None] * K + o_k[None, :]              # [BV, BK] tile of a [V, K] (transposed) state
+    p_h = (i_n.to(tl.int64) * HV + i_h) * (K * V) + o_k[None, :] * V + o_v[:, None]   # of [K, V]
+    if HAS_DHT:
+        b_ds = tl.load(dht + p_h, mask=m_s, other=0.)                 # dS^T [BV, BK]
+    else:
+        b_ds = tl.zeros([BV, BK], dtype=tl.float32)
+    j0 = tl.load(cu_chunks + i_n)
+    j1 = tl.load(cu_chunks + i_n + 1)
+    for i_t in range(0, j1 - j0):
+        j = (j1 - 1 - i_t).to(tl.int64)
+        start, length = chunk_rows(table, j, C)
+        rows, m_c = start + o_c, o_c < length
+        p_slot = j * HV + i_h
+        tl.store(dsn + p_slot * (V * K) + p_st, b_ds, mask=m_s)
+        m_qk = m_c[:, None] & m_k[None, :]
+        p_qk = rows[:, None] * (H * K) + i_qh * K + o_k[None, :]
+        b_k = tl.load(k + p_qk, mask=m_qk, other=0.)                  # [C, BK]
+        b_q = tl.load(q + p_qk, mask=m_qk, other=0.)
+        m_vt = m_v[:, None] & m_c[None, :]
+        p_vt = rows[None, :] * (HV * V) + i_h * V + o_v[:, None]      # [BV, C] transposed rows
+        b_dot = tl.load(do + p_vt, mask=m_vt, other=0.)               # dO^T
+        b_beta = _gate_row(gates, j, i_h, HV, 0, C)
+        b_wrk = _gate_row(gates, j, i_h, HV, 3, C)
+        # dU^T = dO^T M + (dS^T K^T) (w rk);  dX'^T = dU^T + dU^T Ts
+        b_du = tl.dot(b_ds.to(DT), tl.trans(b_k), tl.zeros([BV, C], dtype=tl.float32))
+        b_du = tl.dot(b_dot, _cc(mm, j, i_h, HV, C), b_du * b_wrk[None, :])
+        b_dx = tl.dot(b_du.to(DT), _cc(ts, j, i_h, HV, C), b_du)
+        tl.store(dxp + p_slot * (V * C) + o_v[:, None] * C + o_c[None, :], b_dx, mask=m_v[:, None])
+        tl.store(dv + p_vt, (b_dx * b_beta[None, :]).to(dv.dtype.element_ty), mask=m_vt)
+        # dS^T <- egL dS^T + (dO^T (scale eg rq)) Q - (dX'^T (beta eg rk)) K
+        b_a = (b_dot.to(tl.float32) * _gate_row(gates, j, i_h, HV, 2, C)[None, :]).to(DT)
+        b_ds = tl.dot(b_a, b_q, b_ds * tl.load(eg_last + p_slot))
+        b_b = (b_dx * _gate_row(gates, j, i_h, HV, 4, C)[None, :]).to(DT)
+        b_ds = tl.dot(-b_b, b_k, b_ds)
+    tl.store(dh0 + p_h, b_ds, mask=m_s)
+    a, b = padding_after(table, cu_chunks, i_n, tl.num_programs(2), T_rows)
+    _zero_padding(dq, dk, dv, dg, dbeta, a, b, i_h, i_v, H, HV, K, V, triton.next_power_of_2(K), BV, C)
+    if i_n == 0:
+        first = padding_before_first(table, cu_chunks, tl.num_programs(2), T_rows)
+        _zero_padding(dq, dk, dv, dg, dbeta, first * 0, first, i_h, i_v, H, HV, K, V,
+                      triton.next_power_of_2(K), BV, C)
+
+
+@triton.jit
+def _rowdot(a, b):
+    return tl.sum(a.to(tl.float32) * b.to(tl.float32), 1)
+
+
+@triton.jit
+def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, dxp, dq, dk, dgam_part,
+                           dbeta_part, table, scale, T, H, HV, K: tl.constexpr, V: tl.constexpr,
+                           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
+                           PREC: tl.constexpr):
+    i_k, i_qh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    start, length = chunk_rows(table, j, C)
+    if length == 0:
+        return
+    G = HV // H
+    DT = k.dtype.element_ty
+    o_c = tl.arange(0, C)
+    rows, m_c = start + o_c, o_c < length
+    o_b = tl.arange(0, BK)
+    m_k = i_k * BK + o_b < K
+    m_qk = m_c[:, None] & m_k[None, :]
+    # scalar int64 bases and int32 tile offsets (no per-element 64-bit address arithmetic)
+    p_qk = start * (H * K) + i_qh * K + i_k * BK
+    o_qk = o_c[:, None] * (H * K) + o_b[None, :]
+    b_q = tl.load(q + p_qk + o_qk, mask=m_qk, other=0.)               # raw q, k [C, BK]
+    b_k = tl.load(k + p_qk + o_qk, mask=m_qk, other=0.)
+    p_rn = (j * HV + i_qh * G) * (2 * C)
+    b_rq = tl.load(rn + p_rn + o_c)                                   # (the group shares rq, rk)
+    b_rk = tl.load(rn + p_rn + C + o_c)
+    causal = o_c[:, None] >= o_c[None, :]
+    len_v = tl.where(i_k == 0, length, 0)                             # dX'.v: K-block 0 only
+    b_dq = tl.zeros([C, BK], dtype=tl.float32)                        # rq dQ^ of the group
+    b_dk = tl.zeros([C, BK], dtype=tl.float32)                        # rk dK^ of the group
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
-        tl.store(dv + rows[:, None] * (HV * V) + i_h * V + o_v[None, :],
-                 tl.zeros([BT, BVF], dtype=tl.float32).to(dv.dtype.element_ty),
-                 mask=m_p[:, None] & (o_v < V)[None, :])
-        tl.store(dg + rows * HV + i_h, tl.zeros([BT], dtype=tl.float32).to(dg.dtype.element_ty), mask=m_p)
-        tl.store(dbeta + rows * HV + i_h, tl.zeros([BT], dtype=tl.float32).to(dbeta.dtype.element_ty),
-                 mask=m_p)
+        p_slot = j * HV + i_h
+        b_ts = _cc(ts, j, i_h, HV, C)
+        b_dM = tl.zeros([C, C], dtype=tl.float32)                     # dO U^T
+        b_dA = tl.zeros([C, C], dtype=tl.float32)                     # dX' U^T (= -dA)
+        b_qF = tl.zeros([C], dtype=tl.float32)                        # q . (dO S^T)
+        b_kF1 = tl.zeros([C], dtype=tl.float32)                       # k . (dX' S^T)
+        b_kF2 = tl.zeros([C], dtype=tl.float32)                       # k . (U dSn^T)
+        b_dxv = tl.zeros([C], dtype=tl.float32)                       # dX' . v
+        b_sds = tl.zeros([BK], dtype=tl.float32)                      # <S, dSn> over this K-block
+        b_g2 = _gate_row(gates, j, i_h, HV, 2, C)
+        b_g3 = _gate_row(gates, j, i_h, HV, 3, C)
+        b_g4 = _gate_row(gates, j, i_h, HV, 4, C)
+        p_cv = start * (HV * V) + i_h * V
+        p_vk = p_slot * (V * K) + i_k * BK
+        for i_v in range(0, V, BV):
+            o_v = i_v + tl.arange(0, BV)
+            m_v = o_v < V
+            o_ct = o_v[None, :] * C + o_c[:, None]                        # [C, BV] of a [V, C] buffer
+            b_xp = tl.load(xp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)     # X'
+            b_u = tl.dot(b_ts, b_xp, b_xp.to(tl.float32)).to(DT)       # U = X' + Ts X'
+            b_dx = tl.load(dxp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.).to(DT)
+            m_cv = m_c[:, None] & m_v[None, :]
+            o_cv = o_c[:, None] * (HV * V) + o_v[None, :]
+            b_do = tl.load(do + p_cv + o_cv, mask=m_cv, other=0.)
+            b_v = tl.load(v + p_cv + o_cv, mask=(o_c < len_v)[:, None] & m_v[None, :], other=0.)
+            b_dxv += _rowdot(b_dx, b_v)
+            b_dM = tl.dot(b_do, tl.trans(b_u), b_dM)
+            b_dA = tl.dot(b_dx, tl.trans(b_u), b_dA)
+            o_vk = o_v[:, None] * K + o_b[None, :]                        # [BV, BK] of [V, K]
+            m_vk = m_v[:, None] & m_k[None, :]
+            b_s = tl.load(st + p_vk + o_vk, mask=m_vk, other=0.)          # S^T
+            b_dsn = tl.load(dsn + p_vk + o_vk, mask=m_vk, other=0.)       # dSn^T
+            b_sds += tl.sum(b_s * b_dsn, 0)
+            b_f = tl.dot(b_do, b_s.to(DT), tl.zeros([C, BK], dtype=tl.float32))
+            b_qF += _rowdot(b_q, b_f)
+            b_dq += b_g2[:, None] * b_f
+            b_f = tl.dot(b_dx, b_s.to(DT), tl.zeros([C, BK], dtype=tl.float32))
+            b_kF1 += _rowdot(b_k, b_f)
+            b_dk -= b_g4[:, None] * b_f
+            b_f = tl.dot(b_u, b_dsn.to(DT), tl.zeros([C, BK], dtype=tl.float32))
+            b_kF2 += _rowdot(b_k, b_f)
+            b_dk += b_g3[:, None] * b_f
+        b_E = segment_decay(g, rows, length, HV, i_h, C)
+        b_beta = _gate_row(gates, j, i_h, HV, 0, C)
+        b_pm = tl.where(causal, scale * b_dM * b_E, 0.)                  # Pm
+        b_da = tl.where(o_c[:, None] > o_c[None, :], -b_dA * b_E, 0.)     # DA
+        zero = tl.zeros([C, BK], dtype=tl.float32)
+        b_t = tl.dot(b_pm * b_rk[None, :], b_k.to(tl.float32), zero, input_precision=PREC)        # Pm K^
+        b_qM = b_rq * _rowdot(b_q, b_t)
+        b_dq += b_rq[:, None] * b_t
+        b_t = tl.dot(tl.trans(b_pm * b_rq[:, None]), b_q.to(tl.float32), zero, input_precision=PREC)   # Pm^T Q^
+        b_colP = b_rk * _rowdot(b_k, b_t)
+        b_dk += b_rk[:, None] * b_t
+        b_t = tl.dot(b_da * b_rk[None, :], b_k.to(tl.float32), zero, input_precision=PREC)        # DA K^
+        b_rowA = b_rk * _rowdot(b_k, b_t)
+        b_dk += (b_rk * b_beta)[:, None] * b_t
+        b_t = tl.dot(tl.trans(b_da * (b_beta * b_rk)[:, None]), b_k.to(tl.float32), zero, input_precision=PREC)   # DA^T beta K^
+        b_colA = b_rk * _rowdot(b_k, b_t)
+        b_dk += b_rk[:, None] * b_t
+        b_eg = _gate_row(gates, j, i_h, HV, 1, C)                       # eg rk
+        b_tau = b_g3 * b_kF2
+        b_dgam = (b_g2 * b_qF + b_qM - b_colP + b_beta * b_rowA - b_colA - b_beta * b_eg * b_kF1 - b_tau)
+        b_last = tl.sum(b_tau, 0) + tl.load(eg_last + p_slot) * tl.sum(b_sds, 0)
+        b_dgam += tl.where(o_c == length - 1, b_last, 0.)
+        b_db = b_dxv - b_eg * b_kF1 + b_rowA
+        p_part = (i_k * T + rows) * HV + i_h
+        tl.store(dgam_part + p_part, b_dgam, mask=m_c)
+        tl.store(dbeta_part + p_part, b_db, mask=m_c)
+    tl.store(dq + p_qk + o_qk, b_dq.to(dq.dtype.element_ty), mask=m_qk)
+    tl.store(dk + p_qk + o_qk, b_dk.to(dk.dtype.element_ty), mask=m_qk)
 
 
+@triton.jit
+def _l2norm_bwd(x, dxr, r):
+    """Gradient of the raw rows x given dxr = r dX^ (the gradient with r held fixed): dxr - r^2 x (x.dxr)."""
+    return dxr - (r * r * _rowdot(x, dxr))[:, None] * x.to(tl.float32)
 
 
-def bwd_configs(K, V, dtype):
-    """Block sizes, warps and pipeline stages of every backward kernel: one config each, by this
-    heuristic (no autotune), chosen from the sm_90 AOT reports (tests/test_triton_bwd_aot.py prints
-    registers, shared memory and spills of each) so that none spills registers. C x C matrices
-    (Tm, M) are read unmasked, transposed by pointer order, and q/k row norms come from the prep
-    kernel, so dot operands go from memory to shared memory without register copies.
-    (The recompute of S_in and Vnew is the forward's state pass, with the forward's state_config.)
-    - dstate: the full-K state block [K, BV = 16] fp32 in registers (BV 16, the smallest wgmma N:
-      dS, dO, the hi/lo dS copies and Vnew-sized temporaries scale with it). bf16/fp16: 8 warps,
-      2 stages (K = V = 128: 148 registers, 142 KB; K = 256: 235 registers, 216 KB). fp32: tf32 wgmma
-      needs K-major operands, so Q^T, K^T, M^T, Tm^T are register transposes; K <= 128: 4 warps and 2
-      stages (K = 128: 254 registers, 8 warps spill 56 B; K = 32: 248, 8 warps spill 32 B); K > 128 cannot
-      double-buffer within 227 KB: 8 warps, 1 stage, dS held as two K-halves (as in the forward's
-      state pass; chunk_bwd_state.py), 252-254 registers, no spill (4 warps spill 72 B).
-    - dqk: K-blocks of 64 (32 when V <= 16: at K = 256, V = 16 blocks of 64 spill 8 B in bf16 and
-      368 B in fp32), V-blocks of 32, 8 warps, 2 stages: the V loop keeps four accumulators
-      (dO S^T, Vnew dS^T, dVnew S^T [C, BK], dO Vnew^T [C, C]) and loads q, k, gates only after it.
-    - wy: K- and V-blocks of 32, 8 warps; its C x C tiles (dT, dA, K K^T, E) are built one after
-      another. bf16/fp16: 2 stages; fp32: 1 (2 stages spill 48 B).
-    - finalize: row blocks of 2048 // K padded rows, 4 warps (no dots)."""
-    np2 = triton.next_power_of_2
-    st = state_config(K, V, dtype)
-    fp32 = dtype == torch.float32
-    BK = min(64, np2(K))
-    return dict(
-        dstate=dict(BK=st["BK"], BV=16, num_warps=4 if fp32 and K <= 128 else 8,
-                    num_stages=1 if fp32 and K > 128 else 2),
-        dqk=dict(BK=min(32, BK) if V <= 16 else BK, BV=min(32, np2(V)), num_warps=8, num_stages=2),
-        wy=dict(BK=min(32, np2(K)), BV=min(32, np2(V)), num_warps=8, num_stages=1 if fp32 else 2),
-        finalize=dict(BT=max(1, min(32, 2048 // np2(K))), BKF=np2(K), BVF=np2(V), num_warps=4,
-                      num_stages=1),
-    )
-
-
-def real_row_mask(table, T, C):
-    """int8 [T]: 1 on rows covered by a chunk (real tokens), 0 on padding. On the device, no host sync."""
-    pos = torch.arange(C, device=table.device)
-    rows = torch.where(pos[None, :] < table[:, 3:4], table[:, 2:3].long() + pos[None, :],
-                       torch.full_like(pos, T)[None, :].expand(table.shape[0], C))
-    mask = torch.zeros(T + 1, dtype=torch.int8, device=table.device)
-    mask.index_fill_(0, rows.reshape(-1), 1)
-    return mask[:T]
-
-
-def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
-                         do, dht, dq, dk, dv, dg, dbeta, dh0):
-    """Backward of backend="triton" on flattened rows (the signature of torch_ref.chunk's backward):
-    writes every row of dq, dk [T, H, K], dv [T, HV, V], dg, dbeta [T, HV] and dh0 [N, HV, K, V] fp32.
-    Launches: the forward's chunk_prep and state pass (S_in, Vnew), then the dstate, dqk, wy and finalize
-    kernels; grids depend only on T, N and the shapes."""
-    if C != CHUNK:
-        raise ValueError(f"the Triton kernels are written for chunk size {CHUNK}, got {C}")
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    N, NC = cu_chunks.numel() - 1, table.shape[0]
-    dev = q.device
-    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
-    outs = (dq, dk, dv, dg, dbeta)
-    work = [x if x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
-            for x in outs]
-    cfg = bwd_configs(K, V, q.dtype)
-    l2 = bool(use_l2norm)
-    f32 = dict(dtype=torch.float32, device=dev)
-    state_dtype = torch.float32
-    NK = triton.cdiv(K, cfg["dqk"]["BK"])     # dgamma partials: one per dqk K-block
-    split = split_planes(q.dtype)
-    s_in = torch.empty(NC, HV, K, V, dtype=state_dtype, device=dev)
-    dsn = torch.empty(NC, HV, K, V, dtype=state_dtype, device=dev)
-    vnew, dvn = torch.empty(T, HV, V, **f32), torch.empty(T, HV, V, **f32)
-    dq_part, dk_part, dwp = (torch.empty(T, HV, K, **f32) for _ in range(3))
-    dgam_part = torch.empty(NK, T, HV, **f32)
-    # Tm, M (fp32, or hi + lo planes in the input dtype) and the l2norm row factors, as in the forward
-    t_mat, m_mat, rnorm = prep = chunk_prep(q, k, g, beta, table, HV, scale, l2)
-    if N > 0 and HV > 0:
-        h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-        chunk_state_pass(q, k, v, g, beta, table, cu_chunks, prep, h0, scale, l2, s_out=s_in,
-                         vnew_out=vnew)
-        c = cfg["dstate"]
-        dht_ = None if dht is None else dht.to(torch.float32).contiguous()
-        chunk_bwd_dstate_kernel[(N, HV, triton.cdiv(V, c["BV"]))](
-            q, k, g, beta, do, table, cu_chunks, t_mat, m_mat, rnorm, dht_ if dht_ is not None else dh0,
-            dsn,
-            dvn, dh0, scale, H, HV, K=K, V=V, C=C, BK=c["BK"], BV=c["BV"], USE_L2=l2,
-            HAS_DHT=dht_ is not None, SPLIT=split, num_warps=c["num_warps"], num_stages=c["num_stages"])
-    if NC > 0 and HV > 0:
-        c = cfg["dqk"]
-        chunk_bwd_dqk_kernel[(NC, HV, NK)](
-            q, k, g, do, vnew, dvn, s_in, dsn, rnorm, dq_part, dk_part, dwp, dgam_part, table, scale,
-            T, H, HV, K=K, V=V, C=C, BK=c["BK"], BV=c["BV"], USE_L2=l2, SPLIT=split,
-            num_warps=c["num_warps"], num_stages=c["num_stages"])
-        c = cfg["wy"]
-        chunk_bwd_wy_kernel[(NC, HV)](
-            k, v, g, beta, t_mat, rnorm, dvn, dwp, dk_part, dgam_part, work[2], work[4], work[3], table,
-            T, H, HV, K=K, V=V, C=C, NK=NK, BK=c["BK"], BV=c["BV"], USE_L2=l2, SPLIT=split,
-            num_warps=c["num_warps"], num_stages=c["num_stages"])
-    if T > 0 and H > 0:
-        c = cfg["finalize"]
-        chunk_bwd_qk_finalize_kernel[(triton.cdiv(T, c["BT"]), H)](
-            q, k, dq_part, dk_part, real_row_mask(table, T, C), work[0], work[1], work[2], work[3],
-            work[4], T, H, HV, K=K, V=V, BT=c["BT"], BKF=c["BKF"], BVF=c["BVF"], USE_L2=l2,
-            num_warps=c["num_warps"], num_stages=c["num_stages"])
-    for x, y in zip(outs, work):
-        if x is not y:
-            x.copy_(y)
+@triton.jit
+def chunk_bwd_finalize_kernel(q, k, dq_pre, dk_pre, rn, dgam_part, dbeta_part, dq, dk, dg, dbeta, table,
+                              T, H, HV, K: tl.constexpr, C: tl.constexpr, BKP: tl.constexpr,
+                              NK: tl.constexpr, USE_L2: tl.constexpr):
+    i_qh, j = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    start, length = chunk_rows(table, j, C)
+    if length == 0:
+        return
+    G = HV // H
+    o_c = tl.arange(0, C)
+    rows, m_c = start + o_c, o_c < length
+    for i_g in range(0, G):
+        i_h = i_qh * G + i_g
+        b_dgam = tl.zeros([C], dtype=tl.float32)
+        b_db = tl.zeros([C], dtype=tl.float32)
+        for i_k in range(0, NK):
+            p_part = (i_k * T + rows) * HV + i_h
+            b_dgam += tl.load(dgam_part + p_part, mask=m_c, other=0.)
+            b_db += tl.load(dbeta_part + p_part, mask=m_c, other=0.)
+        tl.store(dg + rows * HV + i_h, tl.cumsum(b_dgam, 0, reverse=True).to(dg.dtype.element_ty),
+                 mask=m_c)
+        tl.store(dbeta + rows * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_c)
+    if USE_L2:
+        o_k = tl.arange(0, BKP)
+        m_qk = m_c[:, None] & (o_k < K)[None, :]
+        p_qk = rows[:, None] * (H * K) + i_qh * K + o_k[None, :]
+        p_rn = (j * HV + i_qh * G) * (2 * C)
+        b_dq = _l2norm_bwd(tl.load(q + p_qk, mask=m_qk, other=0.), tl.load(dq_pre + p_qk, mask=m_qk, other=0.),
+                           tl.load(rn + p_rn + o_c))
+        tl.store(dq + p_qk, b_dq.to(dq.dtype.element_ty), mask=m_qk)
+        b_dk = _l2norm_bwd(tl.load(k + p_qk, mask=m_qk, other=0.), tl.load(dk_pre + p_qk, mask=m_qk, other=0.),
+                           tl.load(rn + p_rn + C + o_c))
+        tl.store(dk + p_qk, b_dk.to(dk.dtype.element_ty), mask=m_qk)

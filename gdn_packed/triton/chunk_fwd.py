@@ -183,7 +183,8 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mt, h0
     if not STORE_STATES:
         tl.store(ht + st_off, b_st, mask=st_mask)
         a, b = padding_after(table, cu_chunks, n, N, T_rows)
-        zero_rows(o + hv * V, a, b, HV * V, cv, vmask, C)
+        col0, ncols = hv * V + iv * BV, tl.minimum(V - iv * BV, BV)
+        zero_rows(o, a, b, col0, ncols, HV * V, BV, C)
         if n == 0:
             first = padding_before_first(table, cu_chunks, N, T_rows)
-            zero_rows(o + hv * V, first * 0, first, HV * V, cv, vmask, C)
+            zero_rows(o, first * 0, first, col0, ncols, HV * V, BV, C)

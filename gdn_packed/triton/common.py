@@ -42,33 +42,43 @@ def padding_before_first(table, cu_chunks, N, T_rows):
 
 
 @triton.jit
-def zero_rows(p, a, b, row_stride, cols, cmask, C: tl.constexpr):
-    """p[r * row_stride + cols] = 0 for rows r in [a, b) (int64 scalars), C rows per store."""
-    rc = tl.arange(0, C)
-    zeros = tl.zeros([C, cols.shape[0]], dtype=p.dtype.element_ty)
+def zero_rows(p, a, b, col0, ncols, stride, BW: tl.constexpr, C: tl.constexpr):
+    """p[r * stride + col0 + c] = 0 for rows a <= r < b (int64) and columns c < ncols (ncols <= BW)."""
+    o_c = tl.arange(0, C)
+    o_w = tl.arange(0, BW)
+    zeros = tl.zeros([C, BW], dtype=p.dtype.element_ty)
     for it in range(0, tl.cdiv(b - a, C)):
-        rows = a + it * C + rc
-        tl.store(p + rows[:, None] * row_stride + cols[None, :], zeros,
-                 mask=(rows < b)[:, None] & cmask[None, :])
+        rows = a + it * C + o_c
+        tl.store(p + rows[:, None] * stride + col0 + o_w[None, :], zeros,
+                 mask=(rows < b)[:, None] & (o_w < ncols)[None, :])
+
+
+@triton.jit
+def segment_decay(g, rows, length, HV, hv, C: tl.constexpr):
+    """E [C, C] of one chunk (value head hv): E_ij = exp(sum of g over rows (j, i]) for j <= i, else 0,
+    as a row-wise reverse scan of the masked g: never a difference of two cumulative sums, so a
+    g = -inf row (decay 0, a hard reset) or rows of g ~ -1e30 give exact zeros, never inf - inf."""
+    rc = tl.arange(0, C)
+    # g_next[t] = g of row t + 1 (0 past the chunk); seg[i, t] = g_next[t] for t < i, and row i's
+    # reverse scan over t >= j is the sum over (j, i]
+    g_next = tl.load(g + (rows + 1) * HV + hv, mask=rc + 1 < length, other=0.0).to(tl.float32)
+    seg = tl.cumsum(tl.where(rc[None, :] < rc[:, None], g_next[None, :], 0.0), axis=1, reverse=True)
+    return tl.where(rc[:, None] >= rc[None, :], tl.exp(seg), 0.0)
 
 
 @triton.jit
 def chunk_gate_sums(g, rows, length, HV, hv, C: tl.constexpr):
-    """Gate sums of one chunk (value head hv), none formed as a difference of cumulative sums, so a
-    g = -inf row (decay 0, a hard reset) or rows of g ~ -1e30 give exact zeros, never inf - inf:
+    """Gate sums of one chunk (value head hv), none formed as a difference of cumulative sums (so
+    g = -inf and g ~ -1e30 rows give exact zeros):
       gam [C]  sum of g over rows [0, i]            (eg_i = exp(gam_i))
       suf [C]  sum of g over rows (i, length)       (w_i = exp(suf_i), the state-update row weights)
       tot      sum of g over the chunk               (exp(tot) = decay of the whole chunk)
-      dec [C, C] exp(sum of g over rows (j, i]) for j <= i, 0 above the diagonal (E).
+      dec [C, C] segment_decay (E).
     Dead rows (i >= length) read g = 0 by a masked load."""
     rc = tl.arange(0, C)
     b_g = tl.load(g + rows * HV + hv, mask=rc < length, other=0.0).to(tl.float32)
-    # g of the next row (g_next[t] = g[t + 1]) for the sums over half-open ranges (j, i]
     g_next = tl.load(g + (rows + 1) * HV + hv, mask=rc + 1 < length, other=0.0).to(tl.float32)
     gam = tl.cumsum(b_g, axis=0)
     suf = tl.cumsum(g_next, axis=0, reverse=True)
     tot = tl.sum(b_g, axis=0)
-    # seg[i, t] = g[t + 1] for t < i: row i's reverse scan over t >= j gives the sum over (j, i]
-    seg = tl.cumsum(tl.where(rc[None, :] < rc[:, None], g_next[None, :], 0.0), axis=1, reverse=True)
-    dec = tl.where(rc[:, None] >= rc[None, :], tl.exp(seg), 0.0)
-    return gam, suf, tot, dec
+    return gam, suf, tot, segment_decay(g, rows, length, HV, hv, C)

@@ -56,3 +56,19 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     stage_kb = (2 * CHUNK * BK + CHUNK * BV + 2 * CHUNK * CHUNK) * esize / 1024
     return dict(BK=BK, BV=BV, num_warps=8 if narrow or (store_states and BV == 64) else 4,
                 num_stages=2 if 2 * stage_kb + 16 <= smem else 1)
+
+
+def bwd_configs(K, V, dtype):
+    """Block sizes and warps of the backward kernels (gdn_packed/triton/chunk_bwd.py), one config each:
+    - dstate: the whole K (padded to a power of two) x BV = 64 (wgmma M = 64 with dS^T as the register
+      A operand; at 1 x 32768, HV = 32, V = 128: 64 programs, one wave); 4 warps (8 when K > 128).
+    - grads: K-blocks of 16 and V-blocks of 32 at 8 warps, the largest blocks without register spills
+      (the [C, BK] / [BV, BK] tiles of six streamed operands and their addresses cost more registers
+      than the accumulators); every K-block recomputes U, dO U^T and dX' U^T.
+    - finalize: the whole K row, 4 warps (no dots)."""
+    return dict(
+        dstate=dict(BK=pow2(K), BV=min(64, pow2(V)), num_warps=4 if K <= 128 else 8, num_stages=1),
+        grads=dict(BK=min(16, pow2(K)), BV=min(32, pow2(V)), PREC=dot_precision(dtype), num_warps=8,
+                   num_stages=1),
+        finalize=dict(BKP=pow2(K), num_warps=4, num_stages=1),
+    )
