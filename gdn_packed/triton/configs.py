@@ -54,7 +54,8 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     BV = max(16, min(16 if narrow else 64, pow2(V)))
     esize = torch.finfo(dtype).bits // 8
     stage_kb = (2 * CHUNK * BK + CHUNK * BV + 2 * CHUNK * CHUNK) * esize / 1024
-    return dict(BK=BK, BV=BV, num_warps=8 if narrow or (store_states and BV == 64) else 4,
+    return dict(BK=BK, BV=BV, RELOAD_K=esize == 4 and BK > 128,
+                num_warps=8 if narrow or (store_states and BV == 64) else 4,
                 num_stages=2 if 2 * stage_kb + 16 <= smem else 1)
 
 
