@@ -125,7 +125,7 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mt, scal
 def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mt, h0, o, ht, s_out, x_out,
                            T_rows, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                           HAS_H0: tl.constexpr, STORE_STATES: tl.constexpr):
+                           HAS_H0: tl.constexpr, STORE_STATES: tl.constexpr, RELOAD_K: tl.constexpr):
     iv = tl.program_id(0)
     hv = tl.program_id(1)
     n = tl.program_id(2)
@@ -179,6 +179,8 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mt, h0
             b_ot = tl.dot(b_st_in, tl.trans(b_q)) * g_cq[None, :]   # (Q S)^T scaled
             b_ot = tl.dot(b_xt_in, tl.trans(tl.load(mt + cc)), b_ot)
             tl.store(o + vt_off, b_ot.to(o.dtype.element_ty), mask=vt_mask)
+        if RELOAD_K:    # (wide fp32 tiles: k read again, an L1/L2 hit, instead of kept live)
+            b_k = tl.load(k + qk_off, mask=qk_mask, other=0.0)
         b_st = b_st * tl.load(eg_last + base) + tl.dot((b_ut * g_wk[None, :]).to(dt), b_k)
     if not STORE_STATES:
         tl.store(ht + st_off, b_st, mask=st_mask)

@@ -45,7 +45,7 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     """chunk_fwd_state_kernel: the transposed state block S^T [BV, BK] (BK = K padded to a power of
     two) in fp32 registers. bf16/fp16 with K <= 128: BV = 64 (the wgmma M of one warpgroup, so the S^T
     products take the state from registers), smaller only when V is, 4 warps. The STORE_STATES variant
-    (the backward's recompute; its stores of S^T and X'^T need registers) and K > 128 or fp32 inputs
+    at BV = 64 (the backward's recompute; its stores of S^T and X'^T need registers) and K > 128 or fp32 inputs
     (a [64, K] fp32 state with tf32 operands does not fit next to the tiles) take 8 warps, the latter
     with BV = 16. 2 stages (the next chunk's tiles copied while this one computes) when two fit in
     shared memory, else 1; one stage holds q, k [C, BK], v [C, BV] and Ts, MT [C, C] in the input dtype."""
@@ -54,7 +54,8 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     BV = max(16, min(16 if narrow else 64, pow2(V)))
     esize = torch.finfo(dtype).bits // 8
     stage_kb = (2 * CHUNK * BK + CHUNK * BV + 2 * CHUNK * CHUNK) * esize / 1024
-    return dict(BK=BK, BV=BV, num_warps=8 if narrow or store_states else 4,
+    return dict(BK=BK, BV=BV, RELOAD_K=esize == 4 and BK > 128,
+                num_warps=8 if narrow or (store_states and BV == 64) else 4,
                 num_stages=2 if 2 * stage_kb + 16 <= smem else 1)
 
 
