@@ -9,7 +9,8 @@ chunked op equal the recurrence and the float64 reference; float64 refused by th
 repeated state_indices in the recurrent op defined the same on every backend.
 
 The Triton chunked op is slow under the interpreter, so its runs poison several tensors, in all
-targets at once."""
+targets at once. On a GPU machine the triton and cuda cases run on CUDA tensors (fp32 GPU budgets for
+the hard resets); the isolation checks stay bit-exact there."""
 import functools
 
 import pytest
@@ -29,12 +30,26 @@ LAYOUTS = {"padded": ([3, 0, 5, 0, 2], 4),   # gaps after each document and tail
                                              # one out-of-range gathers clamp to (tested for "last" only)
 DOCS = {"first": 0, "one_token": 1, "last": len(LENS) - 1}
 ALL_TARGETS = ("first", "one_token", "last", "padding")
-TRITON_REASON = triton_usable(torch.device("cpu"))
+GPU = torch.cuda.is_available()
+DEVICE = {"torch": "cpu", "host": "cpu", "cuda": "cuda", "triton": "cuda" if GPU else "cpu"}
+TRITON_REASON = triton_usable(torch.device(DEVICE["triton"]))
+CUDA_REASON = _cext.cuda_unavailable_reason() or ("" if GPU else "torch has no CUDA")
 HAVE_CONV_HOST = _cext.built() and hasattr(_cext.get_C(), "conv1d_varlen_fwd_host")
 HAVE_REC_HOST = _cext.built() and hasattr(_cext.get_C(), "recurrent_gdr_fwd_host")
 TRITON = pytest.param("triton", marks=pytest.mark.skipif(bool(TRITON_REASON), reason=TRITON_REASON))
 CONV_HOST = pytest.param("host", marks=pytest.mark.skipif(not HAVE_CONV_HOST, reason="no _C conv kernels"))
 REC_HOST = pytest.param("host", marks=pytest.mark.skipif(not HAVE_REC_HOST, reason="no _C recurrent kernel"))
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(bool(CUDA_REASON), reason=f"no GPU: {CUDA_REASON}"))
+
+
+def on(backend, *ts):
+    """The tensors on the device `backend` runs on (None stays None)."""
+    out = tuple(None if t is None else t.detach().to(DEVICE[backend]) for t in ts)
+    return out if len(out) > 1 else out[0]
+
+
+def to_cpu(out):
+    return {n: (kind, t.detach().cpu()) for n, (kind, t) in out.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,13 +157,13 @@ def gdr_inputs_for(layout_name):
 
 
 def run_chunk(backend, layout_name, ins, gated=False):
-    cu, pad, _, _ = geometry(layout_name)
-    _, do, dht = gdr_inputs_for(layout_name)
-    ts = {n: t.detach().clone().requires_grad_() for n, t in ins.items()}
+    cu, pad = on(backend, *geometry(layout_name)[:2])
+    do, dht = on(backend, *gdr_inputs_for(layout_name)[1:])
+    ts = {n: on(backend, t).clone().requires_grad_() for n, t in ins.items()}
     extra = {}
     if gated:   # g, beta hold the raw a, b of the gating
         gen = torch.Generator().manual_seed(6)
-        extra = {n: (torch.randn(2, generator=gen) * 0.5).requires_grad_() for n in ("A_log", "dt_bias")}
+        extra = {n: on(backend, torch.randn(2, generator=gen) * 0.5).requires_grad_() for n in ("A_log", "dt_bias")}
     with poisoned_outputs():
         o, fs = gdn_packed.chunk_gated_delta_rule(
             ts["q"], ts["k"], ts["v"], ts["g"], ts["beta"], initial_state=ts["initial_state"],
@@ -158,7 +173,7 @@ def run_chunk(backend, layout_name, ins, gated=False):
     out = {"o": ("rows", o.detach()), "final_state": ("seq", fs.detach())}
     out.update({"d" + n: ("seq" if n == "initial_state" else "rows", gv) for n, gv in gs.items() if n in ts})
     out.update({"d" + n: ("param", gs[n]) for n in extra})
-    return out
+    return to_cpu(out)
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,6 +218,13 @@ def test_chunk_gated_triton():
 
 
 # ---- hard resets: g = -inf, very negative g ------------------------------------------------------------
+def budgets(backend):
+    """fp32 budgets of docs/DESIGN.md section 7: 1e-5 on CPU; tf32 dots on a GPU."""
+    if DEVICE[backend] == "cpu":
+        return dict(o=1e-5, grad=1e-5, dg=1e-5)
+    return dict(o=2e-3, grad=3e-3, dg=5e-3)
+
+
 # row -> g value; -3e38 is finite, but a cumulative sum of two overflows
 RESETS = {"g=-inf@1row": {25: float("-inf")},
           "g=-1e30@4rows+-3e38@2rows": {2: -1e30, 3: -1e30, 4: -1e30, 40: -1e30, 41: -3e38, 42: -3e38}}
@@ -240,10 +262,11 @@ def test_hard_reset_matches_recurrence_and_float64(backend, name):
     rec_o, rec_fs = gdn_packed.fused_recurrent_gated_delta_rule(
         *(ins[n] for n in GDR_ROW_TENSORS), initial_state=ins["initial_state"], output_final_state=True,
         cu_seqlens=cu, cu_seqlens_padded=pad, use_qk_l2norm_in_kernel=True, backend="torch")
+    budget = budgets(backend)["o"]
     for name_, got in (("o", ours["o"][1]), ("final_state", ours["final_state"][1])):
-        assert rel_err(got, ref[name_]) <= 1e-5, (name_, rel_err(got, ref[name_]))
+        assert rel_err(got, ref[name_]) <= budget, (name_, rel_err(got, ref[name_]))
     assert rel_err(rec_o, ref["o"]) <= 1e-5 and rel_err(rec_fs, ref["final_state"]) <= 1e-5
-    assert rel_err(ours["o"][1], rec_o) <= 1e-5 and rel_err(ours["final_state"][1], rec_fs) <= 1e-5
+    assert rel_err(ours["o"][1], rec_o) <= budget and rel_err(ours["final_state"][1], rec_fs) <= budget
 
 
 @pytest.mark.parametrize("backend", ["torch", TRITON])
@@ -251,7 +274,8 @@ def test_hard_reset_matches_recurrence_and_float64(backend, name):
 def test_hard_reset_gradients_match_float64(backend, name):
     ours, ref = reset_results(backend, name)
     for n in ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"):
-        assert rel_err(ours[n][1], ref[n]) <= 1e-5, (n, rel_err(ours[n][1], ref[n]))
+        budget = budgets(backend)["dg" if n in ("dg", "dbeta") else "grad"]
+        assert rel_err(ours[n][1], ref[n]) <= budget, (n, rel_err(ours[n][1], ref[n]))
 
 
 # ---- float64 -------------------------------------------------------------------------------------------
@@ -269,7 +293,8 @@ def test_triton_refuses_float64():
 
 # ---- the recurrent op ---------------------------------------------------------------------------------
 def run_recurrent(backend, layout_name, ins):
-    cu, pad, _, _ = geometry(layout_name)
+    cu, pad = on(backend, *geometry(layout_name)[:2])
+    ins = {n: on(backend, t) for n, t in ins.items()}
     args = [ins[n] for n in GDR_ROW_TENSORS]
     if backend == "host":
         o = torch.full(ins["v"].shape, float("nan"))
@@ -282,16 +307,16 @@ def run_recurrent(backend, layout_name, ins):
             o, fs = gdn_packed.fused_recurrent_gated_delta_rule(
                 *args, initial_state=ins["initial_state"], output_final_state=True, cu_seqlens=cu,
                 cu_seqlens_padded=pad, use_qk_l2norm_in_kernel=True, backend=backend)
-    return {"o": ("rows", o), "final_state": ("seq", fs)}
+    return to_cpu({"o": ("rows", o), "final_state": ("seq", fs)})
 
 
-@pytest.mark.parametrize("backend", ["torch", REC_HOST])
+@pytest.mark.parametrize("backend", ["torch", REC_HOST, CUDA])
 @pytest.mark.parametrize("case", cases(GDR_ROW_TENSORS, ("initial_state",), layouts=("padded",)), ids=case_id)
 def test_recurrent(backend, case):
     check_op(run_recurrent, lambda lay: gdr_inputs_for(lay)[0], backend, case)
 
 
-@pytest.mark.parametrize("backend", ["torch", REC_HOST])
+@pytest.mark.parametrize("backend", ["torch", REC_HOST, CUDA])
 def test_recurrent_repeated_state_indices(backend):
     """Sequences 0, 2 and 4 share pool slot 2: each starts from the slot's state before the call and
     the last of them (sequence 4) writes it back; the other slots behave as usual."""
@@ -305,9 +330,12 @@ def test_recurrent_repeated_state_indices(backend):
         rec_op.recurrent_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], cu, None, pool, idx, 16 ** -0.5, False, o[0],
                                   pool, host=True)
     else:
+        dev_pool = on(backend, pool)
         with poisoned_outputs():
-            o, _ = gdn_packed.fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool,
-                                                               state_indices=idx, cu_seqlens=cu, backend=backend)
+            o, _ = gdn_packed.fused_recurrent_gated_delta_rule(
+                *on(backend, q, k, v, g, beta), initial_state=dev_pool, state_indices=on(backend, idx),
+                cu_seqlens=on(backend, cu), backend=backend)
+        o, pool = o.cpu(), dev_pool.cpu()
     h0 = torch.stack([pool0[i] if i >= 0 else torch.zeros_like(pool0[0]) for i in idx.tolist()])
     ro, rfs = reference_gdr(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu)
     assert rel_err(o, ro) <= 1e-5
@@ -327,31 +355,32 @@ def conv_inputs(layout_name):
     _, _, rows, _ = geometry(layout_name)
     gen = torch.Generator().manual_seed(7)
     r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    return dict(x=r(1, rows, 12), initial_state=r(len(LENS), 12, 3)), r(12, 4), r(12), r(1, rows, 12), r(len(LENS), 12, 3)
+    N = len(LENS)
+    return dict(x=r(1, rows, 12), initial_state=r(N, 12, 3)), r(12, 4), r(12), r(1, rows, 12), r(N, 12, 3)
 
 
 def run_conv(backend, layout_name, ins):
-    cu, pad, _, _ = geometry(layout_name)
-    _, w, b, dy, df = conv_inputs(layout_name)
-    x, h0 = ins["x"], ins["initial_state"]
+    cu, pad = on(backend, *geometry(layout_name)[:2])
+    w, b, dy, df = on(backend, *conv_inputs(layout_name)[1:])
+    x, h0 = on(backend, ins["x"], ins["initial_state"])
     if backend == "host":
         nan = lambda *s: torch.full(s, float("nan"))  # noqa: E731
         y, fs, dx, dw, db, dh0 = nan(*x.shape), nan(*h0.shape), nan(*x.shape), nan(*w.shape), nan(12), nan(*h0.shape)
         conv_op.conv1d_fwd_cuda(x, w, b, h0, cu, pad, True, y, fs, host=True)
         conv_op.conv1d_bwd_cuda(x, w, b, h0, cu, pad, True, dy, df, dx, dw, db, dh0, host=True)
     else:
-        ts = {n: t.detach().clone().requires_grad_() for n, t in dict(x=x, w=w, b=b, h0=h0).items()}
+        ts = {n: t.clone().requires_grad_() for n, t in dict(x=x, w=w, b=b, h0=h0).items()}
         with poisoned_outputs():
             y, fs = gdn_packed.causal_conv1d_varlen(ts["x"], ts["w"], ts["b"], "silu", cu, cu_seqlens_padded=pad,
                                                     initial_state=ts["h0"], output_final_state=True,
                                                     backend=backend)
             gs = grads((y * dy).sum() + (fs * df).sum(), ts)
         y, fs, dx, dw, db, dh0 = y.detach(), fs.detach(), gs["x"], gs["w"], gs["b"], gs["h0"]
-    return dict(y=("rows", y), final_state=("seq", fs), dx=("rows", dx), dinitial_state=("seq", dh0),
-                dweight=("param", dw), dbias=("param", db))
+    return to_cpu(dict(y=("rows", y), final_state=("seq", fs), dx=("rows", dx), dinitial_state=("seq", dh0),
+                       dweight=("param", dw), dbias=("param", db)))
 
 
-@pytest.mark.parametrize("backend", ["torch", CONV_HOST])
+@pytest.mark.parametrize("backend", ["torch", CONV_HOST, CUDA])
 @pytest.mark.parametrize("case", cases(("x",), ("initial_state",)), ids=case_id)
 def test_conv(backend, case):
     check_op(run_conv, lambda lay: conv_inputs(lay)[0], backend, case)
@@ -365,16 +394,16 @@ def norm_inputs(layout_name):
 
 
 def run_norm(backend, layout_name, ins):
-    x, z = ins["x"], ins["z"]
     cu, pad, rows, _ = geometry(layout_name)
+    cu, pad = on(backend, cu, pad)
     gen = torch.Generator().manual_seed(8)
-    w, dy = torch.rand(16, generator=gen) + 0.5, torch.randn(1, rows, 2, 16, generator=gen)
-    ts = {n: t.detach().clone().requires_grad_() for n, t in dict(x=x, z=z, w=w).items()}
+    w, dy = on(backend, torch.rand(16, generator=gen) + 0.5, torch.randn(1, rows, 2, 16, generator=gen))
+    ts = {n: on(backend, t).clone().requires_grad_() for n, t in dict(x=ins["x"], z=ins["z"], w=w).items()}
     with poisoned_outputs():
         y = gdn_packed.gated_rmsnorm(ts["x"], ts["z"], ts["w"], backend=backend, cu_seqlens=cu,
                                      cu_seqlens_padded=pad)
         gs = grads((y * dy).sum(), ts)
-    return dict(y=("rows", y.detach()), dx=("rows", gs["x"]), dz=("rows", gs["z"]), dweight=("param", gs["w"]))
+    return to_cpu(dict(y=("rows", y), dx=("rows", gs["x"]), dz=("rows", gs["z"]), dweight=("param", gs["w"])))
 
 
 @pytest.mark.parametrize("backend", ["torch", TRITON])
