@@ -51,6 +51,8 @@ struct RecurrentParams {
   std::uintptr_t final_state = 0;    // [N, HV, K, V] float32 (0: not written); the pool in pool mode
   std::uintptr_t state_indices = 0;  // int64 [N] (0: per-sequence states)
   int64_t pool_size = 0;             // P; an index outside [0, P) starts from zeros, writes nothing
+  std::uintptr_t slot_roles = 0;     // int32 [N] in pool mode (kSlot* in recurrent_gdr.cu), or 0: every
+                                     // valid index is distinct
   std::uintptr_t o = 0;
   int64_t N = 0, T = 0, H = 0, HV = 0, K = 0, V = 0;
   int dtype = 0;                     // of q, k, v, o; g and beta are float32

@@ -51,7 +51,7 @@ gdn::RecurrentParams recurrent_params(py::kwargs kw) {
   ptr("q", &p.q); ptr("k", &p.k); ptr("v", &p.v); ptr("g", &p.g); ptr("beta", &p.beta);
   ptr("cu_seqlens", &p.cu_seqlens); ptr("cu_seqlens_padded", &p.cu_seqlens_padded);
   ptr("initial_state", &p.initial_state); ptr("final_state", &p.final_state);
-  ptr("state_indices", &p.state_indices); ptr("o", &p.o);
+  ptr("state_indices", &p.state_indices); ptr("slot_roles", &p.slot_roles); ptr("o", &p.o);
   p.N = kw["N"].cast<int64_t>();
   p.T = kw["T"].cast<int64_t>();
   p.H = kw["H"].cast<int64_t>();

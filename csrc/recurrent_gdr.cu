@@ -6,7 +6,15 @@
 // float32, cu_seqlens (+ padded) int64 [N+1]. GVA: v-head h reads qk-head h / (HV / H).
 // States: per sequence (initial_state [N, HV, K, V] in, final_state [N, HV, K, V] out, both optional)
 // or a pool [P, HV, K, V] updated in place through state_indices [N] (an index outside [0, P): start
-// from zeros, no write-back; the valid indices of one call must be distinct).
+// from zeros, no write-back).
+// Repeated indices (several sequences of one call on one slot) behave as in the torch backend: every
+// such sequence starts from the slot's state before the call, and the last of them (highest n) writes
+// it back. slot_roles [N] int32 (built on the device by the Python op) says which sequence does what:
+//   kSlotOwn        the only sequence on its slot: reads and writes it in the first launch
+//   kSlotReadOnly   a later sequence shares the slot: reads it in the first launch, writes nothing
+//   kSlotLastWriter the last of several on the slot: reads and writes it in the second launch
+// so in the first launch nobody writes a shared slot, and in the second only its last writer touches it
+// (stream order separates them: no race, no extra state memory). Without slot_roles: one launch.
 // Output o [T, HV, V] in q's dtype: every row is written (padding rows with 0).
 //
 // Grid: one thread per (sequence, v-head, state column j); j is the fastest index, so a warp reads a
@@ -23,6 +31,7 @@ namespace gdn {
 namespace {
 
 constexpr int kThreads = 128;
+constexpr int32_t kSlotOwn = 0, kSlotReadOnly = 1, kSlotLastWriter = 2;   // slot_roles values
 
 template <typename T>
 struct RecArgs {
@@ -36,6 +45,8 @@ struct RecArgs {
   const float* h0;
   float* ht;
   const int64_t* idx;
+  const int32_t* roles;   // slot_roles [N] or nullptr
+  int phase;              // 0: first launch, 1: second launch (kSlotLastWriter only)
   int64_t P;
   T* o;
   int64_t N, T_, H, HV, K, V;
@@ -47,6 +58,8 @@ GDN_HD float inv_norm(float sumsq) { return 1.f / sqrtf(sumsq + 1e-6f); }
 
 template <typename T, int KMAX>
 GDN_HD void recurrent_thread(const RecArgs<T>& a, int64_t n, int64_t hv, int64_t j) {
+  const int32_t role = a.roles != nullptr ? a.roles[n] : kSlotOwn;
+  if ((role == kSlotLastWriter) != (a.phase == 1)) return;  // this sequence runs in the other launch
   const int64_t K = a.K, V = a.V, HV = a.HV;
   const int64_t state_size = HV * K * V;
   const float* src = nullptr;
@@ -55,7 +68,7 @@ GDN_HD void recurrent_thread(const RecArgs<T>& a, int64_t n, int64_t hv, int64_t
     const int64_t slot = a.idx[n];
     if (slot >= 0 && slot < a.P) {
       src = a.h0 + slot * state_size;
-      dst = a.ht + slot * state_size;
+      if (role != kSlotReadOnly) dst = a.ht + slot * state_size;
     }
   } else {
     if (a.h0 != nullptr) src = a.h0 + n * state_size;
@@ -130,15 +143,17 @@ __global__ void __launch_bounds__(kThreads) recurrent_gdr_fwd_kernel(RecArgs<T> 
 }
 
 template <typename T, int KMAX>
-void run_k(const RecArgs<T>& a, bool host, cudaStream_t stream) {
+void run_k(RecArgs<T> a, bool host, cudaStream_t stream) {
   const int64_t total = a.N * a.HV * a.V;
-  if (host) {
-    for (int64_t i = 0; i < total; ++i) {
-      const int64_t j = i % a.V, nh = i / a.V;
-      recurrent_thread<T, KMAX>(a, nh / a.HV, nh % a.HV, j);
+  for (a.phase = 0; a.phase < (a.roles != nullptr ? 2 : 1); ++a.phase) {
+    if (host) {
+      for (int64_t i = 0; i < total; ++i) {
+        const int64_t j = i % a.V, nh = i / a.V;
+        recurrent_thread<T, KMAX>(a, nh / a.HV, nh % a.HV, j);
+      }
+    } else if (total > 0) {
+      recurrent_gdr_fwd_kernel<T, KMAX><<<blocks_for(total, kThreads), kThreads, 0, stream>>>(a, total);
     }
-  } else if (total > 0) {
-    recurrent_gdr_fwd_kernel<T, KMAX><<<blocks_for(total, kThreads), kThreads, 0, stream>>>(a, total);
   }
 }
 
@@ -155,6 +170,7 @@ std::string run(const RecurrentParams& p, bool host, cudaStream_t stream) {
   a.h0 = reinterpret_cast<const float*>(p.initial_state);
   a.ht = reinterpret_cast<float*>(p.final_state);
   a.idx = reinterpret_cast<const int64_t*>(p.state_indices);
+  a.roles = reinterpret_cast<const int32_t*>(p.slot_roles);
   a.P = p.pool_size;
   a.o = reinterpret_cast<T*>(p.o);
   a.N = p.N;
@@ -181,6 +197,7 @@ std::string recurrent_gdr(const RecurrentParams& p, bool host, int device, std::
   if (p.cu_seqlens == 0 || (p.o == 0 && p.T > 0)) return "recurrent_gdr: cu_seqlens and o are required";
   if (p.state_indices != 0 && (p.initial_state == 0 || p.final_state == 0))
     return "recurrent_gdr: state_indices needs the state pool as initial_state and final_state";
+  if (p.slot_roles != 0 && p.state_indices == 0) return "recurrent_gdr: slot_roles needs state_indices";
   if (!host) {
     std::string err = use_device(device, "recurrent_gdr");
     if (!err.empty()) return err;

@@ -33,3 +33,10 @@ def as_packed(x, cu_seqlens=None, cu_seqlens_padded=None, attention_mask=None):
         raise ValueError(f"packed input with cu_seqlens must have batch size 1 ([1, T, ...]), "
                          f"got shape {tuple(x.shape)}")
     return x, cu_seqlens, cu_seqlens_padded, lambda y: y
+
+
+def zero_padding_rows(x, cu_seqlens, cu_seqlens_padded=None):
+    """x [1, R, ...] with the rows outside the sequences' tokens replaced by 0 by selection
+    (torch.where: NaN/Inf stored there is dropped, and its gradient there is 0). No host sync."""
+    real = packing.padding_row_mask(cu_seqlens, cu_seqlens_padded, total_rows=x.shape[1])
+    return torch.where(real.view(1, -1, *([1] * (x.dim() - 2))), x, x.new_zeros(()))

@@ -9,9 +9,14 @@
 Attention backends (`attn.backend` says which one runs):
     "flash_attn"   flash_attn.flash_attn_varlen_func (CUDA, when installed)
     "torch_varlen" torch.nn.attention.varlen.varlen_attn (CUDA)
-    "sdpa"         scaled_dot_product_attention with a block-diagonal causal mask built from the
-                   sequence id of every row (any device, no host sync, O(R^2) mask: the CPU path)
+    "sdpa"         scaled_dot_product_attention run once per sequence on its own rows (causal; any
+                   device: the CPU path). It reads the sequence offsets on the host (free for CPU
+                   tensors, one sync on CUDA, where the varlen backends are the default).
 The varlen backends read max_seqlen on the host unless it is passed in (`max_seqlen=`).
+
+Isolation: padding rows are replaced by 0 on entry (torch.where), and every backend computes a
+sequence from its own rows only, so NaN/Inf in one document or in padding reaches no other document
+(a dense block-diagonal mask would not do: the masked probabilities are 0, but 0 x NaN = NaN in P V).
 """
 import inspect
 
@@ -20,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gdn_packed import packing
-from gdn_packed.layers._batch import as_packed
+from gdn_packed.layers._batch import as_packed, zero_padding_rows
 from gdn_packed.layers.norms import RMSNorm
 
 ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa")
@@ -124,33 +129,41 @@ class GatedAttention(nn.Module):
     def forward_packed(self, x, cu_seqlens, cu_seqlens_padded=None, *, max_seqlen=None):
         """x [1, R, hidden] packed rows -> [1, R, hidden], 0 on padding rows."""
         R, H, Hkv, D = x.shape[1], self.num_heads, self.num_kv_heads, self.head_dim
+        x = zero_padding_rows(x, cu_seqlens, cu_seqlens_padded)
         q, gate = self.q_proj(x).view(1, R, H, 2 * D).chunk(2, dim=-1)
         k = self.k_proj(x).view(1, R, Hkv, D)
         v = self.v_proj(x).view(1, R, Hkv, D)
         q, k = self.q_norm(q), self.k_norm(k)
-        seq = packing.token_seq_ids(cu_seqlens, cu_seqlens_padded, total_rows=R)
         pos = packing.position_ids_from_cu_seqlens(cu_seqlens, cu_seqlens_padded, total_rows=R)
         cos, sin = self.rotary(pos)
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
         backend = self.backend
         if backend == "sdpa":
-            o = _sdpa_block_diagonal(q, k, v, seq)
+            o = _sdpa_per_sequence(q, k, v, cu_seqlens, cu_seqlens_padded)
         else:
             o = _varlen(backend, q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen)
-        o = torch.where((seq >= 0)[None, :, None, None], o, o.new_zeros(()))
+        o = zero_padding_rows(o, cu_seqlens, cu_seqlens_padded)
         return self.o_proj(o.reshape(1, R, H * D) * torch.sigmoid(gate.reshape(1, R, H * D)))
 
 
-def _sdpa_block_diagonal(q, k, v, seq):
-    """Row i attends to rows j <= i of its own sequence; padding rows (seq -1) attend to themselves
-    only (their output is discarded), so no softmax row is empty."""
+def _sdpa_per_sequence(q, k, v, cu_seqlens, cu_seqlens_padded):
+    """Causal SDPA of each sequence over its own rows (q [1, R, H, D], k, v [1, R, Hkv, D]); padding
+    rows of the result are 0. Reads the offsets on the host."""
     R = q.shape[1]
-    r = torch.arange(R, device=q.device)
-    same = (seq[:, None] == seq[None, :]) & (seq[:, None] >= 0)
-    mask = (same & (r[None, :] <= r[:, None])) | torch.eye(R, dtype=torch.bool, device=q.device)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask, enable_gqa=True)
-    return o.transpose(1, 2)
+    cu = cu_seqlens.tolist()
+    starts = cu if cu_seqlens_padded is None else cu_seqlens_padded.tolist()
+    outs, rows = [], []
+    for s, n in zip(starts[:-1], (b - a for a, b in zip(cu[:-1], cu[1:]))):
+        s, e = min(max(s, 0), R), min(max(s + n, 0), R)    # a corrupt layout gives a wrong answer, no crash
+        if e <= s:
+            continue
+        qs, ks, vs = (t[:, s:e].transpose(1, 2) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(1, 2))
+        rows.append(torch.arange(s, e, device=q.device))
+    o = q.new_zeros(q.shape)
+    if not outs:
+        return o
+    return o.index_copy(1, torch.cat(rows), torch.cat(outs, dim=1))
 
 
 def _varlen(backend, q, k, v, cu_seqlens, cu_seqlens_padded, max_seqlen):

@@ -7,6 +7,10 @@
                from the raw a, b (float32)
     out:       out_proj(rmsnorm(o) * out_norm.weight * silu(z))   (norm over the value head dim)
 
+Padding rows of a packed input are replaced by 0 on entry (by selection, torch.where), so whatever
+they hold (NaN/Inf included) the output is exactly 0 there, their input gradient is 0 and no parameter
+gradient sees them; every op below also skips padding rows itself.
+
 Parameter names and shapes are those of Megatron-Core 0.19.2's `GatedDeltaNet` (bias=False,
 conv_bias=False by default), so its state dicts load one to one:
     in_proj.weight [2*Hk*Dk + 2*Hv*Dv + 2*Hv, hidden]   conv1d.weight [2*Hk*Dk + Hv*Dv, 1, W]
@@ -19,7 +23,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor, nn
 
-from gdn_packed.layers._batch import as_packed
+from gdn_packed.layers._batch import as_packed, zero_padding_rows
 from gdn_packed.layers.norms import GatedRMSNorm
 from gdn_packed.ops import conv1d as _conv_op
 from gdn_packed.ops import gated_rmsnorm as _norm_op
@@ -95,6 +99,7 @@ class GatedDeltaNet(nn.Module):
         """x [1, R, hidden] packed rows -> (y [1, R, hidden], GDNState or None). No host sync."""
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         conv0, rec0 = (None, None) if initial_state is None else initial_state
+        x = zero_padding_rows(x, cu_seqlens, cu_seqlens_padded)
         qkv, z, b, a = self.in_proj(x).split([self.conv_dim, self.v_dim, Hv, Hv], dim=-1)
         qkv, conv_state = causal_conv1d_varlen(
             qkv, self.conv1d.weight, self.conv1d.bias, activation="silu", cu_seqlens=cu_seqlens,
@@ -107,7 +112,7 @@ class GatedDeltaNet(nn.Module):
             initial_state=rec0, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
             cu_seqlens_padded=cu_seqlens_padded, use_qk_l2norm_in_kernel=True, backend=self.backend,
             A_log=self.A_log, dt_bias=self.dt_bias)
-        o = self.out_norm(o, z.unflatten(-1, (Hv, Dv)))
+        o = self.out_norm(o, z.unflatten(-1, (Hv, Dv)), cu_seqlens, cu_seqlens_padded)
         y = self.out_proj(o.flatten(-2))
         return y, (GDNState(conv_state, rec_state) if output_final_state else None)
 

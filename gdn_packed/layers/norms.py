@@ -27,5 +27,7 @@ class GatedRMSNorm(nn.Module):
         self.eps, self.backend = eps, backend
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
-    def forward(self, x, z):
-        return gated_rmsnorm(x, z, self.weight, self.eps, backend=self.backend)
+    def forward(self, x, z, cu_seqlens=None, cu_seqlens_padded=None):
+        """x, z [..., N]; with cu_seqlens (x packed [1, T, ..., N]) padding rows give exactly 0."""
+        return gated_rmsnorm(x, z, self.weight, self.eps, backend=self.backend, cu_seqlens=cu_seqlens,
+                             cu_seqlens_padded=cu_seqlens_padded)

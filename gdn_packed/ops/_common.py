@@ -71,6 +71,19 @@ def resolve_backend(backend, device, *, have=("torch",)):
     return backend
 
 
+def resolve_float64_backend(backend, x, have):
+    """resolve_backend for an op whose triton kernels compute in float32 at most: float64 input x
+    with backend="triton" is a TypeError naming the dtype; "auto" then picks "torch" (exact float64)."""
+    asked = backend
+    backend = resolve_backend(backend, x.device, have=have)
+    if backend == "triton" and x.dtype == torch.float64:
+        if asked == "triton":
+            raise TypeError(f"backend='triton' computes in float32 and does not take float64 inputs, got "
+                            f"{x.dtype}; use backend='torch' (exact float64) or cast to float32")
+        return "torch"
+    return backend
+
+
 def _cuda_ok():
     from gdn_packed._cext import cuda_available
     return cuda_available()

@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 
 from gdn_packed import _validate as V
-from gdn_packed.ops._common import new_output, resolve_backend, segments_or_rows
+from gdn_packed.ops._common import new_output, resolve_float64_backend, segments_or_rows
 from gdn_packed.ops.chunk_table import build_chunk_table
+from gdn_packed.packing import padding_row_mask
 
 CHUNK_SIZE = 64
 MAX_HEAD_DIM = 256
@@ -61,6 +62,17 @@ def _rows(x, T):
     return x.reshape(T, *x.shape[2:])
 
 
+def _raw_gate_rows(a, b, cu_seqlens, cu_seqlens_padded, T):
+    """The raw gate inputs a, b as rows [T, HV], with padding rows replaced by 0 (selection, no
+    sync): whatever they hold, padding rows then give finite g, beta, and their da, db and share of
+    dA_log, ddt_bias are exactly 0 (the chunked backward gives them dg = dbeta = 0)."""
+    a, b = _rows(a, T), _rows(b, T)
+    if cu_seqlens is None:
+        return a, b
+    real = padding_row_mask(cu_seqlens, cu_seqlens_padded, total_rows=T)[:, None]
+    return torch.where(real, a, a.new_zeros(())), torch.where(real, b, b.new_zeros(()))
+
+
 @torch.library.custom_op("gdn_packed::chunk_gdr_fwd", mutates_args=())
 def chunk_gdr_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
@@ -73,7 +85,8 @@ def chunk_gdr_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     final_state = new_output((N, HV, K, V_), torch.float32, v.device)
     g_rows, beta_rows = _rows(g, T), _rows(beta, T)
     if A_log is not None:
-        g_rows, beta_rows = _gate_impl(backend)[0](g_rows, beta_rows, A_log, dt_bias)
+        a_rows, b_rows = _raw_gate_rows(g, beta, cu_seqlens, cu_seqlens_padded, T)
+        g_rows, beta_rows = _gate_impl(backend)[0](a_rows, b_rows, A_log, dt_bias)
     fwd, _ = _impl(backend)
     fwd(_rows(q, T), _rows(k, T), _rows(v, T), g_rows, beta_rows, table, cu_chunks,
         initial_state, scale, CHUNK_SIZE, use_qk_l2norm, _rows(o, T), final_state)
@@ -104,7 +117,8 @@ def chunk_gdr_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     gating = A_log is not None
     if gating:      # the chunked backward runs on the float32 gates and writes float32 dg, dbeta
         gate_fwd, gate_bwd = _gate_impl(backend)
-        g_rows, beta_rows = gate_fwd(_rows(g, T), _rows(beta, T), A_log, dt_bias)
+        a_rows, b_rows = _raw_gate_rows(g, beta, cu_seqlens, cu_seqlens_padded, T)
+        g_rows, beta_rows = gate_fwd(a_rows, b_rows, A_log, dt_bias)
         dg_rows = new_output(g_rows.shape, torch.float32, g.device)
         dbeta_rows = new_output(g_rows.shape, torch.float32, g.device)
     _, bwd = _impl(backend)
@@ -112,8 +126,7 @@ def chunk_gdr_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         initial_state, scale, CHUNK_SIZE, use_qk_l2norm, _rows(do, T), dht,
         _rows(dq, T), _rows(dk, T), _rows(dv, T), dg_rows, dbeta_rows, dh0)
     if gating:
-        da, db, dA_log, ddt_bias = gate_bwd(_rows(g, T), _rows(beta, T), A_log, dt_bias, dg_rows,
-                                            dbeta_rows)
+        da, db, dA_log, ddt_bias = gate_bwd(a_rows, b_rows, A_log, dt_bias, dg_rows, dbeta_rows)
         _rows(dg, T).copy_(da)
         _rows(dbeta, T).copy_(db)
         dA_log, ddt_bias = dA_log.to(A_log.dtype), ddt_bias.to(dt_bias.dtype)
@@ -197,8 +210,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         backend: "auto" (default) picks "triton" for CUDA tensors ("torch" when triton is not
             installed) and "torch" for CPU tensors. "torch": vectorised PyTorch, any device.
             "triton": the Triton kernels; on CPU tensors only under the Triton interpreter
-            (TRITON_INTERPRET=1 set before triton is imported). "cuda": not implemented for this op
-            (raises NotImplementedError).
+            (TRITON_INTERPRET=1 set before triton is imported); they compute in float32 at most, so
+            float64 inputs are a TypeError there ("auto" runs float64 on "torch", exactly).
+            "cuda": not implemented for this op (raises NotImplementedError).
         validate: also check the values of cu_seqlens (and cu_seqlens_padded): starting at 0,
             non-decreasing, within the rows. That reads them back to the host, so it is off by
             default (the op then never synchronises); GDN_PACKED_VALIDATE=1 turns it on everywhere.
@@ -213,7 +227,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     _check_gates(A_log, dt_bias, v.shape[2], q.device)
     if V.want_validate(validate) and cu_seqlens is not None:
         V.check_cu_seqlens_values(cu_seqlens, cu_seqlens_padded, total_rows=q.shape[1])
-    backend = resolve_backend(backend, q.device, have=BACKENDS_IMPLEMENTED)
+    backend = resolve_float64_backend(backend, q, BACKENDS_IMPLEMENTED)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, final_state = chunk_gdr_fwd(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded,
                                    scale, bool(use_qk_l2norm_in_kernel), backend, A_log, dt_bias)

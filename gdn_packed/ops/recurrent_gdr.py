@@ -32,6 +32,25 @@ def _num_seqs(x, cu_seqlens):
     return segments_or_rows(x, cu_seqlens)[1]
 
 
+SLOT_OWN, SLOT_READ_ONLY, SLOT_LAST_WRITER = 0, 1, 2     # kSlot* in csrc/recurrent_gdr.cu
+
+
+def slot_roles(state_indices, P):
+    """int32 [N]: the role of each sequence on its pool slot (csrc/recurrent_gdr.cu), built on the
+    device without a host sync: SLOT_OWN when no other sequence has its index (or the index is outside
+    [0, P)), SLOT_LAST_WRITER for the highest-numbered of several sequences on one slot, SLOT_READ_ONLY
+    for the others. Every sequence reads the slot's state from before the call; the last writer wins."""
+    idx = state_indices.to(torch.int64)
+    n = torch.arange(idx.numel(), device=idx.device)
+    key = torch.where((idx >= 0) & (idx < P), idx, torch.full_like(idx, P))    # P: no slot
+    last = torch.full((P + 1,), -1, dtype=torch.int64, device=idx.device).scatter_reduce(
+        0, key, n, "amax")
+    count = torch.zeros(P + 1, dtype=torch.int64, device=idx.device).scatter_add(0, key, torch.ones_like(n))
+    shared = (key < P) & (count[key] > 1)
+    role = torch.where(last[key] == n, SLOT_LAST_WRITER, SLOT_READ_ONLY)
+    return torch.where(shared, role, SLOT_OWN).to(torch.int32)
+
+
 def recurrent_fwd_cuda(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, initial_state, state_indices, scale,
                        use_qk_l2norm, o, final_state, *, host=False):
     """The csrc/ kernel on rows q, k [T, H, K], v [T, HV, V]; host=True runs the same per-thread body
@@ -44,14 +63,16 @@ def recurrent_fwd_cuda(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, initial_
     cu = cu_seqlens.to(torch.int64).contiguous()
     pad = None if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64).contiguous()
     idx = None if state_indices is None else state_indices.to(torch.int64).contiguous()
+    roles = None if idx is None else slot_roles(idx, initial_state.shape[0])
     h0 = None if initial_state is None else initial_state.contiguous()
-    keep += [cu, pad, idx, h0]
+    keep += [cu, pad, idx, roles, h0]
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
     if state_indices is not None and h0 is not initial_state:
         raise ValueError("the state pool must be contiguous")
     args = dict(q=ptr(keep[0]), k=ptr(keep[1]), v=ptr(keep[2]), g=ptr(keep[3]), beta=ptr(keep[4]),
                 cu_seqlens=ptr(cu), cu_seqlens_padded=ptr(pad), initial_state=ptr(h0),
                 final_state=ptr(h0 if state_indices is not None else final_state), state_indices=ptr(idx),
+                slot_roles=ptr(roles),
                 pool_size=0 if state_indices is None else initial_state.shape[0], o=o.data_ptr(), N=cu.shape[0] - 1, T=T, H=H, HV=HV, K=K, V=Vd,
                 dtype={torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[q.dtype], scale=float(scale),
                 l2norm=bool(use_qk_l2norm))
@@ -145,8 +166,11 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
             Padding rows are 0 in o.
         state_indices: [N] int32/int64, one pool slot per sequence: sequence i starts from
             pool[state_indices[i]] and writes its final state back there. An index < 0 (or >= P)
-            starts from zeros and writes nothing. Valid indices must be distinct within one call
-            (validate=True checks that and rejects indices >= P).
+            starts from zeros and writes nothing. A slot repeated within one call is defined the
+            same on every backend: each of its sequences starts from the slot's state before the
+            call, and the last of them (highest i) writes it back (the cuda kernel then runs a
+            second launch; no host sync). validate=True rejects repeated slots (usually a caller
+            bug) and indices >= P.
         use_qk_l2norm_in_kernel: replace q and k by x / sqrt(sum(x^2) + 1e-6) per head first.
         backend: "auto" (default) picks "cuda" for CUDA tensors when gdn_packed._C can run there and
             q is float32/float16/bfloat16 with K <= 128 (else "torch"), and "torch" for CPU tensors.

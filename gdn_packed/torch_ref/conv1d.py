@@ -11,7 +11,8 @@ the row's own sequence (p < 0: initial_state[i, :, W-1+p], or 0 without one):
     final_state[i, :, j] = xin(len_i - (W-1) + j),  j < W-1          (the last W-1 inputs)
 
 so the conv restarts at every sequence and never reads a neighbour's rows. Padding rows: y = 0,
-dx = 0. Backward, with dz = dy * act'(z) on real rows:
+dx = 0, and no share of dweight/dbias; they are excluded by selection (torch.where), never by a 0 factor,
+so NaN/Inf stored in padding rows reaches nothing. Backward, with dz = dy * act'(z) on real rows:
     dx[t]       = sum_s weight[:, W-1-s] dz[t+s] (t+s in the same sequence) + dfinal term
     dweight[:, w] = sum_t dz[t] xin(pos_t - (W-1) + w),  dbias = sum_t dz[t]
     dinitial_state: the same sum as dx, over the virtual positions -(W-1)..-1, + dfinal term.
@@ -106,9 +107,12 @@ def conv1d_varlen_bwd_torch(x, weight, bias, initial_state, cu_seqlens, cu_seqle
     if silu:
         sig = torch.sigmoid(z)
         g = g * sig * (1 + z * (1 - sig))
-    dz = torch.where(R.real[:, None], g, torch.zeros_like(g))
+    zero = torch.zeros_like(g)
+    dz = torch.where(R.real[:, None], g, zero)
     dbias.copy_(dz.sum(0))
-    dweight.copy_(torch.stack([(dz * _xin(R, xp, h0, W - 1 - k, W)).sum(0) for k in range(W)], 1))
+    # padding rows select 0 rather than multiply 0 by their input (NaN x 0 = NaN)
+    dweight.copy_(torch.stack([torch.where(R.real[:, None], dz * _xin(R, xp, h0, W - 1 - k, W), zero).sum(0)
+                               for k in range(W)], 1))
 
     dzp = _with_zero_row(dz)
     acc = torch.zeros_like(dz)

@@ -12,6 +12,10 @@ Backward, with xhat = x * rstd, s = silu(z), u = dy * w * s (the gradient of xha
 
 Everything is computed in float32 whatever the input dtype; y, dx, dz are rounded to their tensor's
 dtype once, at the end. `rstd` (float32, one per row) is the only saved intermediate.
+
+Padding rows (`real` [M] bool False, when given): x, z, dy and rstd are replaced by 0 by selection
+(torch.where), so y, dx, dz are exactly 0 there and the rows add nothing to dweight, whatever NaN/Inf
+they hold.
 """
 import torch
 
@@ -21,17 +25,28 @@ def _scale(weight, zero_centered):
     return w + 1 if zero_centered else w
 
 
-def gated_rmsnorm_fwd_torch(x, z, weight, eps, zero_centered, y, rstd):
-    """x, z [M, N]; weight [N]; writes y [M, N] (x's dtype) and rstd [M] (float32)."""
-    xf = x.float()
-    r = torch.rsqrt(xf.square().mean(-1) + eps)
-    y.copy_(xf * r[:, None] * _scale(weight, zero_centered) * torch.nn.functional.silu(z.float()))
+def _select_rows(real, *xs):
+    """Each x [M, N] (or [M]) with its padding rows (real False) replaced by 0; unchanged without real."""
+    if real is None:
+        return xs
+    return tuple(torch.where(real.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype,
+                                                                                   device=x.device))
+                 for x in xs)
+
+
+def gated_rmsnorm_fwd_torch(x, z, weight, eps, zero_centered, y, rstd, real=None):
+    """x, z [M, N]; weight [N]; real [M] bool or None; writes y [M, N] (x's dtype) and rstd [M]
+    (float32, 0 on padding rows)."""
+    xf, zf = _select_rows(real, x.float(), z.float())
+    (r,) = _select_rows(real, torch.rsqrt(xf.square().mean(-1) + eps))
+    y.copy_(xf * r[:, None] * _scale(weight, zero_centered) * torch.nn.functional.silu(zf))
     rstd.copy_(r)
 
 
-def gated_rmsnorm_bwd_torch(dy, x, z, weight, rstd, zero_centered, dx, dz, dweight):
+def gated_rmsnorm_bwd_torch(dy, x, z, weight, rstd, zero_centered, dx, dz, dweight, real=None):
     """Writes dx, dz [M, N] and dweight [N] (weight's dtype)."""
-    xf, zf, dyf, w = x.float(), z.float(), dy.float(), _scale(weight, zero_centered)
+    xf, zf, dyf, rstd = _select_rows(real, x.float(), z.float(), dy.float(), rstd)
+    w = _scale(weight, zero_centered)
     xhat = xf * rstd[:, None]
     sig = torch.sigmoid(zf)
     s = zf * sig

@@ -71,10 +71,10 @@ def recurrent_gdr_fwd_torch(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, ini
     o.copy_(out[:T])
 
     S = S.reshape(N, HV, K, V)
-    if state_indices is not None:   # pool[slot] = S for slot >= 0 (distinct slots), without a host sync
+    if state_indices is not None:   # pool[slot] = S for slot >= 0, the last sequence on a slot wins
         owner = torch.full((P + 1,), -1, dtype=torch.int64, device=q.device)
-        owner.scatter_(0, torch.where(slot >= 0, slot, torch.full_like(slot, P)),
-                       torch.arange(N, device=q.device))
+        owner.scatter_reduce_(0, torch.where(slot >= 0, slot, torch.full_like(slot, P)),
+                              torch.arange(N, device=q.device), "amax")
         owner = owner[:P]
         if N > 0:
             upd = S[owner.clamp_min(0)].to(pool.dtype)

@@ -4,9 +4,11 @@
 
 w is the weight, or 1 + weight when ZERO_CENTERED (a zero-centred weight; 1 + weight in float32).
 
-Inputs are contiguous rows: x, z, dy [M, N] (fp32/bf16/fp16), w [N]. All arithmetic is float32; only
-the loads and the final stores of y, dx, dz convert dtype (so bf16 is also right under the Triton
-interpreter, which only gets bf16 casts right).
+Inputs are contiguous rows: x, z, dy [M, N] (fp32/bf16/fp16), w [N], and with HAS_REAL a row mask
+real [M] (bool; False on padding rows). All arithmetic is float32; only the loads and the final stores
+of y, dx, dz convert dtype (so bf16 is also right under the Triton interpreter, which only gets bf16
+casts right). Padding rows are excluded by masked loads (other=0) and tl.where, never by a 0 factor:
+y, dx, dz are 0 there, rstd is stored as 0 and they add nothing to the weight gradient.
 
 Forward grid: (cdiv(M, BLOCK_M),); each program normalises BLOCK_M whole rows (BLOCK_N >= N) and
 writes y [M, N] and rstd [M] float32.
@@ -23,28 +25,40 @@ MAX_N = 16384
 
 
 @triton.jit
-def gated_rmsnorm_fwd_kernel(x, z, w, y, rstd, M, N, eps, ZERO_CENTERED: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _real_rows(real, o_m, M, HAS_REAL: tl.constexpr):
+    """(in bounds, in bounds and not padding) masks of the rows o_m."""
+    m_m = o_m < M
+    if HAS_REAL:
+        return m_m, m_m & (tl.load(real + o_m, mask=m_m, other=0) != 0)
+    return m_m, m_m
+
+
+@triton.jit
+def gated_rmsnorm_fwd_kernel(x, z, w, y, rstd, real, M, N, eps, ZERO_CENTERED: tl.constexpr,
+                             HAS_REAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     i_m = tl.program_id(0)
     o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
     o_n = tl.arange(0, BLOCK_N)
-    m_m, m_n = o_m < M, o_n < N
+    m_m, m_r = _real_rows(real, o_m, M, HAS_REAL)
+    m_n = o_n < N
     mask = m_m[:, None] & m_n[None, :]
+    m_load = m_r[:, None] & m_n[None, :]
     offs = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
-    b_x = tl.load(x + offs, mask=mask, other=0.).to(tl.float32)
-    b_z = tl.load(z + offs, mask=mask, other=0.).to(tl.float32)
+    b_x = tl.load(x + offs, mask=m_load, other=0.).to(tl.float32)
+    b_z = tl.load(z + offs, mask=m_load, other=0.).to(tl.float32)
     b_w = tl.load(w + o_n, mask=m_n, other=0.).to(tl.float32)
     if ZERO_CENTERED:
         b_w += 1.
-    b_r = tl.rsqrt(tl.sum(b_x * b_x, 1) / N + eps)
+    b_r = tl.where(m_r, tl.rsqrt(tl.sum(b_x * b_x, 1) / N + eps), 0.)
     b_y = b_x * b_r[:, None] * b_w[None, :] * (b_z * tl.sigmoid(b_z))
     tl.store(y + offs, b_y.to(y.dtype.element_ty), mask=mask)
     tl.store(rstd + o_m, b_r, mask=m_m)
 
 
 @triton.jit
-def gated_rmsnorm_bwd_kernel(dy, x, z, w, rstd, dx, dz, dw_partial, M, N, rows_per_prog,
-                             ZERO_CENTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def gated_rmsnorm_bwd_kernel(dy, x, z, w, rstd, real, dx, dz, dw_partial, M, N, rows_per_prog,
+                             ZERO_CENTERED: tl.constexpr, HAS_REAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
     i_p = tl.program_id(0)
     o_n = tl.arange(0, BLOCK_N)
     m_n = o_n < N
@@ -55,13 +69,14 @@ def gated_rmsnorm_bwd_kernel(dy, x, z, w, rstd, dx, dz, dw_partial, M, N, rows_p
     row0 = i_p * rows_per_prog
     for i in range(0, rows_per_prog, BLOCK_M):
         o_m = row0 + i + tl.arange(0, BLOCK_M)
-        m_m = o_m < M
+        m_m, m_r = _real_rows(real, o_m, M, HAS_REAL)
         mask = m_m[:, None] & m_n[None, :]
+        m_load = m_r[:, None] & m_n[None, :]
         offs = o_m.to(tl.int64)[:, None] * N + o_n[None, :]
-        b_x = tl.load(x + offs, mask=mask, other=0.).to(tl.float32)
-        b_z = tl.load(z + offs, mask=mask, other=0.).to(tl.float32)
-        b_dy = tl.load(dy + offs, mask=mask, other=0.).to(tl.float32)
-        b_r = tl.load(rstd + o_m, mask=m_m, other=0.)
+        b_x = tl.load(x + offs, mask=m_load, other=0.).to(tl.float32)
+        b_z = tl.load(z + offs, mask=m_load, other=0.).to(tl.float32)
+        b_dy = tl.load(dy + offs, mask=m_load, other=0.).to(tl.float32)
+        b_r = tl.load(rstd + o_m, mask=m_r, other=0.)
         b_xhat = b_x * b_r[:, None]
         b_sig = tl.sigmoid(b_z)
         b_s = b_z * b_sig
@@ -83,12 +98,13 @@ def _blocks(N):
     return BLOCK_M, BLOCK_N, (4 if BLOCK_N <= 1024 else 8)
 
 
-def gated_rmsnorm_fwd_triton(x, z, weight, eps, zero_centered, y, rstd):
-    """x, z, y [M, N] contiguous; weight [N]; rstd [M] float32."""
+def gated_rmsnorm_fwd_triton(x, z, weight, eps, zero_centered, y, rstd, real=None):
+    """x, z, y [M, N] contiguous; weight [N]; rstd [M] float32; real [M] bool or None (all rows)."""
     M, N = x.shape
     BLOCK_M, BLOCK_N, num_warps = _blocks(N)
     grid = (triton.cdiv(M, BLOCK_M),)
-    gated_rmsnorm_fwd_kernel[grid](x, z, weight, y, rstd, M, N, eps, ZERO_CENTERED=zero_centered,
+    gated_rmsnorm_fwd_kernel[grid](x, z, weight, y, rstd, rstd if real is None else real, M, N, eps,
+                                   ZERO_CENTERED=zero_centered, HAS_REAL=real is not None,
                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps)
 
 
@@ -100,7 +116,7 @@ def _num_programs(device, row_blocks):
     return max(1, min(cap, row_blocks))
 
 
-def gated_rmsnorm_bwd_triton(dy, x, z, weight, rstd, zero_centered, dx, dz, dweight):
+def gated_rmsnorm_bwd_triton(dy, x, z, weight, rstd, zero_centered, dx, dz, dweight, real=None):
     """Writes dx, dz [M, N] (contiguous) and dweight [N] (weight's dtype), deterministically."""
     M, N = x.shape
     BLOCK_M, BLOCK_N, num_warps = _blocks(N)
@@ -108,7 +124,8 @@ def gated_rmsnorm_bwd_triton(dy, x, z, weight, rstd, zero_centered, dx, dz, dwei
     P = _num_programs(x.device, row_blocks)
     rows_per_prog = triton.cdiv(row_blocks, P) * BLOCK_M
     dw_partial = torch.empty(P, N, dtype=torch.float32, device=x.device)
-    gated_rmsnorm_bwd_kernel[(P,)](dy, x, z, weight, rstd, dx, dz, dw_partial, M, N, rows_per_prog,
-                                   ZERO_CENTERED=zero_centered,
+    gated_rmsnorm_bwd_kernel[(P,)](dy, x, z, weight, rstd, rstd if real is None else real, dx, dz,
+                                   dw_partial, M, N, rows_per_prog,
+                                   ZERO_CENTERED=zero_centered, HAS_REAL=real is not None,
                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps)
     dweight.copy_(dw_partial.sum(0))
