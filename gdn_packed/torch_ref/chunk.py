@@ -5,7 +5,9 @@ Layout. Inputs are flattened packed rows: q, k [T, H, K]; v [T, HV, V]; g, beta 
 initial_state [N, HV, K, V]; the chunk table (gdn_packed.ops.chunk_table) says which rows form each
 chunk. Every chunk is gathered into a [H, G, NC, C, *] block (G = HV // H value heads per qk-head, so
 GVA is a broadcast over the G axis, never a copy of q/k). Rows of a chunk past its length are zeros
-with g = beta = 0: such a row leaves the state untouched and receives no gradient.
+with g = beta = 0: such a row leaves the state untouched and receives no gradient. They are zeroed by
+selection, never by multiplying with a 0/1 mask, so NaN/Inf in another document's rows or in padding
+cannot leak in (NaN * 0 = NaN).
 
 Per chunk, with gamma = cumsum(g), E[r, s] = exp(gamma_r - gamma_s) for r >= s (else 0):
     A = strict_lower(beta_r (K K^T) E),  T = (I + A)^-1
@@ -15,6 +17,10 @@ Per chunk, with gamma = cumsum(g), E[r, s] = exp(gamma_r - gamma_s) for r >= s (
 Only the state pass is sequential: it loops over the chunk index within a sequence, batched over all
 sequences and heads. The backward is the analytic chunked backward of docs/DESIGN.md section 2 (a reverse
 state pass for dS, then every per-chunk gradient batched), not autograd of the forward graph.
+
+Gates: g = -inf is a hard reset (decay factor 0) and very negative g (-1e30, or -3e38 twice, whose
+sum overflows fp32 to -inf) is exact too: every exponent is exp of a sum of g over a segment
+(-inf at worst, giving 0), never a difference of two cumulative sums (-inf - -inf = NaN).
 
 Numerics: everything is computed in float32 (float64 for float64 inputs); o is rounded to v's dtype
 at the end, states are float32.
@@ -63,7 +69,8 @@ class Chunks:
             return x.new_zeros(H, G, self.NC, self.C, *f, dtype=dt)
         src = x.reshape(self.T, H, G, *f).movedim(0, 2)                      # [H, G, T, *f] (a view)
         b = src.index_select(2, self.safe_rows).to(dt).view(H, G, self.NC, self.C, *f)
-        return b.mul_(self.mask.view(self.NC, self.C, *(1,) * len(f)))
+        # by selection, not by a multiply: a clamped row may hold NaN/Inf (NaN * 0 = NaN)
+        return b.masked_fill_(~self.mask.view(self.NC, self.C, *(1,) * len(f)), 0)
 
     def scatter(self, vals, out):
         """vals [H, G, NC, C, *f] -> out [T, H*G, *f]. Every row of `out` is written: chunk rows in
@@ -136,7 +143,8 @@ def chunk_forward(ch, q, k, v, g, beta, cu_chunks, initial_state, use_l2norm):
     # seg[r, s] = sum_{s < t <= r} g_t is summed directly, and so is Gamma - gamma_r = seg[C-1, r].
     gamma = gc.cumsum(-1)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    seg = (gc[..., :, None] * ~causal.T).cumsum(-2)
+    # (selected, not multiplied by a 0/1 mask: g = -inf, a hard reset, must give seg = -inf, not NaN)
+    seg = torch.where(causal.T, 0.0, gc[..., :, None].expand(*gc.shape, C)).cumsum(-2)
     E = torch.exp(seg.masked_fill(~causal, float("-inf")))
     A = (bc[..., :, None] * (kc @ kc.transpose(-1, -2)) * E).tril(-1)
     eye = torch.eye(C, dtype=dt, device=q.device)
