@@ -54,6 +54,7 @@ from gdn_packed.ops._common import host_schedule
 from gdn_packed.torch_ref.naive import l2norm
 
 HOST_CHUNK = 32
+BLOCK_CHUNK_HEADS = 256
 
 
 def compute_dtype(dtype):
@@ -124,24 +125,49 @@ class Schedule:
         self.last = torch.where(is_last, seq, N)
         return start, length
 
-    def gather(self, x, H, dt):
-        """x [T, H*G, *f] (or [T, H, *f] with G = 1) -> [NC, H, G, C, *f] in dtype dt, 0 past the length."""
-        f, G = x.shape[2:], x.shape[1] // H
-        out = torch.empty(self.NC, H, G, self.C, *f, dtype=dt, device=x.device)
-        if self.T == 0 or self.NC == 0:
-            return out.zero_()
-        b = x.reshape(self.T, -1).index_select(0, self.safe_rows)
-        # by selection, not by a multiply: a clamped row may hold NaN/Inf (NaN * 0 = NaN)
-        b.masked_fill_(~self.mask.view(-1, 1), 0)
-        return out.copy_(b.view(self.NC, self.C, H, G, *f).movedim(1, 3))
+    def blocks(self, heads):
+        """(lo, hi, steps): consecutive steps grouped so that each group's chunks [lo, hi) hold about
+        BLOCK_CHUNK_HEADS chunk x head pairs; a group's blocks then stay in cache. One group on the
+        device schedule (its steps are the NC slots)."""
+        if self.steps is None:
+            return [(0, self.NC, [(j, 1) for j in range(self.NC)])]
+        out, cur = [], []
+        for off, a in self.steps:
+            cur.append((off, a))
+            if sum(n for _, n in cur) * heads >= BLOCK_CHUNK_HEADS:
+                out.append((cur[0][0], off + a, cur))
+                cur = []
+        if cur:
+            out.append((cur[0][0], cur[-1][0] + cur[-1][1], cur))
+        return out
 
-    def scatter(self, vals, out):
-        """vals [NC, H, G, C, *f] -> out [T, H*G, *f]. Every row of `out` is written: chunk rows in
-        place, all other rows (padding) with exact zeros, whatever `out` held before."""
-        width = vals.shape[1] * vals.shape[2] * vals.shape[4:].numel()
-        buf = torch.zeros(self.T + 1, width, dtype=out.dtype, device=out.device)
-        buf.index_copy_(0, self.rows, vals.movedim(3, 1).reshape(self.NC * self.C, width).to(out.dtype))
-        out.view(self.T, width).copy_(buf[: self.T])
+    def gather(self, x, H, dt, lo=0, hi=None):
+        """x [T, H*G, *f] (or [T, H, *f] with G = 1) -> chunks [lo, hi) as [hi - lo, H, G, C, *f] in
+        dtype dt, 0 past each chunk's length."""
+        hi = self.NC if hi is None else hi
+        f, G = x.shape[2:], x.shape[1] // H
+        out = torch.empty(hi - lo, H, G, self.C, *f, dtype=dt, device=x.device)
+        if self.T == 0 or hi == lo:
+            return out.zero_()
+        b = x.reshape(self.T, -1).index_select(0, self.safe_rows[lo * self.C: hi * self.C])
+        # by selection, not by a multiply: a clamped row may hold NaN/Inf (NaN * 0 = NaN)
+        b.masked_fill_(~self.mask[lo:hi].reshape(-1, 1), 0)
+        return out.copy_(b.view(hi - lo, self.C, H, G, *f).movedim(1, 3))
+
+    def rows_buffer(self, out):
+        """A zero [T + 1, width] buffer for `scatter` into out [T, H*G, *f] (row T: "no row")."""
+        return torch.zeros(self.T + 1, out[0].numel() if self.T else 0, dtype=out.dtype, device=out.device)
+
+    def scatter(self, vals, buf, lo=0):
+        """vals = chunks [lo, lo + len) as [len, H, G, C, *f] -> their rows of buf [T + 1, H*G*f]."""
+        n = vals.shape[0]
+        buf.index_copy_(0, self.rows[lo * self.C: (lo + n) * self.C],
+                        vals.movedim(3, 1).reshape(n * self.C, buf.shape[1]).to(buf.dtype))
+
+    @staticmethod
+    def write(buf, out):
+        """out [T, ...] = buf[:T]: chunk rows as scattered, all other rows (padding) exact zeros."""
+        out.view(out.shape[0], -1).copy_(buf[:-1])
 
 
 def with_scratch(x):
@@ -149,26 +175,48 @@ def with_scratch(x):
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
 
-def state_pass(sc, S0, step, reverse=False):
-    """Runs step(sl, S) over the schedule (backwards with reverse): step advances the states
-    S [a, H, G, K, V] in place through the chunks sl of the blocks (chunk sl[i] belongs to state i).
-    S0 [N, H, G, K, V] enters each sequence (reverse: leaves it); returns the state at its other end
-    (a zero-length sequence returns its S0)."""
-    if sc.steps is not None:
-        S = S0.index_select(0, sc.order)
-        for off, a in (reversed(sc.steps) if reverse else sc.steps):
-            step(slice(off, off + a), S[:a])
-        return torch.empty_like(S).index_copy_(0, sc.order, S)
-    N = sc.N
-    ends = with_scratch(S0)
-    out = ends.clone()
-    enter, leave = (sc.last, sc.first) if reverse else (sc.first, sc.last)
-    S = ends[N]
-    for j in (reversed(range(sc.NC)) if reverse else range(sc.NC)):
-        S = torch.where(enter[j] < N, ends.index_select(0, enter[j:j + 1])[0], S)
-        step(slice(j, j + 1), S[None])
-        out.index_copy_(0, leave[j:j + 1], S[None])
-    return out[:N]
+class StatePass:
+    """The sequential pass over the states: step(sl, S) advances the states S [a, H, G, K, V] in
+    place through the chunks sl of the blocks (chunk sl[i] belongs to state i). S0 [N, H, G, K, V] enters each sequence (reverse:
+    leaves it); result() is the state at its other end (a zero-length sequence keeps its S0).
+    run(steps, step) calls step(sl, S) per step.""" 
+
+    def __init__(self, sc, S0, reverse=False):
+        self.sc, self.reverse = sc, reverse
+        if sc.steps is not None:                    # host: position p holds sequence order[p]
+            self.S = S0.index_select(0, sc.order)
+        else:                                       # device: row N is a scratch row
+            self.ends = with_scratch(S0)
+            self.out = self.ends.clone()
+            self.S = self.ends[sc.N]
+
+    def checkpoint(self, steps):
+        """A copy of the states the steps start from, for `resume` (host schedule)."""
+        return self.S[: steps[-1 if self.reverse else 0][1]].clone()
+
+    def resume(self, S):
+        """A pass that continues from a checkpoint (host schedule)."""
+        p = StatePass.__new__(StatePass)
+        p.sc, p.reverse, p.S = self.sc, self.reverse, S
+        return p
+
+    def run(self, steps, step, lo=0):
+        """steps: (offset, count) of each step's chunks; lo: the offset of chunk 0 of the blocks."""
+        sc = self.sc
+        for off, a in (reversed(steps) if self.reverse else steps):
+            sl = slice(off - lo, off - lo + a)
+            if sc.steps is not None:
+                step(sl, self.S[:a])
+                continue
+            enter, leave = (sc.last, sc.first) if self.reverse else (sc.first, sc.last)
+            self.S = torch.where(enter[off] < sc.N, self.ends.index_select(0, enter[off:off + 1])[0], self.S)
+            step(sl, self.S[None])
+            self.out.index_copy_(0, leave[off:off + 1], self.S[None])
+
+    def result(self):
+        if self.sc.steps is not None:
+            return torch.empty_like(self.S).index_copy_(0, self.sc.order, self.S)
+        return self.out[: self.sc.N]
 
 
 @dataclass
@@ -192,72 +240,116 @@ class Forward:
     QS: torch.Tensor        # [NC, H, G, C, V]   scale diag(exp(gamma)) Q S
     S_in: torch.Tensor      # [NC, H, G, K, V]   state entering each chunk (None unless asked)
     Vnew: torch.Tensor      # [NC, H, G, C, V]
-    S_final: torch.Tensor   # [N, H, G, K, V]
+    step: object            # step(sl, S): the state pass through chunks sl
 
 
-def chunk_forward(sc, q, k, v, g, beta, initial_state, scale, use_l2norm, keep_states=False):
+def chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=False, output=True):
+    """The per-chunk quantities of chunks [lo, hi) and `step`, their part of the state pass (which
+    fills Vnew, QS and, with keep_states, S_in). Without `output`: only what the state pass needs."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    G, N, C = HV // H, sc.N, sc.C
+    G, C, NC = HV // H, sc.C, hi - lo
     dt = compute_dtype(q.dtype)
-    qc, kc = sc.gather(q, H, dt), sc.gather(k, H, dt)
+    qc, kc = sc.gather(q, H, dt, lo, hi), sc.gather(k, H, dt, lo, hi)
     if use_l2norm:
         qc, kc = l2norm(qc), l2norm(kc)
     qc = qc * scale
-    vc, gc, bc = sc.gather(v, H, dt), sc.gather(g, H, dt), sc.gather(beta, H, dt)
+    vc, gc, bc = (sc.gather(x, H, dt, lo, hi) for x in (v, g, beta))
 
     a = torch.exp(gc)                                          # 0 for g = -inf: a hard reset
     below = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)      # [t, s]: t > s
     E = torch.where(below, a[..., :, None], 1.0).cumprod(-2).tril_()
     eg = a.cumprod(-1)
     eG, eGg = eg[..., -1], E[..., -1, :].contiguous()
-    KK, QK = kc @ _tr(kc), qc @ _tr(kc)
+    KK = kc @ _tr(kc)
     A = (KK * E).mul_(bc[..., :, None])                        # diagonal unread (unitriangular)
     eye = torch.eye(C, dtype=dt, device=q.device)
     Tinv = torch.linalg.solve_triangular(A, eye.expand_as(A), upper=False, unitriangular=True)
     W = Tinv @ ((bc * eg)[..., None] * kc)
     U = Tinv @ (bc[..., None] * vc)
-    M = QK * E
     Kd = eGg[..., None] * kc
-    WQ = torch.cat([W, eg[..., None] * qc], -2)                # one product gives W S and e^gamma Q S
-    Vnew, QS = torch.empty_like(U), torch.empty_like(U)
-    S_in = U.new_empty(sc.NC, H, G, K, V) if keep_states else None
+    QK = M = None
+    if output:
+        QK = qc @ _tr(kc)
+        M = QK * E
+    WQ = torch.cat([W, eg[..., None] * qc], -2) if output else W   # W S and e^gamma Q S in one product
+    Vnew = torch.empty_like(U)
+    QS = torch.empty_like(U) if output else None
+    S_in = U.new_empty(NC, H, G, K, V) if keep_states else None
 
     def step(sl, S):
         if S_in is not None:
             S_in[sl] = S
         ws = WQ[sl] @ S
         torch.sub(U[sl], ws[..., :C, :], out=Vnew[sl])
-        QS[sl] = ws[..., C:, :]
+        if QS is not None:
+            QS[sl] = ws[..., C:, :]
         S.mul_(eG[sl][..., None, None]).add_(_tr(Kd[sl]) @ Vnew[sl])
 
-    S0 = (torch.zeros(N, H, G, K, V, dtype=dt, device=q.device) if initial_state is None
-          else initial_state.to(dt).reshape(N, H, G, K, V))
-    final = state_pass(sc, S0, step)
-    return Forward(qc, kc, vc, bc, E, KK, QK, Tinv, W, U, eg, eGg, eG, Kd, M, QS, S_in, Vnew, final)
+    return Forward(qc, kc, vc, bc, E, KK, QK, Tinv, W, U, eg, eGg, eG, Kd, M, QS, S_in, Vnew, step)
+
+
+def _states(x, dt, N, H, G, K, V, device):
+    return (torch.zeros(N, H, G, K, V, dtype=dt, device=device) if x is None
+            else x.to(dt).reshape(N, H, G, K, V))
 
 
 def chunk_gdr_fwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
                         o, final_state):
     """Writes o [T, HV, V] (every row) and final_state [N, HV, K, V] float32."""
-    sc = Schedule(table, cu_chunks, q.shape[0], C)
-    f = chunk_forward(sc, q, k, v, g, beta, initial_state, scale, use_l2norm)
-    sc.scatter((f.M @ f.Vnew).add_(f.QS), o)
-    final_state.copy_(f.S_final.reshape(final_state.shape))
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    sc = Schedule(table, cu_chunks, T, C)
+    sp = StatePass(sc, _states(initial_state, compute_dtype(q.dtype), sc.N, H, HV // H, K, V, q.device))
+    buf = sc.rows_buffer(o)
+    for lo, hi, steps in sc.blocks(HV):
+        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm)
+        sp.run(steps, f.step, lo)
+        sc.scatter((f.M @ f.Vnew).add_(f.QS), buf, lo)
+    sc.write(buf, o)
+    final_state.copy_(sp.result().reshape(final_state.shape))
 
 
 def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
                         do, dht, dq, dk, dv, dg, dbeta, dh0):
-    """Writes dq, dk [T, H, K], dv [T, HV, V], dg, dbeta [T, HV] (every row) and dh0 [N, HV, K, V]."""
+    """Writes dq, dk [T, H, K], dv [T, HV, V], dg, dbeta [T, HV] (every row) and dh0 [N, HV, K, V].
+
+    Block by block in reverse (`Schedule.blocks`): the block's forward is recomputed from the state
+    entering it (kept by a first forward pass when there is more than one block), then its part of
+    the reverse state pass and its gradients."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    G, N = HV // H, cu_chunks.numel() - 1
+    G, dt = HV // H, compute_dtype(q.dtype)
     sc = Schedule(table, cu_chunks, T, C)
-    f = chunk_forward(sc, q, k, v, g, beta, initial_state, scale, use_l2norm, keep_states=True)
-    dt = f.q.dtype
-    dO = sc.gather(do, H, dt)
+    blocks = sc.blocks(HV)
+    fp = StatePass(sc, _states(initial_state, dt, sc.N, H, G, K, V, q.device))
+    entering = [None] * len(blocks)
+    if len(blocks) > 1:
+        for b, (lo, hi, steps) in enumerate(blocks):
+            entering[b] = fp.checkpoint(steps)
+            fp.run(steps, chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, output=False).step, lo)
+    bp = StatePass(sc, _states(dht, dt, sc.N, H, G, K, V, q.device), reverse=True)
+    outs = (dq, dk, dv, dg, dbeta)
+    bufs = [sc.rows_buffer(x) for x in outs]
+    for (lo, hi, steps), S_enter in reversed(list(zip(blocks, entering))):
+        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=True)
+        (fp if S_enter is None else fp.resume(S_enter)).run(steps, f.step, lo)
+        grads = chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm)
+        for vals, buf in zip(grads, bufs):
+            sc.scatter(vals, buf, lo)
+    dh0.copy_(bp.result().reshape(dh0.shape))
+    for buf, out in zip(bufs, outs):
+        sc.write(buf, out)
 
-    # reverse state pass: dS_next of every chunk (dSn), dVnew, then dh0 of every sequence
+
+def chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm):
+    """Gradients of chunks [lo, hi) given their forward f (with S_in): runs their steps of the reverse
+    state pass bp, returns dQ, dK [n, H, 1, C, K], dV [n, H, G, C, V], dG, dB [n, H, G, C]."""
+    H = q.shape[1]
+    dt = f.q.dtype
+    dO = sc.gather(do, H, dt, lo, hi)
+
+    # reverse state pass: dS_next of every chunk (dSn) and dVnew
     dVnew = _tr(f.M) @ dO                                      # completed with Kd dS_next below
     dOe = f.eg[..., None] * dO
     dS_loc = _tr(f.q) @ dOe
@@ -268,9 +360,7 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
         dVnew[sl] += f.Kd[sl] @ dS
         dS.mul_(f.eG[sl][..., None, None]).add_(dS_loc[sl]).sub_(_tr(f.W[sl]) @ dVnew[sl])
 
-    dST = (torch.zeros(N, H, G, K, V, dtype=dt, device=q.device) if dht is None
-           else dht.to(dt).reshape(N, H, G, K, V))
-    dh0.copy_(state_pass(sc, dST, step, reverse=True).reshape(dh0.shape))
+    bp.run(steps, step, lo)
 
     # every per-chunk gradient, batched over chunks and heads (q is scale * q here)
     S, Vn, E, bc, eg = f.S_in, f.Vnew, f.E, f.beta, f.eg
@@ -304,10 +394,9 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
 
     dQ = dQ * scale
     if use_l2norm:
-        dQ = _l2norm_bwd(sc.gather(q, H, dt), dQ)
-        dK = _l2norm_bwd(sc.gather(k, H, dt), dK)
-    for vals, out in ((dQ, dq), (dK, dk), (dV, dv), (dG, dg), (dB, dbeta)):
-        sc.scatter(vals, out)
+        dQ = _l2norm_bwd(sc.gather(q, H, dt, lo, hi), dQ)
+        dK = _l2norm_bwd(sc.gather(k, H, dt, lo, hi), dK)
+    return dQ, dK, dV, dG, dB
 
 
 def gate_fwd_torch(a, b, A_log, dt_bias):
