@@ -54,7 +54,7 @@ from gdn_packed.ops._common import host_schedule
 from gdn_packed.torch_ref.naive import l2norm
 
 HOST_CHUNK = 32
-BLOCK_CHUNK_HEADS = 256
+BLOCK_CHUNK_HEADS = 64
 
 
 def compute_dtype(dtype):
@@ -243,9 +243,11 @@ class Forward:
     step: object            # step(sl, S): the state pass through chunks sl
 
 
-def chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=False, output=True):
+def chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=False, output=True,
+                  intra=True):
     """The per-chunk quantities of chunks [lo, hi) and `step`, their part of the state pass (which
-    fills Vnew, QS and, with keep_states, S_in). Without `output`: only what the state pass needs."""
+    fills Vnew, QS and, with keep_states, S_in). Without `output` no QS; without `intra` no QK, M
+    (then only what the state pass needs)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     G, C, NC = HV // H, sc.C, hi - lo
@@ -269,7 +271,7 @@ def chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=F
     U = Tinv @ (bc[..., None] * vc)
     Kd = eGg[..., None] * kc
     QK = M = None
-    if output:
+    if intra:
         QK = qc @ _tr(kc)
         M = QK * E
     WQ = torch.cat([W, eg[..., None] * qc], -2) if output else W   # W S and e^gamma Q S in one product
@@ -327,12 +329,13 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
     if len(blocks) > 1:
         for b, (lo, hi, steps) in enumerate(blocks):
             entering[b] = fp.checkpoint(steps)
-            fp.run(steps, chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, output=False).step, lo)
+            f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, output=False, intra=False)
+            fp.run(steps, f.step, lo)
     bp = StatePass(sc, _states(dht, dt, sc.N, H, G, K, V, q.device), reverse=True)
     outs = (dq, dk, dv, dg, dbeta)
     bufs = [sc.rows_buffer(x) for x in outs]
     for (lo, hi, steps), S_enter in reversed(list(zip(blocks, entering))):
-        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=True)
+        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=True, output=False)
         (fp if S_enter is None else fp.resume(S_enter)).run(steps, f.step, lo)
         grads = chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm)
         for vals, buf in zip(grads, bufs):
