@@ -156,7 +156,7 @@ class Schedule:
 
     def rows_buffer(self, out):
         """A zero [T + 1, width] buffer for `scatter` into out [T, H*G, *f] (row T: "no row")."""
-        return torch.zeros(self.T + 1, out[0].numel() if self.T else 0, dtype=out.dtype, device=out.device)
+        return torch.zeros(self.T + 1, out.shape[1:].numel(), dtype=out.dtype, device=out.device)
 
     def scatter(self, vals, buf, lo=0):
         """vals = chunks [lo, lo + len) as [len, H, G, C, *f] -> their rows of buf [T + 1, H*G*f]."""
@@ -167,7 +167,7 @@ class Schedule:
     @staticmethod
     def write(buf, out):
         """out [T, ...] = buf[:T]: chunk rows as scattered, all other rows (padding) exact zeros."""
-        out.view(out.shape[0], -1).copy_(buf[:-1])
+        out.view(out.shape[0], buf.shape[1]).copy_(buf[:-1])
 
 
 def with_scratch(x):
