@@ -38,10 +38,19 @@ is read back; the state pass walks the table's T // C + N chunk slots one at a t
 state at each sequence's first chunk by selection. Both run the same formulas; results agree within
 fp32 rounding (the chunk sizes differ), and each is bit-identical from run to run.
 
-Memory of the backward: it recomputes the forward's per-chunk quantities from the inputs (the op
-saves only its inputs). Held at once, per token and value head in float32: the C x C blocks E, M, T,
-A-products (4C floats), the rows W, U, Vnew, Kd, gradients (~8 (K + V) floats) and the state entering
-each chunk (K V / C floats: 512 at K = V = 128, C = 32).
+Blocks (`Schedule.blocks`): consecutive steps are grouped into blocks of about BLOCK_CHUNK_HEADS = 64
+chunk x head pairs, and the forward runs block by block (gather, per-chunk quantities, the block's
+steps, output), so a block's intermediates stay in cache instead of streaming [NC, ...] tensors of
+the whole batch through memory (measured: ~1.5x on the packing scenario's forward, 1 thread).
+
+Memory of the backward: the op saves only its inputs (docs/DESIGN.md section 5), so the backward
+recomputes. A first forward pass (skipped when there is one block) keeps the states entering each
+block: K V floats per block, sequence and value head, at most K V / HOST_CHUNK = 512 floats (2 KiB)
+per token and value head at K = V = 128, 256 on the dense benchmark shape. Then block by block in
+reverse: the block's forward again from its entering state (keeping the state entering each chunk),
+its steps of the reverse state pass, its gradients. Keeping more of the forward (W, U, T: ~3C + K + V
+floats per token and head) would save the recompute's ~20% of the backward's FLOPs but needs the op to
+return tensors whose size depends on the host schedule, which its fake (meta) kernel cannot know.
 
 Numerics: everything is computed in float32 (float64 for float64 inputs); o is rounded to v's dtype
 at the end, states are float32.
