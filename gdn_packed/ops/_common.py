@@ -8,6 +8,7 @@ import torch
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
 _poison = False
+_device_schedule = False
 
 
 @contextmanager
@@ -20,6 +21,25 @@ def poisoned_outputs():
         yield
     finally:
         _poison = old
+
+
+def host_schedule(device) -> bool:
+    """Whether the torch backend may read index tensors (cu_seqlens, chunk tables) back to the host
+    to plan its loops: on CPU tensors that costs nothing (there is no device to wait for); on any
+    other device, or inside `device_schedule()`, loops run to static bounds with no read-back."""
+    return device.type == "cpu" and not _device_schedule
+
+
+@contextmanager
+def device_schedule():
+    """Within this block the torch backend runs CPU tensors with the schedule it uses on CUDA
+    tensors (static loop bounds, no host read-back), so tests can check that schedule on a CPU."""
+    global _device_schedule
+    old, _device_schedule = _device_schedule, True
+    try:
+        yield
+    finally:
+        _device_schedule = old
 
 
 def new_output(shape, dtype, device):

@@ -2,31 +2,68 @@
 algorithm that the Triton and CUDA kernels are checked against (docs/DESIGN.md section 2).
 
 Layout. Inputs are flattened packed rows: q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV];
-initial_state [N, HV, K, V]; the chunk table (gdn_packed.ops.chunk_table) says which rows form each
-chunk. Every chunk is gathered into a [H, G, NC, C, *] block (G = HV // H value heads per qk-head, so
-GVA is a broadcast over the G axis, never a copy of q/k). Rows of a chunk past its length are zeros
-with g = beta = 0: such a row leaves the state untouched and receives no gradient.
+initial_state [N, HV, K, V]. A `Schedule` (built from the chunk table of gdn_packed.ops.chunk_table)
+says which rows form each chunk and in which order the state pass visits the chunks. Every chunk is
+gathered into a chunk-major [NC, H, G, C, *] block: chunk, qk-head, value head within the group
+(G = HV // H, so GVA is a broadcast over the G axis, never a copy of q/k), row, feature. Rows of a
+chunk past its length are zeros with g = beta = 0: such a row leaves the state untouched and receives
+no gradient. They are zeroed by selection, never by multiplying with a 0/1 mask, so NaN/Inf in another
+document's rows or in padding cannot leak in (NaN * 0 = NaN).
 
-Per chunk, with gamma = cumsum(g), E[r, s] = exp(gamma_r - gamma_s) for r >= s (else 0):
+Per chunk, with a_t = exp(g_t) and E[r, s] = prod_{s < t <= r} a_t = exp(gamma_r - gamma_s) for
+r >= s (else 0), gamma = cumsum(g), Gamma = gamma at the last row:
     A = strict_lower(beta_r (K K^T) E),  T = (I + A)^-1
     W = T diag(beta e^gamma) K,  U = T diag(beta) V
     Vnew = U - W S,  O = scale (diag(e^gamma) Q S + ((Q K^T) E) Vnew)
     S_next = e^Gamma S + (diag(e^(Gamma - gamma)) K)^T Vnew
-Only the state pass is sequential: it loops over the chunk index within a sequence, batched over all
-sequences and heads. The backward is the analytic chunked backward of docs/DESIGN.md section 2 (a reverse
-state pass for dS, then every per-chunk gradient batched), not autograd of the forward graph.
+Only the state pass is sequential; everything else is batched over all chunks and heads. The backward
+is the analytic chunked backward of docs/DESIGN.md section 2 (a reverse state pass for dS, then every
+per-chunk gradient batched), not autograd of the forward graph; it uses dA = -strict_lower(T^T dW' W^T
++ T^T dU U^T) (T^T dT T^T rewritten with W = T Kb, U = T Vb) and T^T dW' = -(T^T dVnew) S^T.
+
+Gates: every decay factor is a product of a_t = exp(g_t) <= 1 over a segment (cumprod), never exp
+of a difference of two cumulative sums. So g = -inf is a hard reset (a_t = 0, the state restarts)
+and very negative g (-1e30, or -3e38 twice, whose fp32 sum overflows to -inf) is exact: nothing
+overflows, no -inf - -inf = NaN. With fast decay (g ~ -20 per token, gamma ~ -1e3 in a chunk) the
+products also keep full fp32 precision where a difference of two long sums would lose ~1e-4.
+
+Schedules (gdn_packed.ops._common.host_schedule). CPU tensors: the chunk table is read on the host
+(there is no device to wait for); each 64-row chunk of the table is split in two chunks of
+HOST_CHUNK = 32 rows (the C x C products cost ~C FLOPs per token: 139 instead of 182 kFLOP per token
+and head forward at K = V = 128) and the state pass advances all sequences in lock-step, one chunk of
+each per step (steps = the longest sequence's chunk count). Sequences are ordered by chunk count, so
+the ones still running at a step are a prefix of the state tensor and that step's chunks one
+contiguous slice of the blocks: no gather, no scatter inside the loop. Other devices (CUDA): nothing
+is read back; the state pass walks the table's T // C + N chunk slots one at a time, restarting the
+state at each sequence's first chunk by selection. Both run the same formulas; results agree within
+fp32 rounding (the chunk sizes differ), and each is bit-identical from run to run.
+
+Blocks (`Schedule.blocks`): consecutive steps are grouped into blocks of about BLOCK_CHUNK_HEADS = 64
+chunk x head pairs, and the forward runs block by block (gather, per-chunk quantities, the block's
+steps, output), so a block's intermediates stay in cache instead of streaming [NC, ...] tensors of
+the whole batch through memory (measured: ~1.5x on the packing scenario's forward, 1 thread).
+
+Memory of the backward: the op saves only its inputs (docs/DESIGN.md section 5), so the backward
+recomputes. A first forward pass (skipped when there is one block) keeps the states entering each
+block: K V floats per block, sequence and value head, at most K V / HOST_CHUNK = 512 floats (2 KiB)
+per token and value head at K = V = 128, 256 on the dense benchmark shape. Then block by block in
+reverse: the block's forward again from its entering state (keeping the state entering each chunk),
+its steps of the reverse state pass, its gradients. Keeping more of the forward (W, U, T: ~3C + K + V
+floats per token and head) would save the recompute's ~20% of the backward's FLOPs but needs the op to
+return tensors whose size depends on the host schedule, which its fake (meta) kernel cannot know.
 
 Numerics: everything is computed in float32 (float64 for float64 inputs); o is rounded to v's dtype
 at the end, states are float32.
-
-Loop bound: on CUDA tensors the state pass runs the static bound ceil(T / C) steps (no host sync);
-on CPU tensors there is no device to synchronise with, so it reads the longest sequence's chunk count.
 """
 from dataclasses import dataclass
 
 import torch
 
+from gdn_packed.ops._common import host_schedule
 from gdn_packed.torch_ref.naive import l2norm
+
+HOST_CHUNK = 32
+BLOCK_CHUNK_HEADS = 64
 
 
 def compute_dtype(dtype):
@@ -40,60 +77,106 @@ def _l2norm_bwd(x, dy, eps: float = 1e-6):
     return inv * (dy - y * (dy * x).sum(-1, keepdim=True) * inv)
 
 
-class Chunks:
-    """Row indices of every chunk, and the gather/scatter between packed rows and chunk blocks.
-
-    rows [NC, C]: the packed row of each chunk row (clamped into range; `mask` says which are real).
-    Blocks are [H, G, NC, C, *]: qk-head, value head within the group, chunk, row, feature; the
-    batch dims lead so every matmul below runs on contiguous [C, *] tiles.
-    """
-
-    def __init__(self, table, T, C):
-        pos = torch.arange(C, device=table.device)
-        self.mask = pos[None, :] < table[:, 3:4].long()
-        rows = table[:, 2:3].long() + pos[None, :]
-        self.rows = torch.where(self.mask, rows, torch.full_like(rows, T))   # T: "no row"
-        self.safe_rows = self.rows.clamp_max(max(T - 1, 0)).reshape(-1)
-        self.table, self.T, self.C, self.NC = table, T, C, table.shape[0]
-
-    def gather(self, x, H, dt):
-        """x [T, H*G, *f] (or [T, H, *f] with G = 1) -> [H, G, NC, C, *f] in dtype dt, 0 past the length."""
-        f, G = x.shape[2:], x.shape[1] // H
-        if self.T == 0 or self.NC == 0:
-            return x.new_zeros(H, G, self.NC, self.C, *f, dtype=dt)
-        src = x.reshape(self.T, H, G, *f).movedim(0, 2)                      # [H, G, T, *f] (a view)
-        b = src.index_select(2, self.safe_rows).to(dt).view(H, G, self.NC, self.C, *f)
-        return b.mul_(self.mask.view(self.NC, self.C, *(1,) * len(f)))
-
-    def scatter(self, vals, out):
-        """vals [H, G, NC, C, *f] -> out [T, H*G, *f]. Every row of `out` is written: chunk rows in
-        place, all other rows (padding) with exact zeros, whatever `out` held before."""
-        H, G, NC, C = vals.shape[:4]
-        f = vals.shape[4:]
-        buf = torch.zeros(H, G, self.T + 1, *f, dtype=out.dtype, device=out.device)
-        buf.index_copy_(2, self.rows.reshape(-1), vals.reshape(H, G, NC * C, *f).to(out.dtype))
-        out.view(self.T, H, G, *f).copy_(buf[:, :, : self.T].movedim(2, 0))
+def _tr(x):
+    return x.transpose(-1, -2)
 
 
-class SlotOrder:
-    """Where sequences start and end along the chunk slots, for the state passes.
+class Schedule:
+    """The chunks (rows [NC * C], `T` for "no row", and `mask` [NC, C] of the real ones) in the order
+    the state pass visits them, and the gather/scatter between packed rows and chunk blocks.
 
-    The state pass walks the NC chunk slots in order: a static count (no host sync) and no step spent
-    on a sequence that has ended. Slot j restarts the state from its sequence's initial state when it
-    is the sequence's first chunk (`first`), and stores the state it leaves when it is the last
-    (`last`). Index N is a scratch row: slots past the real chunks read and write it and hold zeros,
-    so they leave the state untouched."""
+    Host schedule: `steps` lists (offset, count) per lock-step step; `order` [N] is the sequence
+    at each position of the state tensor. Device schedule: `steps` is None and the pass walks the NC
+    slots; slot j restarts the state from its sequence's initial state when it is the sequence's
+    first chunk (`first[j]` = that sequence, else N) and stores the state it leaves when it is the
+    last (`last[j]`); index N is a scratch row."""
 
-    def __init__(self, table, cu_chunks):
-        N, NC = cu_chunks.numel() - 1, table.shape[0]
-        seq = table[:, 0].long()
+    def __init__(self, table, cu_chunks, T, C):
+        self.T, self.N = T, cu_chunks.numel() - 1
+        if host_schedule(table.device):
+            start, length = self._plan_host(table, C)
+        else:
+            start, length = self._plan_device(table, cu_chunks, C)
+        self.NC = start.numel()
+        pos = torch.arange(self.C, device=table.device)
+        self.mask = pos < length[:, None]
+        self.rows = torch.where(self.mask, start[:, None] + pos, T).reshape(-1)
+        self.safe_rows = self.rows.clamp_max(max(T - 1, 0))
+
+    def _plan_host(self, table, C):
+        sub = C // HOST_CHUNK if C % HOST_CHUNK == 0 else 1
+        self.C = C // sub
+        seq, idx, start, length = (x[:, None] for x in table.long().unbind(1))
+        p = torch.arange(sub)
+        seq, idx = seq.expand(-1, sub), idx * sub + p
+        start, length = start + p * self.C, (length - p * self.C).clamp(0, self.C)
+        keep = (seq >= 0) & (length > 0)        # empty pieces only ever end a sequence
+        seq, idx, start, length = (x[keep] for x in (seq, idx, start, length))
+        N = self.N
+        n = torch.bincount(seq, minlength=N)   # chunks per sequence
+        self.order = torch.argsort(n, descending=True, stable=True)
+        rank = torch.empty_like(self.order)
+        rank[self.order] = torch.arange(N)
+        perm = torch.argsort(idx * N + rank[seq])          # step-major, then by position
+        counts = (n[self.order][None, :] > torch.arange(int(n.max()) if N else 0)[:, None]).sum(1)
+        offsets = torch.cumsum(counts, 0) - counts
+        self.steps = list(zip(offsets.tolist(), counts.tolist()))
+        return start[perm], length[perm]
+
+    def _plan_device(self, table, cu_chunks, C):
+        self.C, self.steps, N = C, None, self.N
+        seq, idx, start, length = table.long().unbind(1)
         valid = seq >= 0
-        self.seq = torch.where(valid, seq, torch.full_like(seq, N))
+        seq = torch.where(valid, seq, N)
         last_slot = torch.cat([cu_chunks[1:].long() - 1, cu_chunks.new_full((1,), -1).long()])
-        is_last = valid & (last_slot.index_select(0, self.seq) == torch.arange(NC, device=seq.device))
-        self.first = torch.where(valid & (table[:, 1] == 0), self.seq, torch.full_like(seq, N))
-        self.last = torch.where(is_last, self.seq, torch.full_like(seq, N))
-        self.is_first, self.is_last = valid & (table[:, 1] == 0), is_last
+        is_last = valid & (last_slot.index_select(0, seq) == torch.arange(seq.numel(), device=seq.device))
+        self.first = torch.where(valid & (idx == 0), seq, N)
+        self.last = torch.where(is_last, seq, N)
+        return start, length
+
+    def blocks(self, heads):
+        """(lo, hi, steps): consecutive steps grouped so that each group's chunks [lo, hi) hold about
+        BLOCK_CHUNK_HEADS chunk x head pairs; a group's blocks then stay in cache. One group on the
+        device schedule (its steps are the NC slots)."""
+        if self.steps is None:
+            return [(0, self.NC, [(j, 1) for j in range(self.NC)])]
+        out, cur = [], []
+        for off, a in self.steps:
+            cur.append((off, a))
+            if sum(n for _, n in cur) * heads >= BLOCK_CHUNK_HEADS:
+                out.append((cur[0][0], off + a, cur))
+                cur = []
+        if cur:
+            out.append((cur[0][0], cur[-1][0] + cur[-1][1], cur))
+        return out
+
+    def gather(self, x, H, dt, lo=0, hi=None):
+        """x [T, H*G, *f] (or [T, H, *f] with G = 1) -> chunks [lo, hi) as [hi - lo, H, G, C, *f] in
+        dtype dt, 0 past each chunk's length."""
+        hi = self.NC if hi is None else hi
+        f, G = x.shape[2:], x.shape[1] // H
+        out = torch.empty(hi - lo, H, G, self.C, *f, dtype=dt, device=x.device)
+        if self.T == 0 or hi == lo:
+            return out.zero_()
+        b = x.reshape(self.T, -1).index_select(0, self.safe_rows[lo * self.C: hi * self.C])
+        # by selection, not by a multiply: a clamped row may hold NaN/Inf (NaN * 0 = NaN)
+        b.masked_fill_(~self.mask[lo:hi].reshape(-1, 1), 0)
+        return out.copy_(b.view(hi - lo, self.C, H, G, *f).movedim(1, 3))
+
+    def rows_buffer(self, out):
+        """A zero [T + 1, width] buffer for `scatter` into out [T, H*G, *f] (row T: "no row")."""
+        return torch.zeros(self.T + 1, out.shape[1:].numel(), dtype=out.dtype, device=out.device)
+
+    def scatter(self, vals, buf, lo=0):
+        """vals = chunks [lo, lo + len) as [len, H, G, C, *f] -> their rows of buf [T + 1, H*G*f]."""
+        n = vals.shape[0]
+        buf.index_copy_(0, self.rows[lo * self.C: (lo + n) * self.C],
+                        vals.movedim(3, 1).reshape(n * self.C, buf.shape[1]).to(buf.dtype))
+
+    @staticmethod
+    def write(buf, out):
+        """out [T, ...] = buf[:T]: chunk rows as scattered, all other rows (padding) exact zeros."""
+        out.view(out.shape[0], buf.shape[1]).copy_(buf[:-1])
 
 
 def with_scratch(x):
@@ -101,150 +184,231 @@ def with_scratch(x):
     return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
 
+class StatePass:
+    """The sequential pass over the states: step(sl, S) advances the states S [a, H, G, K, V] in
+    place through the chunks sl of the blocks (chunk sl[i] belongs to state i). S0 [N, H, G, K, V] enters each sequence (reverse:
+    leaves it); result() is the state at its other end (a zero-length sequence keeps its S0).
+    run(steps, step) calls step(sl, S) per step.""" 
+
+    def __init__(self, sc, S0, reverse=False):
+        self.sc, self.reverse = sc, reverse
+        if sc.steps is not None:                    # host: position p holds sequence order[p]
+            self.S = S0.index_select(0, sc.order)
+        else:                                       # device: row N is a scratch row
+            self.ends = with_scratch(S0)
+            self.out = self.ends.clone()
+            self.S = self.ends[sc.N]
+
+    def checkpoint(self, steps):
+        """A copy of the states the steps start from, for `resume` (host schedule)."""
+        return self.S[: steps[-1 if self.reverse else 0][1]].clone()
+
+    def resume(self, S):
+        """A pass that continues from a checkpoint (host schedule)."""
+        p = StatePass.__new__(StatePass)
+        p.sc, p.reverse, p.S = self.sc, self.reverse, S
+        return p
+
+    def run(self, steps, step, lo=0):
+        """steps: (offset, count) of each step's chunks; lo: the offset of chunk 0 of the blocks."""
+        sc = self.sc
+        for off, a in (reversed(steps) if self.reverse else steps):
+            sl = slice(off - lo, off - lo + a)
+            if sc.steps is not None:
+                step(sl, self.S[:a])
+                continue
+            enter, leave = (sc.last, sc.first) if self.reverse else (sc.first, sc.last)
+            self.S = torch.where(enter[off] < sc.N, self.ends.index_select(0, enter[off:off + 1])[0], self.S)
+            step(sl, self.S[None])
+            self.out.index_copy_(0, leave[off:off + 1], self.S[None])
+
+    def result(self):
+        if self.sc.steps is not None:
+            return torch.empty_like(self.S).index_copy_(0, self.sc.order, self.S)
+        return self.out[: self.sc.N]
+
+
 @dataclass
 class Forward:
     """Per-chunk quantities of the forward, kept for the output and recomputed by the backward."""
-    q: torch.Tensor         # [H, 1, NC, C, K] (after l2norm when asked)
-    k: torch.Tensor         # [H, 1, NC, C, K]
-    v: torch.Tensor         # [H, G, NC, C, V]
-    beta: torch.Tensor      # [H, G, NC, C]
-    E: torch.Tensor         # [H, G, NC, C, C]   exp(gamma_r - gamma_s), r >= s
-    Tinv: torch.Tensor      # [H, G, NC, C, C]   (I + A)^-1
-    W: torch.Tensor         # [H, G, NC, C, K]
-    eg: torch.Tensor        # [H, G, NC, C]      exp(gamma)
-    eGg: torch.Tensor       # [H, G, NC, C]      exp(Gamma - gamma)
-    eG: torch.Tensor        # [H, G, NC]         exp(Gamma)
-    M: torch.Tensor         # [H, G, NC, C, C]   (Q K^T) * E
-    S_in: torch.Tensor      # [H, G, NC, K, V]   state entering each chunk
-    Vnew: torch.Tensor      # [H, G, NC, C, V]
-    S_final: torch.Tensor   # [N, H, G, K, V]
+    q: torch.Tensor         # [NC, H, 1, C, K]   scale * q (after l2norm when asked)
+    k: torch.Tensor         # [NC, H, 1, C, K]
+    v: torch.Tensor         # [NC, H, G, C, V]
+    beta: torch.Tensor      # [NC, H, G, C]
+    E: torch.Tensor         # [NC, H, G, C, C]   exp(gamma_r - gamma_s), r >= s
+    KK: torch.Tensor        # [NC, H, 1, C, C]   K K^T
+    QK: torch.Tensor        # [NC, H, 1, C, C]   scale Q K^T
+    Tinv: torch.Tensor      # [NC, H, G, C, C]   (I + A)^-1
+    W: torch.Tensor         # [NC, H, G, C, K]
+    U: torch.Tensor         # [NC, H, G, C, V]
+    eg: torch.Tensor        # [NC, H, G, C]      exp(gamma)
+    eGg: torch.Tensor       # [NC, H, G, C]      exp(Gamma - gamma)
+    eG: torch.Tensor        # [NC, H, G]         exp(Gamma)
+    Kd: torch.Tensor        # [NC, H, G, C, K]   diag(exp(Gamma - gamma)) K
+    M: torch.Tensor         # [NC, H, G, C, C]   scale (Q K^T) * E
+    QS: torch.Tensor        # [NC, H, G, C, V]   scale diag(exp(gamma)) Q S
+    S_in: torch.Tensor      # [NC, H, G, K, V]   state entering each chunk (None unless asked)
+    Vnew: torch.Tensor      # [NC, H, G, C, V]
+    step: object            # step(sl, S): the state pass through chunks sl
 
 
-def chunk_forward(ch, q, k, v, g, beta, cu_chunks, initial_state, use_l2norm):
+def chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=False, output=True,
+                  intra=True):
+    """The per-chunk quantities of chunks [lo, hi) and `step`, their part of the state pass (which
+    fills Vnew, QS and, with keep_states, S_in). Without `output` no QS; without `intra` no QK, M
+    (then only what the state pass needs)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    G, N, NC, C = HV // H, cu_chunks.numel() - 1, ch.NC, ch.C
+    G, C, NC = HV // H, sc.C, hi - lo
     dt = compute_dtype(q.dtype)
-    qc, kc = ch.gather(q, H, dt), ch.gather(k, H, dt)
+    qc, kc = sc.gather(q, H, dt, lo, hi), sc.gather(k, H, dt, lo, hi)
     if use_l2norm:
         qc, kc = l2norm(qc), l2norm(kc)
-    vc = ch.gather(v, H, dt)
-    gc, bc = ch.gather(g, H, dt), ch.gather(beta, H, dt)
+    qc = qc * scale
+    vc, gc, bc = (sc.gather(x, H, dt, lo, hi) for x in (v, g, beta))
 
-    # Gate sums in fp32 without forming gamma_r - gamma_s from two long cumulative sums (with fast
-    # decay gamma reaches -1e3 within a chunk and that difference would lose ~1e-4 of the exponent):
-    # seg[r, s] = sum_{s < t <= r} g_t is summed directly, and so is Gamma - gamma_r = seg[C-1, r].
-    gamma = gc.cumsum(-1)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    seg = (gc[..., :, None] * ~causal.T).cumsum(-2)
-    E = torch.exp(seg.masked_fill(~causal, float("-inf")))
-    A = (bc[..., :, None] * (kc @ kc.transpose(-1, -2)) * E).tril(-1)
+    a = torch.exp(gc)                                          # 0 for g = -inf: a hard reset
+    below = torch.ones(C, C, dtype=torch.bool, device=q.device).tril(-1)      # [t, s]: t > s
+    E = torch.where(below, a[..., :, None], 1.0).cumprod(-2).tril_()
+    eg = a.cumprod(-1)
+    eG, eGg = eg[..., -1], E[..., -1, :].contiguous()
+    KK = kc @ _tr(kc)
+    A = (KK * E).mul_(bc[..., :, None])                        # diagonal unread (unitriangular)
     eye = torch.eye(C, dtype=dt, device=q.device)
-    Tinv = torch.linalg.solve_triangular(eye + A, eye.expand_as(A), upper=False, unitriangular=True)
-    eg = torch.exp(gamma)
+    Tinv = torch.linalg.solve_triangular(A, eye.expand_as(A), upper=False, unitriangular=True)
     W = Tinv @ ((bc * eg)[..., None] * kc)
     U = Tinv @ (bc[..., None] * vc)
-    M = (qc @ kc.transpose(-1, -2)) * E
-    Gamma = gamma[..., -1]
-    eG = torch.exp(Gamma)
-    eGg = torch.exp(seg[..., -1, :])
     Kd = eGg[..., None] * kc
+    QK = M = None
+    if intra:
+        QK = qc @ _tr(kc)
+        M = QK * E
+    WQ = torch.cat([W, eg[..., None] * qc], -2) if output else W   # W S and e^gamma Q S in one product
+    Vnew = torch.empty_like(U)
+    QS = torch.empty_like(U) if output else None
+    S_in = U.new_empty(NC, H, G, K, V) if keep_states else None
 
-    S0 = with_scratch(torch.zeros(N, H, G, K, V, dtype=dt, device=q.device) if initial_state is None
-                      else initial_state.to(dt).reshape(N, H, G, K, V))
-    final = S0.clone()                                         # zero-length sequences keep S0
-    S_in, Vnew = S0.new_empty(H, G, NC, K, V), torch.empty_like(U)
-    so = SlotOrder(ch.table, cu_chunks)
-    S = S0[N]
-    for j in range(NC):
-        S = torch.where(so.is_first[j:j + 1], S0.index_select(0, so.first[j:j + 1])[0], S)
-        S_in[:, :, j] = S
-        Vnew[:, :, j] = U[:, :, j] - W[:, :, j] @ S
-        S = eG[:, :, j, None, None] * S + Kd[:, :, j].transpose(-1, -2) @ Vnew[:, :, j]
-        final.index_copy_(0, so.last[j:j + 1], S[None])
-    return Forward(qc, kc, vc, bc, E, Tinv, W, eg, eGg, eG, M, S_in, Vnew, final[:N])
+    def step(sl, S):
+        if S_in is not None:
+            S_in[sl] = S
+        ws = WQ[sl] @ S
+        torch.sub(U[sl], ws[..., :C, :], out=Vnew[sl])
+        if QS is not None:
+            QS[sl] = ws[..., C:, :]
+        S.mul_(eG[sl][..., None, None]).add_(_tr(Kd[sl]) @ Vnew[sl])
+
+    return Forward(qc, kc, vc, bc, E, KK, QK, Tinv, W, U, eg, eGg, eG, Kd, M, QS, S_in, Vnew, step)
+
+
+def _states(x, dt, N, H, G, K, V, device):
+    return (torch.zeros(N, H, G, K, V, dtype=dt, device=device) if x is None
+            else x.to(dt).reshape(N, H, G, K, V))
 
 
 def chunk_gdr_fwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
                         o, final_state):
     """Writes o [T, HV, V] (every row) and final_state [N, HV, K, V] float32."""
-    ch = Chunks(table, q.shape[0], C)
-    f = chunk_forward(ch, q, k, v, g, beta, cu_chunks, initial_state, use_l2norm)
-    O = scale * (f.eg[..., None] * (f.q @ f.S_in) + f.M @ f.Vnew)
-    ch.scatter(O, o)
-    final_state.copy_(f.S_final.reshape(final_state.shape))
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    sc = Schedule(table, cu_chunks, T, C)
+    sp = StatePass(sc, _states(initial_state, compute_dtype(q.dtype), sc.N, H, HV // H, K, V, q.device))
+    buf = sc.rows_buffer(o)
+    for lo, hi, steps in sc.blocks(HV):
+        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm)
+        sp.run(steps, f.step, lo)
+        sc.scatter((f.M @ f.Vnew).add_(f.QS), buf, lo)
+    sc.write(buf, o)
+    final_state.copy_(sp.result().reshape(final_state.shape))
 
 
 def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
                         do, dht, dq, dk, dv, dg, dbeta, dh0):
-    """Writes dq, dk [T, H, K], dv [T, HV, V], dg, dbeta [T, HV] (every row) and dh0 [N, HV, K, V]."""
+    """Writes dq, dk [T, H, K], dv [T, HV, V], dg, dbeta [T, HV] (every row) and dh0 [N, HV, K, V].
+
+    Block by block in reverse (`Schedule.blocks`): the block's forward is recomputed from the state
+    entering it (kept by a first forward pass when there is more than one block), then its part of
+    the reverse state pass and its gradients."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    G, N = HV // H, cu_chunks.numel() - 1
-    ch = Chunks(table, T, C)
-    f = chunk_forward(ch, q, k, v, g, beta, cu_chunks, initial_state, use_l2norm)
+    G, dt = HV // H, compute_dtype(q.dtype)
+    sc = Schedule(table, cu_chunks, T, C)
+    blocks = sc.blocks(HV)
+    fp = StatePass(sc, _states(initial_state, dt, sc.N, H, G, K, V, q.device))
+    entering = [None] * len(blocks)
+    if len(blocks) > 1:
+        for b, (lo, hi, steps) in enumerate(blocks):
+            entering[b] = fp.checkpoint(steps)
+            f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, output=False, intra=False)
+            fp.run(steps, f.step, lo)
+    bp = StatePass(sc, _states(dht, dt, sc.N, H, G, K, V, q.device), reverse=True)
+    outs = (dq, dk, dv, dg, dbeta)
+    bufs = [sc.rows_buffer(x) for x in outs]
+    for (lo, hi, steps), S_enter in reversed(list(zip(blocks, entering))):
+        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=True, output=False)
+        (fp if S_enter is None else fp.resume(S_enter)).run(steps, f.step, lo)
+        grads = chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm)
+        for vals, buf in zip(grads, bufs):
+            sc.scatter(vals, buf, lo)
+    dh0.copy_(bp.result().reshape(dh0.shape))
+    for buf, out in zip(bufs, outs):
+        sc.write(buf, out)
+
+
+def chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm):
+    """Gradients of chunks [lo, hi) given their forward f (with S_in): runs their steps of the reverse
+    state pass bp, returns dQ, dK [n, H, 1, C, K], dV [n, H, G, C, V], dG, dB [n, H, G, C]."""
+    H = q.shape[1]
     dt = f.q.dtype
-    NC = ch.NC
-    dO = ch.gather(do, H, dt)
+    dO = sc.gather(do, H, dt, lo, hi)
 
-    # reverse state pass: dS_next of every chunk, then dh0 of every sequence
-    dVnew = scale * f.M.transpose(-1, -2) @ dO                 # the part of dVnew without dS_next
-    dS_loc = scale * f.q.transpose(-1, -2) @ (f.eg[..., None] * dO)
-    Kd = f.eGg[..., None] * f.k
-    dST = with_scratch(torch.zeros(N, H, G, K, V, dtype=dt, device=q.device) if dht is None
-                       else dht.to(dt).reshape(N, H, G, K, V))
-    dS0 = dST.clone()                                          # zero-length sequences: dh0 = dht
+    # reverse state pass: dS_next of every chunk (dSn) and dVnew
+    dVnew = _tr(f.M) @ dO                                      # completed with Kd dS_next below
+    dOe = f.eg[..., None] * dO
+    dS_loc = _tr(f.q) @ dOe
     dSn = torch.empty_like(f.S_in)
-    so = SlotOrder(table, cu_chunks)
-    dS = dST[N]
-    for j in reversed(range(NC)):
-        dS = torch.where(so.is_last[j:j + 1], dST.index_select(0, so.last[j:j + 1])[0], dS)
-        dSn[:, :, j] = dS
-        dvn = dVnew[:, :, j] + Kd[:, :, j] @ dS
-        dS = f.eG[:, :, j, None, None] * dS + dS_loc[:, :, j] - f.W[:, :, j].transpose(-1, -2) @ dvn
-        dS0.index_copy_(0, so.first[j:j + 1], dS[None])
-    dh0.copy_(dS0[:N].reshape(dh0.shape))
 
-    # every per-chunk gradient, batched over chunks and heads
-    S, Vn, E, Tinv, eg = f.S_in, f.Vnew, f.E, f.Tinv, f.eg
-    qc, kc, vc, bc = f.q, f.k, f.v, f.beta
-    tr = lambda x: x.transpose(-1, -2)  # noqa: E731
-    dVnew = dVnew + Kd @ dSn
-    dWp = -dVnew @ tr(S)
-    dM = scale * dO @ tr(Vn)
-    dP = dM * E
-    QK, KK = qc @ tr(kc), kc @ tr(kc)
-    TdW, TdU = tr(Tinv) @ dWp, tr(Tinv) @ dVnew
-    Kb, Vb = (bc * eg)[..., None] * kc, bc[..., None] * vc
-    dT = dWp @ tr(Kb) + dVnew @ tr(Vb)
-    dA = -(tr(Tinv) @ dT @ tr(Tinv)).tril(-1)
-    dKK = dA * bc[..., :, None] * E
-    VdS = Vn @ tr(dSn)                                          # row r: dS_next Vnew_r
+    def step(sl, dS):
+        dSn[sl] = dS
+        dVnew[sl] += f.Kd[sl] @ dS
+        dS.mul_(f.eG[sl][..., None, None]).add_(dS_loc[sl]).sub_(_tr(f.W[sl]) @ dVnew[sl])
 
-    dQ = scale * eg[..., None] * (dO @ tr(S)) + dP @ kc
-    dK = (tr(dP) @ qc + f.eGg[..., None] * VdS + (bc * eg)[..., None] * TdW
-          + (dKK + tr(dKK)) @ kc)
+    bp.run(steps, step, lo)
+
+    # every per-chunk gradient, batched over chunks and heads (q is scale * q here)
+    S, Vn, E, bc, eg = f.S_in, f.Vnew, f.E, f.beta, f.eg
+    TdU = _tr(f.Tinv) @ dVnew                                 # T^T dU
+    dQi = dOe @ _tr(S)                                         # inter-chunk part of dq
+    TdW = (TdU @ _tr(S)).neg_()                                # T^T dW'
+    dP = (dO @ _tr(Vn)).mul_(E)
+    dAE = (TdW @ _tr(f.W)).add_(TdU @ _tr(f.U)).neg_().tril_(-1).mul_(E)      # dA * E
+    dKK = dAE * bc[..., :, None]
+    VdS = Vn @ _tr(dSn)                                        # row r: dS_next Vnew_r
+    kTdW = (TdW * f.k).sum(-1)
+    # GVA: the qk-head's gradients sum over its value heads (summed before the products with q, k)
+    dPs, dKKs = dP.sum(2, keepdim=True), (dKK + _tr(dKK)).sum(2, keepdim=True)
+    dQ = dQi.sum(2, keepdim=True) + dPs @ f.k
+    dK = (_tr(dPs) @ f.q + dKKs @ f.k
+          + (f.eGg[..., None] * VdS + (bc * eg)[..., None] * TdW).sum(2, keepdim=True))
     dV = bc[..., None] * TdU
-    dB = eg * (TdW * kc).sum(-1) + (TdU * vc).sum(-1) + (dA * KK * E).sum(-1)
+    dB = eg * kTdW + (TdU * f.v).sum(-1) + (dAE * f.KK).sum(-1)
     # dg_r = sum_{t >= r} dgamma_t (docs/DESIGN.md section 2), summed so that no large terms cancel:
     #   sum_{t >= r} (rowsum X - colsum X)_t  =  sum_{t >= r, s < r} X[t, s]
     #   sum_{t >= r} (-tau_t) + sum_t tau_t   =  sum_{t < r} tau_t
     # (with fast decay the first forms lose ~1e-5 in fp32 to cancellation, these do not)
-    X = (dM * QK + dA * bc[..., :, None] * KK) * E
-    tau = f.eGg * (kc * VdS).sum(-1)
-    local = eg * ((dO * (scale * qc @ S)).sum(-1) + (TdW * bc[..., None] * kc).sum(-1))
+    X = (dP * f.QK).add_(dKK * f.KK)
+    tau = f.eGg * (f.k * VdS).sum(-1)
+    local = (f.q * dQi).sum(-1) + bc * eg * kTdW
     X_below = X.flip(-2).cumsum(-2).flip(-2)                    # [r, s] = sum_{t >= r} X[t, s]
-    strict = torch.ones(ch.C, ch.C, dtype=torch.bool, device=q.device).tril(-1)
-    dG = (local.flip(-1).cumsum(-1).flip(-1) + (X_below * strict).sum(-1)
+    strict = torch.ones(sc.C, sc.C, dtype=torch.bool, device=q.device).tril(-1)
+    dG = (local.flip(-1).cumsum(-1).flip(-1) + torch.where(strict, X_below, 0).sum(-1)
           + torch.nn.functional.pad(tau.cumsum(-1)[..., :-1], (1, 0))
           + (f.eG * (S * dSn).sum((-2, -1)))[..., None])
 
-    dQ, dK = dQ.sum(1, keepdim=True), dK.sum(1, keepdim=True)  # GVA: sum over the value heads
+    dQ = dQ * scale
     if use_l2norm:
-        dQ = _l2norm_bwd(ch.gather(q, H, dt), dQ)
-        dK = _l2norm_bwd(ch.gather(k, H, dt), dK)
-    for vals, out in ((dQ, dq), (dK, dk), (dV, dv), (dG, dg), (dB, dbeta)):
-        ch.scatter(vals, out)
+        dQ = _l2norm_bwd(sc.gather(q, H, dt, lo, hi), dQ)
+        dK = _l2norm_bwd(sc.gather(k, H, dt, lo, hi), dK)
+    return dQ, dK, dV, dG, dB
 
 
 def gate_fwd_torch(a, b, A_log, dt_bias):

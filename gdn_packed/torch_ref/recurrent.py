@@ -8,18 +8,25 @@ A sequence past its end takes a step with k = 0, beta = 0, g = 0, which leaves S
 broadcast over the value heads of a qk-head (never a copy of q/k). States are float32 (float64 for
 float64 inputs); o is rounded to v's dtype at the end; padding rows are 0.
 
-Step count: on CPU tensors the longest sequence's length (read on the host, which has no device to
-wait for); on other devices the static bound T, so nothing reads cu_seqlens back.
+Step count (gdn_packed.ops._common.host_schedule): on CPU tensors the longest sequence's length
+(read on the host, which has no device to wait for); on other devices the static bound T, so nothing
+reads cu_seqlens back.
+
+Cost per token and value head: one batched product reads the state once for S^T k and S^T q, then an
+in-place scale and rank-1 update write it (2 K V FLOPs each); no temporary the size of the states
+(the per-token reference makes three). Measured, 64 sequences x 32 v-heads x 128 x 128, one decode
+token, 1 thread: about 2x faster than naive_recurrent_gdr.
 """
 import torch
 
+from gdn_packed.ops._common import host_schedule
 from gdn_packed.torch_ref.naive import l2norm
 
 
 def _steps(lens, T):
     if lens.numel() == 0:
         return 0
-    return int(lens.max()) if lens.device.type == "cpu" else T
+    return int(lens.max()) if host_schedule(lens.device) else T
 
 
 def recurrent_gdr_fwd_torch(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, initial_state, state_indices,
@@ -55,19 +62,26 @@ def recurrent_gdr_fwd_torch(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, ini
         S = torch.zeros(N, HV, K, V, dtype=dt, device=q.device)
     S = S.view(N, H, G, K, V)
 
+    # One product per step reads the state once for both S^T k and S^T q; the output then follows
+    # from the state before the update, o = scale (a S^T q + (q . k) u) with a = exp(g_t), and the
+    # state is updated in place: S = a S + k u^T (two passes over S per token, no temporaries of its size).
     out = torch.zeros(T + 1, HV, V, dtype=dt, device=q.device)          # row T collects idle steps
+    S = S.contiguous()
+    Sf = S.view(N * HV, K, V)
     for t in range(_steps(lens, T)):
         rows = base + t
         live = (t < lens) & (rows >= 0) & (rows < T)
         rows = torch.where(live, rows, torch.full_like(rows, T))
         qt, kt = qp[rows], kp[rows]                                      # [N, H, K]
-        vt = vp[rows].view(N, H, G, V)
-        decay = torch.exp(gp[rows]).view(N, H, G, 1, 1)
+        kq = torch.stack([kt, qt], 2)[:, :, None].expand(N, H, G, 2, K).reshape(N * HV, 2, K)
+        Skq = torch.bmm(kq, Sf).view(N, H, G, 2, V)                      # rows: S^T k, S^T q
+        decay = torch.exp(gp[rows]).view(N, H, G, 1)
         bt = bp[rows].view(N, H, G, 1)
-        S = S * decay
-        u = bt * (vt - torch.einsum("nhgkv,nhk->nhgv", S, kt))
-        S = S + kt[:, :, None, :, None] * u[:, :, :, None, :]
-        out[rows] = scale * torch.einsum("nhgkv,nhk->nhgv", S, qt).reshape(N, HV, V)
+        u = bt * (vp[rows].view(N, H, G, V) - decay * Skq[:, :, :, 0])
+        qk = (qt * kt).sum(-1).view(N, H, 1, 1)
+        out[rows] = (scale * (decay * Skq[:, :, :, 1] + qk * u)).reshape(N, HV, V)
+        Sf.mul_(decay.view(N * HV, 1, 1))
+        Sf.baddbmm_(kt[:, :, None].expand(N, H, G, K).reshape(N * HV, K, 1), u.view(N * HV, 1, V))
     o.copy_(out[:T])
 
     S = S.reshape(N, HV, K, V)
