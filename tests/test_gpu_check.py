@@ -79,7 +79,7 @@ def test_a_step_over_its_budget_is_killed_and_reported(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"][0]["seconds"] < 2 + 3, summary     # killed at its deadline, not left to finish
     assert wall < 2 + 20
-    assert "killed after 2 s" in (tmp_path / "gpu_check.log").read_text()
+    assert "stopped after 2 s" in (tmp_path / "gpu_check.log").read_text()
 
 
 def test_bad_arguments_name_the_valid_choices(tmp_path):

@@ -42,8 +42,9 @@ TOOLS = os.path.join(ROOT, "tools")
 WHEELS = os.path.join(ROOT, ".whl")
 
 # (name, budget on the GPU, budget in a dry run), seconds; the GPU budgets add up to 9 minutes
-STEPS = [("env", 20, 15), ("wheels", 20, 10), ("build", 110, 15), ("tests", 190, 45),
-         ("sanitizer", 80, 20), ("graph", 30, 20), ("bench", 90, 30)]
+# (a dry run needs ~45 s of CPU; its budgets leave room for a CPU shared with other jobs)
+STEPS = [("env", 20, 30), ("wheels", 20, 10), ("build", 110, 30), ("tests", 190, 120),
+         ("sanitizer", 80, 40), ("graph", 30, 40), ("bench", 90, 60)]
 
 # bench step: (scenario, modes), most important first (the anchor shape)
 BENCH_JOBS = [("B1_T32768_H16x32_K128_V128", "fwd,fwdbwd"),
@@ -52,6 +53,7 @@ BENCH_JOBS = [("B1_T32768_H16x32_K128_V128", "fwd,fwdbwd"),
               ("QWEN3NEXT_DECODE_N256_H16x32_K128_V128", "fwd"),
               ("B1_T32768_H16x32_K128_V128_D8192", "fwd,fwdbwd")]
 DRY_BENCH_JOBS = [("TINY_PACK_L128_MB1_DOC40_H1x2_K32_V32", "fwd")]
+GRACE_S = 3          # a process over its budget gets SIGINT this long before its deadline, then SIGKILL
 OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench.csv", "bench.json")
 
 
@@ -93,12 +95,17 @@ class Run:
             self.log.write(f"(could not start: {e})\n")
             return 127, str(e)
         try:
-            out, _ = p.communicate(timeout=limit)
+            out, _ = p.communicate(timeout=max(limit - GRACE_S, 0.5))
             rc = p.returncode
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            out, _ = p.communicate()
-            out += f"\n(killed after {limit:.0f} s: the step's time budget)\n"
+            # SIGINT first (pytest then reports what ran), SIGKILL after the grace period
+            os.killpg(p.pid, signal.SIGINT)
+            try:
+                out, _ = p.communicate(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                out, _ = p.communicate()
+            out += f"\n(stopped after {limit:.0f} s: the step's time budget)\n"
             rc = None
         self.log.write(out)
         self.log.flush()
@@ -212,7 +219,7 @@ def step_build(r):
 
 def step_tests(r):
     csv_path = os.path.join(r.out, "tests.csv")
-    per_test = 30 if r.dry else 60
+    per_test = 60
     args = ["-m", "pytest", "-q", "-p", "gpu_tests", "--device-tests", "--test-timeout", str(per_test),
             "--tests-csv", csv_path, "-p", "no:cacheprovider", "-o", "addopts=", "tests"]
     if r.dry:   # a smoke sample; the bench CLI's tests are left to the bench step
@@ -242,9 +249,10 @@ def step_sanitizer(r):
     res = os.path.join(r.tmp, "case.json")
     rc, out = r.py(os.path.abspath(__file__), "case", "sanitize", "--json", res)
     details["plain"] = _read_json(res)
+    if rc is None:
+        return "timeout", "out of time in the plain run (before the sanitizer)", details
     if rc != 0:
-        return ("timeout" if rc is None else "fail"), "the cases fail without the sanitizer: " + \
-            _last_lines(out), details
+        return "fail", "the cases fail without the sanitizer: " + _last_lines(out), details
     notes.append("cases ran: " + ", ".join(details["plain"].get("ran", [])))
     skipped = details["plain"].get("skipped", [])
     if skipped:
@@ -283,8 +291,8 @@ def step_graph(r):
 def step_bench(r):
     tmp = os.path.join(r.tmp, "bench")
     jobs = DRY_BENCH_JOBS if r.dry else BENCH_JOBS
-    extra = ["--device", "cpu", "--repeats", "3", "--warmup", "0", "--budget-s", "1",
-             "--providers", "ours-torch", "--no-memory"] if r.dry else []
+    extra = (["--device", "cpu", "--repeats", "3", "--warmup", "0", "--budget-s", "1", "--providers", "ours-torch",
+              "--no-memory"] if r.dry else ["--providers", "ours-triton,ours-cuda,fla"])
     done, notes = [], []
     for scenario, modes in jobs:
         rc, out = r.py("-m", "bench", "--scenarios", scenario, "--modes", modes, "--out",
@@ -336,12 +344,13 @@ def _device():
 
 
 def _case_shape(dev, lengths, gaps):
-    """(dtype, K = V, lengths, gaps): bf16 and K = 64 on a GPU; fp32, K = 16 and short sequences under the
-    interpreter (the same layout: zero-length and single-token sequences, padding gaps)."""
+    """(dtype, K = V, lengths, gaps, backend): bf16, K = 64 and the Triton backend on a GPU; on a CPU (a dry
+    run) fp32, K = 16, short sequences and the torch backend, to keep the dry run short (the same
+    layout: zero-length and single-token sequences, padding gaps)."""
     import torch
     if dev.type == "cuda":
-        return torch.bfloat16, 64, lengths, gaps
-    return torch.float32, 16, [min(n, 9) for n in lengths], gaps
+        return torch.bfloat16, 64, lengths, gaps, "triton"
+    return torch.float32, 16, [min(n, 9) for n in lengths], gaps, "torch"
 
 
 def _packed_inputs(dev, dtype, lengths, gaps, H, HV, K, V, seed, requires_grad):
@@ -363,15 +372,15 @@ def case_sanitize():
     from gdn_packed.ops.chunk_table import build_chunk_table
     dev = _device()
     ran, skipped = [], []
-    dtype, K, lengths, gaps = _case_shape(dev, [1, 63, 130, 0, 65], [2, 0, 5, 1, 0])
+    dtype, K, lengths, gaps, backend = _case_shape(dev, [1, 63, 130, 0, 65], [2, 0, 5, 1, 0])
     V = K
     (q, k, v, g, beta, h0), cu, cu_pad, rows = _packed_inputs(dev, dtype, lengths, gaps, 1, 2, K, V, 0, True)
     o, ht = gdn_packed.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                               cu_seqlens=cu, cu_seqlens_padded=cu_pad,
-                                              use_qk_l2norm_in_kernel=True, backend="triton")
+                                              use_qk_l2norm_in_kernel=True, backend=backend)
     grads = torch.autograd.grad((o.float().square().sum() + ht.square().sum()), (q, k, v, g, beta, h0))
     assert all(torch.isfinite(x).all() for x in (o, ht, *grads)), "non-finite Triton output or gradient"
-    ran.append("triton chunk fwd+bwd")
+    ran.append(f"{backend} chunk fwd+bwd")
     cuda_ok = dev.type == "cuda" and _cext.cuda_available()
     if not cuda_ok:
         skipped.append("CUDA kernels: " + (_cext.cuda_unavailable_reason() or "no GPU"))
@@ -410,7 +419,7 @@ def case_graph():
     import gdn_packed
     from gdn_packed.testing import real_rows, rel_err
     dev = _device()
-    dtype, K, lengths, gaps = _case_shape(dev, [300, 1, 0, 64, 129], [0, 3, 0, 7, 0])
+    dtype, K, lengths, gaps, backend = _case_shape(dev, [300, 1, 0, 64, 129], [0, 3, 0, 7, 0])
     V = K
     xs, cu, cu_pad, rows = _packed_inputs(dev, dtype, lengths, gaps, 2, 4, K, V, 1, True)
     do = torch.randn(1, rows, 4, V, device=dev, dtype=dtype)
@@ -418,7 +427,7 @@ def case_graph():
     def step():
         o, ht = gdn_packed.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
                                                   cu_seqlens=cu, cu_seqlens_padded=cu_pad,
-                                                  use_qk_l2norm_in_kernel=True, backend="triton")
+                                                  use_qk_l2norm_in_kernel=True, backend=backend)
         grads = torch.autograd.grad((o * do).float().sum() + ht.sum(), xs)
         return (o, ht, *grads)
 
@@ -432,7 +441,7 @@ def case_graph():
         eager = step()
         ok = all(bool(torch.isfinite(t).all()) for t in eager)
         return {"status": "skipped" if ok else "fail",
-                "note": "no CUDA: capture not checked; eager forward+backward ran (interpreter)"
+                "note": f"no CUDA: capture not checked; eager forward+backward ran ({backend} backend)"
                         + ("" if ok else ", NON-FINITE output")}
     torch.cuda.set_sync_debug_mode("error")
     try:

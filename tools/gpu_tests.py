@@ -176,6 +176,19 @@ def _cuda_allocations():
 
 
 _rows = {}
+_csv = {}
+FIELDS = ["nodeid", "outcome", "seconds", "cuda_allocs", "triton_launches", "message"]
+
+
+def pytest_sessionstart(session):
+    """Open the CSV at the start (the controller, not xdist workers), so a run killed at its time
+    budget still leaves a row for every test that finished."""
+    path = session.config.getoption("--tests-csv")
+    if path and not hasattr(session.config, "workerinput"):
+        f = open(path, "w", newline="")
+        _csv["file"], _csv["writer"] = f, csv.DictWriter(f, fieldnames=FIELDS)
+        _csv["writer"].writeheader()
+        f.flush()
 
 
 def pytest_runtest_logreport(report):
@@ -191,14 +204,13 @@ def pytest_runtest_logreport(report):
         if report.failed or report.skipped:
             text = report.longreprtext.strip().splitlines()
             row["message"] = (text[-1] if text else "")[:300]
+    if report.when == "teardown" and "writer" in _csv:
+        _csv["writer"].writerow(_rows.pop(report.nodeid))
+        _csv["file"].flush()
 
 
 def pytest_sessionfinish(session):
-    path = session.config.getoption("--tests-csv")
-    if not path or hasattr(session.config, "workerinput"):   # xdist workers: the controller writes
-        return
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["nodeid", "outcome", "seconds", "cuda_allocs", "triton_launches",
-                                          "message"])
-        w.writeheader()
-        w.writerows(_rows.values())
+    if "file" in _csv:
+        _csv["writer"].writerows(_rows.values())     # tests without a teardown report (interrupted)
+        _csv["file"].close()
+        _csv.clear()
