@@ -11,7 +11,9 @@ so time an early step leaves is given to the later ones and the whole run ends i
   wheels     pip install --no-index the wheels in .whl/ (make gpu-wheels: fla-core) into a temp dir
   build      gdn_packed._C compiled there (setup.py build_ext --inplace); dry run: the _C here loads
   tests      the suite's device tests (tools/gpu_tests.py picks them without naming any) with a
-             per-test timeout; dry run: the first device test of each module
+             per-test timeout, 4 pytest-xdist workers where installed, every @triton.autotune on its
+             first config (fla-core's tuning is not what the tests check); dry run: the first device
+             test of each module
   sanitizer  the CUDA kernels (chunk table, conv fwd+bwd, recurrent) and one Triton chunked
              forward+backward, small packed cases, run plainly, under compute-sanitizer memcheck and
              racecheck; dry run: plainly, on CPU
@@ -24,6 +26,7 @@ output), tests.csv (one row per test), bench.csv, bench.json. Exit status 0 when
 ran out of time (a step that cannot run here is 'skipped' with the reason).
 """
 import argparse
+import contextlib
 import csv
 import datetime as dt
 import glob
@@ -224,8 +227,10 @@ def step_tests(r):
             "--tests-csv", csv_path, "-p", "no:cacheprovider", "-o", "addopts=", "tests"]
     if r.dry:   # a smoke sample; the bench CLI's tests are left to the bench step
         args[-1:] = ["--device-tests-sample", "--ignore", "tests/test_bench.py", "tests"]
-    elif _has_module("xdist"):
-        args += ["-n", "4", "--dist", "loadfile"]   # one GPU, several processes: compile in parallel
+    else:
+        args[-1:] = ["--autotune-first-config", "tests"]
+        if _has_module("xdist"):
+            args += ["-n", "4", "--dist", "loadfile"]   # one GPU, several processes: compile in parallel
     rc, out = r.py(*args)
     rows = _read_csv(csv_path)
     counts = {}
@@ -237,6 +242,8 @@ def step_tests(r):
     note = f"{summary}; {cuda} used CUDA memory, {trit} launched Triton kernels"
     failed = [row["nodeid"] for row in rows if row["outcome"] in ("failed", "error")]
     details = {"counts": counts, "used_cuda": cuda, "launched_triton": trit, "failed": failed[:50]}
+    for nodeid in failed[:15]:                     # the ids reach the output's tail; all are in tests.csv
+        print(f"  tests: FAILED {nodeid}", flush=True)
     if rc is None:
         return "timeout", note, details
     if not r.dry and rows and cuda == 0:
@@ -443,24 +450,24 @@ def case_graph():
         return {"status": "skipped" if ok else "fail",
                 "note": f"no CUDA: capture not checked; eager forward+backward ran ({backend} backend)"
                         + ("" if ok else ", NON-FINITE output")}
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+    # syncs are errors while the op runs: warm-up, capture, replay, eager (input refills and the
+    # comparisons, which read values back, stay outside)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with _sync_errors(torch):
         with torch.cuda.stream(side):
             for _ in range(2):
                 step()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static = step()
-        refill(7)
+    refill(7)
+    with _sync_errors(torch):
         graph.replay()
         replay = [t.clone() for t in static]
         eager = step()
-        torch.cuda.current_stream().synchronize()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
     names = ["o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"]
     errs = {n: rel_err(a, b) for n, a, b in zip(names, replay, eager)}
     pad = ~real_rows(cu.cpu(), cu_pad.cpu(), rows).to(dev)
@@ -470,6 +477,16 @@ def case_graph():
     note = (f"replay vs eager on new data: max rel err {worst:.1e} ({max(errs, key=errs.get)}); padding rows "
             f"{'exactly 0' if pad_zero else 'NOT 0'}; no host sync under set_sync_debug_mode('error')")
     return {"status": "ok" if ok else "fail", "note": note, "rel_err": errs}
+
+
+@contextlib.contextmanager
+def _sync_errors(torch):
+    """torch.cuda.set_sync_debug_mode('error') inside the block."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 CASES = {"sanitize": case_sanitize, "graph": case_graph}

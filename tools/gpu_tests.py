@@ -3,6 +3,8 @@
 Load it with `-p gpu_tests` (tools/ on sys.path). Options:
   --device-tests     keep only the device tests (below); the others are deselected
   --device-tests-sample  with --device-tests: only the first device test of each module (a smoke run)
+  --autotune-first-config  every @triton.autotune keeps its first config (no tuning: the tests check
+                     values, and fla-core's autotuning of each new shape would take most of the time)
   --test-timeout S   fail a test that runs longer than S seconds (SIGALRM in the main thread)
   --tests-csv PATH   one row per test: nodeid, outcome, seconds, CUDA allocations, Triton launches
 
@@ -36,6 +38,8 @@ def pytest_addoption(parser):
     g.addoption("--device-tests", action="store_true", help="keep only the device tests")
     g.addoption("--device-tests-sample", action="store_true",
                 help="with --device-tests: keep only the first device test of each module")
+    g.addoption("--autotune-first-config", action="store_true",
+                help="every @triton.autotune keeps only its first config")
     g.addoption("--test-timeout", type=float, default=0.0, help="per-test timeout in seconds (0: none)")
     g.addoption("--tests-csv", default=None, help="write one row per test to this CSV file")
 
@@ -90,6 +94,17 @@ def pytest_configure(config):
     if config.getoption("--device-tests"):
         _install_probes()
     _count_triton_launches()
+    if config.getoption("--autotune-first-config"):
+        _autotune_first_config()
+
+
+def _autotune_first_config():
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return
+    prune = Autotuner.prune_configs
+    Autotuner.prune_configs = lambda self, *args, **kwargs: prune(self, *args, **kwargs)[:1]
 
 
 @pytest.hookimpl(hookwrapper=True)
