@@ -85,8 +85,11 @@ def test_padding_rows_exactly_zero(ci):
 def test_agrees_with_torch_backend(ci, dtype):
     o, fs = triton_out(ci, dtype)
     to, tfs = run(ci, dtype, "torch")
-    tol = 1e-5 if dtype == torch.float32 else BUDGETS[dtype]["o"] / 2
-    assert rel_err(o, to.double()) <= tol and rel_err(fs, tfs.double()) <= 1e-5
+    # bf16: the Triton state pass rounds the state and X' to bf16 as dot operands (chunk_fwd.py), the
+    # torch backend does not, so the two agree to half the bf16 budgets, not to fp32 rounding
+    tol_o, tol_s = (1e-5, 1e-5) if dtype == torch.float32 else (BUDGETS[dtype]["o"] / 2,
+                                                               BUDGETS[dtype]["state"] / 2)
+    assert rel_err(o, to.double()) <= tol_o and rel_err(fs, tfs.double()) <= tol_s
 
 
 def test_noncontiguous_inputs_int64_cu_seqlens_and_batch_rows():

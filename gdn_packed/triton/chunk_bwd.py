@@ -42,11 +42,11 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn_packed.triton.chunk import (CHUNK, chunk_prep, chunk_state_pass, split_planes,
+from gdn_packed.triton.chunk_fwd_legacy import (CHUNK, chunk_prep, chunk_state_pass, split_planes,
                                      state_config)
 from gdn_packed.triton.chunk_bwd_state import chunk_bwd_dstate_kernel, load_cc_planes
-from gdn_packed.triton.chunk_fwd import _dot_pair, _dot_state, _mm_f32, _rows_tile, load_row_norms
-from gdn_packed.triton.segments import chunk_rows
+from gdn_packed.triton.chunk_fwd_legacy import _dot_pair, _dot_state, _mm_f32, _rows_tile, load_row_norms
+from gdn_packed.triton.common import chunk_rows
 
 @triton.jit
 def _causal_decay(b_gam, C: tl.constexpr):

@@ -21,8 +21,8 @@ Names: `b_` blocks, `p_`/`o_` offsets, `m_` masks, as in FLA.
 import triton
 import triton.language as tl
 
-from gdn_packed.triton.chunk_fwd import _dot_pair, _dot_state, load_row_norms
-from gdn_packed.triton.segments import chunk_rows
+from gdn_packed.triton.chunk_fwd_legacy import _dot_pair, _dot_state, load_row_norms
+from gdn_packed.triton.common import chunk_rows
 
 
 @triton.jit

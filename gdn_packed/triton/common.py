@@ -1,0 +1,74 @@
+"""Jit helpers shared by the Triton kernels: the chunk table, padding rows, gate sums and masks.
+
+The chunk table (gdn_packed/torch_ref/chunk_table.py) is int32 [NC, 4] rows (seq_id, chunk_idx,
+start_row, length); cu_chunks int32 [N+1] gives each sequence's slots. Real rows are exactly the union
+of the chunks' [start_row, start_row + length); every other row of the packed tensor is padding.
+Row indices are int64 so that row * stride never overflows int32. Rows of a chunk at or past its
+length ("dead" rows) belong to another sequence or to padding: they are read only through masked
+loads with other=0 and every per-row factor is selected to 0 there, never multiplied by 0.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def chunk_rows(table, j, C: tl.constexpr):
+    """Chunk slot j (int64 scalar): (start row int64, real length int32). length 0 = unused slot."""
+    start = tl.load(table + j * 4 + 2).to(tl.int64)
+    length = tl.load(table + j * 4 + 3)
+    return start, length
+
+
+@triton.jit
+def padding_after(table, cu_chunks, n, N, T_rows):
+    """Padding rows [a, b) that follow sequence n's last real row, up to the first real row of the next
+    sequence that has one (or T_rows). Empty (a == b) when sequence n has no chunks."""
+    c0 = tl.load(cu_chunks + n)
+    c1 = tl.load(cu_chunks + n + 1)
+    total = tl.load(cu_chunks + N)
+    last = tl.maximum(c1 - 1, 0).to(tl.int64)
+    end = tl.load(table + last * 4 + 2).to(tl.int64) + tl.load(table + last * 4 + 3)
+    nxt = tl.maximum(tl.minimum(c1, total - 1), 0).to(tl.int64)
+    b = tl.where(c1 < total, tl.load(table + nxt * 4 + 2).to(tl.int64), T_rows.to(tl.int64))
+    a = tl.where(c1 > c0, end, b)
+    return a, b
+
+
+@triton.jit
+def padding_before_first(table, cu_chunks, N, T_rows):
+    """Padding rows [0, b) before the first real row of the whole packed tensor (b = T_rows if none)."""
+    total = tl.load(cu_chunks + N)
+    return tl.where(total > 0, tl.load(table + 2).to(tl.int64), T_rows.to(tl.int64))
+
+
+@triton.jit
+def zero_rows(p, a, b, row_stride, cols, cmask, C: tl.constexpr):
+    """p[r * row_stride + cols] = 0 for rows r in [a, b) (int64 scalars), C rows per store."""
+    rc = tl.arange(0, C)
+    zeros = tl.zeros([C, cols.shape[0]], dtype=p.dtype.element_ty)
+    for it in range(0, tl.cdiv(b - a, C)):
+        rows = a + it * C + rc
+        tl.store(p + rows[:, None] * row_stride + cols[None, :], zeros,
+                 mask=(rows < b)[:, None] & cmask[None, :])
+
+
+@triton.jit
+def chunk_gate_sums(g, rows, length, HV, hv, C: tl.constexpr):
+    """Gate sums of one chunk (value head hv), none formed as a difference of cumulative sums, so a
+    g = -inf row (decay 0, a hard reset) or rows of g ~ -1e30 give exact zeros, never inf - inf:
+      gam [C]  sum of g over rows [0, i]            (eg_i = exp(gam_i))
+      suf [C]  sum of g over rows (i, length)       (w_i = exp(suf_i), the state-update row weights)
+      tot      sum of g over the chunk               (exp(tot) = decay of the whole chunk)
+      dec [C, C] exp(sum of g over rows (j, i]) for j <= i, 0 above the diagonal (E).
+    Dead rows (i >= length) read g = 0 by a masked load."""
+    rc = tl.arange(0, C)
+    b_g = tl.load(g + rows * HV + hv, mask=rc < length, other=0.0).to(tl.float32)
+    # g of the next row (g_next[t] = g[t + 1]) for the sums over half-open ranges (j, i]
+    g_next = tl.load(g + (rows + 1) * HV + hv, mask=rc + 1 < length, other=0.0).to(tl.float32)
+    gam = tl.cumsum(b_g, axis=0)
+    suf = tl.cumsum(g_next, axis=0, reverse=True)
+    tot = tl.sum(b_g, axis=0)
+    # seg[i, t] = g[t + 1] for t < i: row i's reverse scan over t >= j gives the sum over (j, i]
+    seg = tl.cumsum(tl.where(rc[None, :] < rc[:, None], g_next[None, :], 0.0), axis=1, reverse=True)
+    dec = tl.where(rc[:, None] >= rc[None, :], tl.exp(seg), 0.0)
+    return gam, suf, tot, dec

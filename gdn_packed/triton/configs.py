@@ -1,0 +1,58 @@
+"""Launch configs of the Triton kernels: one fixed heuristic on (K, V, dtype, GPU), never autotuned,
+so the launch sequence is the same for every cu_seqlens of the same T and N (CUDA-graph safe) and the
+set of compiled kernels is known ahead of time (tests/test_sm90_aot.py compiles every variant;
+`python -m bench kernels` reports registers, shared memory, spills and CTAs per SM of each).
+Each config dict holds the kernel's block constexprs plus num_warps and num_stages.
+"""
+import torch
+import triton
+
+CHUNK = 64          # rows per chunk; the kernels are written for 64 (one wgmma M tile per warpgroup)
+
+_SMEM_KB = {9: 227, 8: 163}
+
+
+def pow2(x):
+    return triton.next_power_of_2(x)
+
+
+def smem_kb(device):
+    """Shared memory per block (KB) the kernels may plan for on `device` (sm_90 sizes off CUDA)."""
+    if device.type != "cuda":
+        return _SMEM_KB[9]
+    major, minor = torch.cuda.get_device_capability(device)
+    return 227 if major >= 9 else 163 if (major, minor) in ((8, 0), (8, 6), (8, 7), (8, 9)) else 99
+
+
+def dot_precision(dtype):
+    """input_precision of every dot with fp32 operands: the C x C products of prep (T's doubling
+    steps, M T) for every input dtype, and every dot of fp32 inputs. "tf32" (one tensor-core pass, as
+    Triton's default and FLA): the products are stored in the input dtype afterwards, and bf16/fp16
+    rounding (2^-9 / 2^-11) is not smaller than tf32's (2^-11); "tf32x3" spills registers in prep.
+    So fp32 inputs run at tf32 accuracy on a GPU and are held to the GPU fp32 budgets of
+    docs/DESIGN.md there (the interpreter computes every dot in fp32: the CPU budgets)."""
+    return "tf32"
+
+
+def prep_config(K, dtype):
+    """chunk_fwd_prep_kernel: K K^T and Q K^T over K-blocks of BK (64; 32 for fp32 inputs, whose tiles
+    are twice the bytes), 4 warps, 1 stage (the loop is short and the C x C tiles dominate)."""
+    BK = min(pow2(K), 32 if dtype == torch.float32 else 64)
+    return dict(BK=BK, PREC=dot_precision(dtype), num_warps=4, num_stages=1)
+
+
+def state_config(K, V, dtype, smem=227, store_states=False):
+    """chunk_fwd_state_kernel: the transposed state block S^T [BV, BK] (BK = K padded to a power of
+    two) in fp32 registers. bf16/fp16 with K <= 128: BV = 64 (the wgmma M of one warpgroup, so the S^T
+    products take the state from registers), smaller only when V is, 4 warps. The STORE_STATES variant
+    (the backward's recompute; its stores of S^T and X'^T need registers) and K > 128 or fp32 inputs
+    (a [64, K] fp32 state with tf32 operands does not fit next to the tiles) take 8 warps, the latter
+    with BV = 16. 2 stages (the next chunk's tiles copied while this one computes) when two fit in
+    shared memory, else 1; one stage holds q, k [C, BK], v [C, BV] and Ts, MT [C, C] in the input dtype."""
+    BK = pow2(K)
+    narrow = dtype == torch.float32 or BK > 128
+    BV = max(16, min(16 if narrow else 64, pow2(V)))
+    esize = torch.finfo(dtype).bits // 8
+    stage_kb = (2 * CHUNK * BK + CHUNK * BV + 2 * CHUNK * CHUNK) * esize / 1024
+    return dict(BK=BK, BV=BV, num_warps=8 if narrow or store_states else 4,
+                num_stages=2 if 2 * stage_kb + 16 <= smem else 1)
