@@ -7,8 +7,8 @@
 #   make gpu-check [DRY_RUN=1] [OUT=DIR]   tools/gpu_check.py: the prepared check for a lent GPU
 #                (README "On a lent GPU"); DRY_RUN=1 runs it on a CPU (interpreter, tiny shapes)
 #   make gpu-wheels   the wheels the GPU machine lacks (fla-core) into .whl/ (ignored by git)
-#   make test-compat  side venvs in .compat/ (ignored) with triton $(COMPAT_TRITON) and torch
-#                $(COMPAT_TORCH): the device tests (Triton interpreter) and the sm_90 AOT tests
+#   make test-compat  side venvs in .compat/ (ignored) with triton 3.6.0 and torch 2.13.0 / 2.11.0
+#                (COMPAT_TRITON, COMPAT_TORCH): the device tests (Triton interpreter) and the sm_90 AOT tests
 # Knobs: PYTHON=python3.x, GDN_PACKED_NO_CUDA=1 (skip csrc/), GDN_PACKED_CUDA_ARCHS="80;90a", ARGS=...
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
