@@ -81,12 +81,12 @@ COMPAT_TRITON ?= 3.6.0
 COMPAT_TORCH ?= 2.13.0 2.11.0
 COMPAT_AOT = $(wildcard tests/test_*aot*.py tests/test_sm90*.py)
 test-compat:
-	@mkdir -p $(COMPAT_DIR); : > $(COMPAT_DIR)/result.txt; status=0; \
+	@mkdir -p $(COMPAT_DIR); status=0; \
 	for tv in $(COMPAT_TORCH); do \
 	  env=$(COMPAT_DIR)/torch$$tv-triton$(COMPAT_TRITON); py=$$env/bin/python; \
 	  [ -x $$py ] || $(PYTHON) -m venv $$env || exit 1; \
 	  $$py -m pip install -q --disable-pip-version-check torch==$$tv triton==$(COMPAT_TRITON) numpy pybind11 \
-	    pytest packaging einops || exit 1; \
+	    pytest packaging einops rich matplotlib || exit 1; \
 	  $$py -m pip install -q --disable-pip-version-check --no-deps fla-core==0.6.0 || exit 1; \
 	  vers=$$($$py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"); \
 	  echo "== $$vers: device tests under the Triton interpreter, then AOT tests"; \
@@ -94,8 +94,8 @@ test-compat:
 	    tests 2>&1 | tee $$env/device.log | tail -n 15; dev=$${PIPESTATUS[0]}; \
 	  PYTHONPATH=$(CURDIR) $$py -m pytest -q -p no:cacheprovider $(COMPAT_AOT) 2>&1 | tee $$env/aot.log \
 	    | tail -n 15; aot=$${PIPESTATUS[0]}; \
-	  line="test-compat $$vers: device tests: $$(tail -n 1 $$env/device.log | tr -d '='), AOT: $$(tail -n 1 $$env/aot.log | tr -d '=')"; \
-	  echo "$$line" | tee -a $(COMPAT_DIR)/result.txt; \
+	  echo "test-compat $$vers: device tests: $$(tail -n 1 $$env/device.log | tr -d '='), AOT: $$(tail -n 1 \
+	    $$env/aot.log | tr -d '=')" > $$env/result.txt; \
 	  [ $$dev = 0 ] && [ $$aot = 0 ] || status=1; \
 	done; \
-	echo "== results (also in $(COMPAT_DIR)/result.txt):"; cat $(COMPAT_DIR)/result.txt; exit $$status
+	echo "== results (each venv's in $(COMPAT_DIR)/*/result.txt):"; cat $(COMPAT_DIR)/*/result.txt; exit $$status
