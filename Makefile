@@ -86,7 +86,7 @@ test-compat:
 	  env=$(COMPAT_DIR)/torch$$tv-triton$(COMPAT_TRITON); py=$$env/bin/python; \
 	  [ -x $$py ] || $(PYTHON) -m venv $$env || exit 1; \
 	  $$py -m pip install -q --disable-pip-version-check torch==$$tv triton==$(COMPAT_TRITON) numpy pybind11 \
-	    pytest packaging einops rich matplotlib || exit 1; \
+	    pytest packaging einops rich matplotlib transformers || exit 1; \
 	  $$py -m pip install -q --disable-pip-version-check --no-deps fla-core==0.6.0 || exit 1; \
 	  vers=$$($$py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"); \
 	  echo "== $$vers: device tests under the Triton interpreter, then AOT tests"; \
