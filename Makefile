@@ -4,6 +4,11 @@
 #   make test    the whole pytest suite
 #   make bench   the microbenchmark CLI (python -m bench $(ARGS)); results in bench/results/local/
 #                (ignored by git), ARGS="--help" lists the options
+#   make gpu-check [DRY_RUN=1] [OUT=DIR]   tools/gpu_check.py: the prepared check for a lent GPU
+#                (README "On a lent GPU"); DRY_RUN=1 runs it on a CPU (interpreter, tiny shapes)
+#   make gpu-wheels   the wheels the GPU machine lacks (fla-core) into .whl/ (ignored by git)
+#   make test-compat  side venvs in .compat/ (ignored) with triton 3.6.0 and torch 2.13.0 / 2.11.0
+#                (COMPAT_TRITON, COMPAT_TORCH): the device tests (Triton interpreter) and the sm_90 AOT tests
 # Knobs: PYTHON=python3.x, GDN_PACKED_NO_CUDA=1 (skip csrc/), GDN_PACKED_CUDA_ARCHS="80;90a", ARGS=...
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
@@ -20,7 +25,7 @@ NO_CUDA := $(filter-out 0 false False FALSE no No NO off Off OFF,$(GDN_PACKED_NO
 REQUIRE_C := $(if $(and $(NVCC),$(if $(NO_CUDA),,1)),1,0)
 ARGS ?=
 
-.PHONY: venv test bench clean-build
+.PHONY: venv test bench clean-build gpu-check gpu-wheels test-compat
 
 venv: $(BUILD_STAMP)
 
@@ -51,3 +56,46 @@ bench: venv
 
 clean-build:
 	rm -rf build gdn_packed/_C*.so $(BUILD_STAMP)
+
+# -- a lent GPU (README "On a lent GPU") ------------------------------------------------------------
+# gpu-check runs under .venv's python here and under the machine's python3 there (no .venv travels);
+# it needs no set-up step, since the GPU machine has no package registry.
+GPU_PY := $(if $(wildcard $(VPY)),$(VPY),python3)
+DRY_RUN ?= 0
+OUT ?=
+gpu-check:
+	$(GPU_PY) tools/gpu_check.py $(if $(filter-out 0 false no off,$(DRY_RUN)),--dry-run) $(if $(OUT),--out $(OUT))
+
+# wheels for the GPU machine's python 3.12 (pure Python: fla-core; the image has einops, packaging)
+WHEEL_DIR := .whl
+GPU_WHEELS ?= fla-core==0.6.0
+gpu-wheels:
+	$(GPU_PY) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $(WHEEL_DIR) $(GPU_WHEELS)
+	@ls -la $(WHEEL_DIR)
+
+# side venvs with the GPU image's Triton (and its torch, a CUDA build that also runs CPU tensors),
+# the in-tree package on PYTHONPATH (gdn_packed._C does not link torch, so the .so built here loads)
+COMPAT_DIR := .compat
+COMPAT_TRITON ?= 3.6.0
+COMPAT_TORCH ?= 2.13.0 2.11.0
+COMPAT_AOT = $(wildcard tests/test_*aot*.py tests/test_sm90*.py)
+test-compat:
+	@mkdir -p $(COMPAT_DIR); status=0; \
+	for tv in $(COMPAT_TORCH); do \
+	  env=$(COMPAT_DIR)/torch$$tv-triton$(COMPAT_TRITON); py=$$env/bin/python; \
+	  [ -x $$py ] || $(PYTHON) -m venv $$env || exit 1; \
+	  $$py -m pip install -q --disable-pip-version-check torch==$$tv triton==$(COMPAT_TRITON) numpy pybind11 \
+	    pytest packaging einops rich matplotlib transformers || exit 1; \
+	  $$py -m pip install -q --disable-pip-version-check --no-deps fla-core==0.6.0 || exit 1; \
+	  vers=$$($$py -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"); \
+	  echo "== $$vers: device tests under the Triton interpreter, then AOT tests"; \
+	  PYTHONPATH=$(CURDIR):$(CURDIR)/tools $$py -m pytest -q -p no:cacheprovider -p gpu_tests --device-tests \
+	    tests 2>&1 | tee $$env/device.log | tail -n 15; dev=$${PIPESTATUS[0]}; \
+	  PYTHONPATH=$(CURDIR) $$py -m pytest -q -p no:cacheprovider $(COMPAT_AOT) 2>&1 | tee $$env/aot.log \
+	    | tail -n 15; aot=$${PIPESTATUS[0]}; \
+	  echo "test-compat $$vers: device tests: $$(tail -n 1 $$env/device.log | tr -d '='), AOT: $$(tail -n 1 \
+	    $$env/aot.log | tr -d '=')" > $$env/result.txt; \
+	  [ $$dev = 0 ] && [ $$aot = 0 ] || status=1; \
+	done; \
+	echo "== results (each venv's in $(COMPAT_DIR)/*/result.txt):"; cat $(COMPAT_DIR)/*/result.txt; exit $$status

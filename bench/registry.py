@@ -145,6 +145,8 @@ _ALL = [
     _dense(1, 32768, 16, 64, source=FLA_SRC),
     _dense(1, 65536, 2, 8, source=FLA_SRC),
     Scenario(op="gdr", layout="varlen", H=16, HV=64, lengths=(1024,) * 8, source=FLA_SRC),
+    Scenario(op="gdr", layout="varlen", H=16, HV=32, lengths=(1024,) * 32,
+             source="32 sequences of 1024 tokens packed, the anchor shape's heads"),
     # model shapes
     _dense(1, 8192, 16, 32, prefix="QWEN3NEXT_", source=QWEN3NEXT_SRC),
     _dense(1, 8192, 16, 32, prefix="QWEN35_", source=QWEN35_SRC),

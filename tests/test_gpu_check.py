@@ -1,0 +1,174 @@
+"""tools/gpu_check.py (the prepared check for a lent GPU) and tools/gpu_tests.py (its pytest plugin),
+run on this CPU: `make gpu-check DRY_RUN=1` passes and prints the summary table last, a step over its
+budget is killed and reported, the plugin picks device tests by what they do and times tests out."""
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(ROOT, "tools")
+STEPS = ["env", "wheels", "build", "tests", "sanitizer", "graph", "bench"]
+
+
+def _env(**extra):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TOOLS]), PYTHONUNBUFFERED="1")
+    env.update(extra)
+    env.pop("OUT", None)
+    return env
+
+
+def _table(stdout):
+    """The summary table: the lines from the 'step status seconds' header to the 'total' line."""
+    lines = stdout.rstrip().splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("step ") and "status" in line)
+    rows = {}
+    for line in lines[start + 1:]:
+        parts = line.split()
+        if parts and not line.startswith(" "):
+            rows[parts[0]] = parts[1]
+    return lines, start, rows
+
+
+def test_make_gpu_check_dry_run_passes_and_prints_the_summary_last(tmp_path):
+    out = tmp_path / "out"
+    python = sys.executable
+    t0 = time.monotonic()
+    p = subprocess.run(["make", "-s", "gpu-check", "DRY_RUN=1", f"OUT={out}", f"GPU_PY={python}"], cwd=ROOT,
+                       env=_env(), capture_output=True, text=True, timeout=400)
+    wall = time.monotonic() - t0
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    lines, start, rows = _table(p.stdout)
+    assert "DRY RUN" in lines[start - 1]
+    assert list(rows) == STEPS + ["total"], rows
+    assert all(rows[s] in ("ok", "skipped") for s in STEPS) and rows["total"] == "ok", rows
+    assert lines[-1].startswith("total"), "the summary table is printed last"
+    # what comes back from the GPU machine: at most 8 plain files in one folder
+    files = sorted(os.listdir(out))
+    assert set(files) == {"summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench.csv", "bench.json"}
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["step"] for s in summary["steps"]] == STEPS
+    assert summary["total_s"] <= summary["budget_s"] < wall + 400
+    assert summary["env"]["torch"] and summary["env"]["dry_run"] is True
+    with open(out / "summary.csv", newline="") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == STEPS
+    with open(out / "tests.csv", newline="") as f:
+        tests = list(csv.DictReader(f))
+    assert tests and all(t["outcome"] == "passed" for t in tests), tests
+    assert any(int(t["triton_launches"]) > 0 for t in tests), "the sample ran no Triton kernel"
+    with open(out / "bench.csv", newline="") as f:
+        bench = list(csv.DictReader(f))
+    assert any(b["metric"] == "time" and b["status"] == "ok" for b in bench)
+
+
+def test_a_step_over_its_budget_is_killed_and_reported(tmp_path):
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, os.path.join(TOOLS, "gpu_check.py"), "--dry-run", "--only", "tests",
+                        "--budget", "tests=2", "--out", str(tmp_path)],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    wall = time.monotonic() - t0
+    assert p.returncode == 1, p.stdout + p.stderr
+    lines, _, rows = _table(p.stdout)
+    assert rows == {"tests": "timeout", "total": "FAIL"}, p.stdout
+    assert lines[-1].startswith("total")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"][0]["seconds"] < 2 + 3, summary     # killed at its deadline, not left to finish
+    assert wall < 2 + 20
+    assert "stopped after 2 s" in (tmp_path / "gpu_check.log").read_text()
+
+
+def test_bad_arguments_name_the_valid_choices(tmp_path):
+    script = os.path.join(TOOLS, "gpu_check.py")
+    p = subprocess.run([sys.executable, script, "--only", "tests,nope", "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=_env(), timeout=60)
+    assert p.returncode == 2 and "unknown step(s) nope" in p.stderr and "sanitizer" in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, script, "--budget", "tests=soon", "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=_env(), timeout=60)
+    assert p.returncode == 2 and "SECONDS must be a number" in p.stderr, p.stderr
+
+
+# ---- the plugin, on a small suite of its own -------------------------------------------------------------
+SUITE = {
+    "test_devicey.py": """
+        import torch
+        DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+        def test_uses_dev():
+            assert torch.ones(2, device=DEV).sum() == 2
+
+        def test_sleeps():
+            import time
+            time.sleep(5)
+    """,
+    "test_plain.py": """
+        import pytest, torch
+
+        def test_cpu_only():
+            assert torch.ones(2).sum() == 2
+
+        @pytest.mark.skipif(False, reason="needs a GPU")
+        def test_gpu_reason_runs_here():
+            pass
+
+        @pytest.mark.skipif(True, reason="needs a GPU")
+        def test_skipped_here():
+            pass
+
+        @pytest.mark.skipif(False, reason="nvcc not found (PATH, /usr/local/cuda/bin)")
+        def test_path_is_not_a_gpu_reason():
+            pass
+    """,
+    "helper_probe.py": """
+        import torch
+        ON_GPU = torch.cuda.is_available()
+    """,
+    "test_via_helper.py": """
+        import helper_probe
+
+        def test_helper():
+            assert helper_probe.ON_GPU in (True, False)
+    """,
+}
+
+
+@pytest.fixture
+def suite(tmp_path):
+    for name, text in SUITE.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    return tmp_path
+
+
+def _pytest(suite, *args):
+    env = _env(PYTHONPATH=os.pathsep.join([TOOLS, str(suite)]))
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "gpu_tests", "-p", "no:cacheprovider",
+                           "-q", *args], cwd=suite, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_plugin_keeps_the_device_tests_only(suite):
+    p = _pytest(suite, "--device-tests", "--collect-only")
+    got = sorted(line for line in p.stdout.splitlines() if "::" in line)
+    assert got == ["test_devicey.py::test_sleeps", "test_devicey.py::test_uses_dev",
+                   "test_plain.py::test_gpu_reason_runs_here", "test_via_helper.py::test_helper"], p.stdout
+    p = _pytest(suite, "--device-tests", "--device-tests-sample", "--collect-only")
+    got = sorted(line for line in p.stdout.splitlines() if "::" in line)
+    assert got == ["test_devicey.py::test_uses_dev", "test_plain.py::test_gpu_reason_runs_here",
+                   "test_via_helper.py::test_helper"], p.stdout
+
+
+def test_plugin_times_a_test_out_and_writes_one_row_per_test(suite):
+    p = _pytest(suite, "--device-tests", "--test-timeout", "1", "--tests-csv", "t.csv")
+    assert p.returncode == 1 and "1 failed, 3 passed" in p.stdout, p.stdout
+    with open(suite / "t.csv", newline="") as f:
+        rows = {r["nodeid"]: r for r in csv.DictReader(f)}
+    assert rows["test_devicey.py::test_sleeps"]["outcome"] == "failed"
+    assert "TestTimeout" in rows["test_devicey.py::test_sleeps"]["message"]
+    assert float(rows["test_devicey.py::test_sleeps"]["seconds"]) < 4, "the 5 s sleep was not cut at 1 s"
+    assert rows["test_devicey.py::test_uses_dev"]["outcome"] == "passed"
+    assert set(rows) == {"test_devicey.py::test_sleeps", "test_devicey.py::test_uses_dev",
+                         "test_plain.py::test_gpu_reason_runs_here", "test_via_helper.py::test_helper"}
