@@ -513,18 +513,29 @@ def record_cases(shapes, dtypes, modes, fla=True, log=print):
     return cases
 
 
-def compile_all(cases, log=print, workers=2):
-    """Compiles every distinct launch of the cases (threads: ptxas and LLVM run outside the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
+_TODO = []
+
+
+def _build_nth(i):
+    return build(_TODO[i])
+
+
+def compile_all(launches, log=print, workers=2):
+    """Compiles every distinct launch in forked worker processes (triton.compile holds the GIL);
+    the results land in build()'s cache."""
+    import multiprocessing
     todo = {}
-    for *_, launches in cases:
-        for lc in launches:
-            todo.setdefault(_build_key(lc), lc)
+    for lc in launches:
+        todo.setdefault(_build_key(lc), lc)
+    todo = {k: lc for k, lc in todo.items() if k not in _BUILDS}
     log(f"compiling {len(todo)} distinct kernels for sm_90")
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for i, _ in enumerate(pool.map(build, todo.values()), 1):
+    _TODO[:] = list(todo.values())
+    with multiprocessing.get_context("fork").Pool(max(1, workers)) as pool:
+        for i, (key, out) in enumerate(zip(todo, pool.imap(_build_nth, range(len(_TODO)))), 1):
+            _BUILDS[key] = out
             if i % 10 == 0 or i == len(todo):
                 log(f"  {i}/{len(todo)}")
+    _TODO.clear()
 
 
 def _rows_of(case, kappa):
