@@ -283,9 +283,7 @@ def kernels_command(argv):
         args.json, args.csv, args.txt = stem + ".json", stem + ".csv", stem + ".txt"
     t0 = time.perf_counter()
     log = lambda m: print(m, file=sys.stderr, flush=True)    # noqa: E731
-    cases = sm90.record_cases(shapes, args.dtype, args.modes, fla=fla, log=log)
-    sm90.compile_all([lc for *_, launches in cases for lc in launches], log=log)
-    rows, totals, meta = sm90.report(cases)
+    rows, totals, meta = sm90.run_report(shapes, args.dtype, args.modes, fla=fla, log=log)
     import triton
     meta.update(triton=triton.__version__, shapes={n: d for n, d in shapes}, modes=list(args.modes),
                 dtypes=list(args.dtype))

@@ -189,7 +189,7 @@ class Compiled:
     flops: float = 0.0              # per program, tile shapes x loop trips (masked lanes included)
     bytes_ld: float = 0.0           # per program, tile loads x loop trips
     bytes_st: float = 0.0
-    seq_loop: bool = False          # a loop with a data-dependent trip count holds a dot (the chunk loop)
+    seq_loop: bool = False          # a loop with a run-time trip count holds a dot (the chunk loop)
     dots: list = dataclasses.field(default_factory=list)   # (a type, b type, input precision) per tt.dot
     loop: dict = dataclasses.field(default_factory=dict)   # per-iteration SASS counts of the HGMMA loop
     hgmma: int = 0                  # whole-kernel SASS counts
@@ -288,23 +288,28 @@ def sass_instructions(sass):
 
 
 def sass_loop(ins):
-    """Per-iteration counts of the widest loop (a backward branch) whose body holds a warpgroup MMA
-    (inner loops counted once): HGMMA, instructions (NOPs left out), wgmma waits, CTA barriers,
-    conversions to bf16/fp16 (F2FP). {} when no loop holds one."""
+    """Per-iteration counts of the widest loop (a backward branch) whose body holds a tensor-core MMA
+    (HGMMA: warpgroup MMA; HMMA: a warp's mma.sync, what Triton emits with fewer than 4 warps), inner
+    loops counted once: HGMMA, HMMA, instructions (NOPs left out), wgmma waits, CTA barriers, conversions
+    to bf16/fp16 (F2FP), and mma_cycles, the tensor-pipe issue cycles of those MMAs (HGMMA 64xNxk: N/2;
+    HMMA m16n8k16: 8, m16n8k8: 4). {} when no loop holds one."""
     best = None
     for a, op, rest in ins:
         m = re.match(r"(0x[0-9a-f]+)", rest)
         if op == "BRA" and m and int(m.group(1), 16) < a:
             lo = int(m.group(1), 16)
             body = [o for x, o, _ in ins if lo <= x <= a]
-            if any(o.startswith("HGMMA") for o in body) and (best is None or a - lo > best[0]):
+            if any(o.startswith(("HGMMA", "HMMA")) for o in body) and (best is None or a - lo > best[0]):
                 best = (a - lo, body)
     if best is None:
         return {}
     body = best[1]
-    shapes = [re.match(r"HGMMA\.64x(\d+)x", o) for o in body]
-    return dict(hgmma_cycles=sum(int(m.group(1)) / 2 for m in shapes if m),
-                hgmma=sum(o.startswith("HGMMA") for o in body), instr=sum(not o.startswith("NOP") for o in body),
+    cycles = 0.0
+    for o in body:
+        m = re.match(r"HGMMA\.64x(\d+)x", o)
+        cycles += int(m.group(1)) / 2 if m else 8 if o.startswith("HMMA.16816") else 4 if o.startswith("HMMA") else 0
+    return dict(mma_cycles=cycles, hgmma=sum(o.startswith("HGMMA") for o in body),
+                hmma=sum(o.startswith("HMMA") for o in body), instr=sum(not o.startswith("NOP") for o in body),
                 waits=sum(o.startswith("WARPGROUP.DEPBAR") for o in body),
                 bars=sum(o.startswith("BAR.") for o in body), f2fp=sum(o.startswith("F2FP") for o in body))
 
@@ -354,11 +359,11 @@ def _int_values(text, scalars):
     vals = {f"%{k}": v for k, v in scalars.items() if isinstance(v, int)}
     for s in text.splitlines():
         s = s.strip()
-        m = re.match(r"(%[\w.]+) = arith\.constant (-?\d+) : i\d+", s)
+        m = re.match(r"(%[\w.-]+) = arith\.constant (-?\d+) : i\d+", s)
         if m:
             vals[m.group(1)] = int(m.group(2))
             continue
-        m = re.match(r"(%[\w.]+) = arith\.(\w+) (%[\w.#]+)(?:, (%[\w.#]+))?", s)
+        m = re.match(r"(%[\w.-]+) = arith\.(\w+) (%[\w.#-]+)(?:, (%[\w.#-]+))?", s)
         if not m:
             continue
         name, op, a, b = m.groups()
@@ -371,11 +376,11 @@ def _int_values(text, scalars):
 
 def read_ttir(text, scalars, seq_chunks):
     """Per-program FLOPs (tt.dot: 2 M N K), loaded/stored tile bytes, the dots' operand types and input
-    precision, and whether a loop with a data-dependent trip count holds a dot (the sequential chunk
-    loop: assumed to run seq_chunks times). Loop trip counts come from constants and the scalar
-    arguments; a data-dependent loop without a dot (padding rows) is assumed to run 0 times (the
-    report's shapes have no padding); both branches of an if are counted."""
-    vals = _int_values(text, scalars)
+    precision, and whether a loop whose trip count is not a compile-time constant holds a dot (the
+    sequential chunk loop). Trip counts come from constants and the scalar arguments; a loop whose
+    bounds are loaded from memory runs seq_chunks times if it holds a dot (the chunk loop) and 0 times
+    if not (padding rows: the report's shapes have none); both branches of an if are counted."""
+    vals, consts = _int_values(text, scalars), _int_values(text, {})
     acc = dict(flops=0.0, ld=0.0, st=0.0, seq_loop=False, dots=[])
 
     def has_dot(node):
@@ -384,13 +389,13 @@ def read_ttir(text, scalars, seq_chunks):
     def walk(node, mult):
         for x in node["items"]:
             if isinstance(x, dict):
-                m = re.search(r"scf\.for %[\w.]+ = (%[\w.#]+) to (%[\w.#]+) step (%[\w.#]+)", x["head"])
+                m = re.search(r"scf\.for %[\w.-]+ = (%[\w.#-]+) to (%[\w.#-]+) step (%[\w.#-]+)", x["head"])
                 trips = 1
                 if m:
+                    acc["seq_loop"] |= has_dot(x) and any(v not in consts for v in m.groups())
                     lb, ub, st = (vals.get(v) for v in m.groups())
                     if None in (lb, ub, st):
                         trips = seq_chunks if has_dot(x) else 0
-                        acc["seq_loop"] |= has_dot(x)
                     else:
                         trips = max(0, -(-(ub - lb) // st))
                 walk(x, mult * trips)
@@ -562,7 +567,7 @@ def _rows_of(case, kappa):
             candidates=len(cands), grid="x".join(map(str, lc.grid)), ctas=lc.programs, warps=lc.num_warps,
             stages=lc.num_stages, regs=c.regs, smem_kb=round(c.smem / 1024, 1), spill_b=c.spill,
             ctas_per_sm=est.get("ctas_per_sm", 0), waves=est.get("waves", 0),
-            loop_hgmma=loop.get("hgmma", ""), loop_instr=loop.get("instr", ""), loop_waits=loop.get("waits", ""),
+            loop_hgmma=loop.get("hgmma", ""), loop_hmma=loop.get("hmma", ""), loop_instr=loop.get("instr", ""), loop_waits=loop.get("waits", ""),
             loop_bars=loop.get("bars", ""), loop_f2fp=loop.get("f2fp", ""), dots=dot_precision(c),
             hbm_gb=round(est.get("hbm_bytes", 0) / 1e9, 4), gflop=round(est.get("flops", 0) / 1e9, 2),
             bound=est.get("bound", ""), est_us=round(est["est_s"] * 1e6, 1) if c.error == "" else "",
@@ -593,7 +598,31 @@ def report(cases):
     for t in totals.values():
         fla = totals.get(("fla", t["shape"], t["dtype"], t["mode"]))
         t["vs_fla"] = round(t["est_us"] / fla["est_us"], 2) if fla and fla["est_us"] else ""
-    return rows, list(totals.values()), dict(kappa=round(kappa, 3), calibrated=calibrated)
+    clamped = calibrated and kappa in (0.0, M.KAPPA_MAX)
+    return rows, list(totals.values()), dict(kappa=round(kappa, 3), calibrated=calibrated and not clamped,
+                                             calibration_clamped=clamped)
+
+
+def run_report(shapes, dtypes, modes, fla=True, log=print):
+    """(rows, totals, meta) of the whole report. An autotuned (FLA) kernel's configs are all compiled
+    and modelled at the first shape only; the other shapes keep the config chosen there (FLA's
+    autotune keys hold the head counts and dims, not the token count), which saves ~2/3 of the compiles."""
+    cases = record_cases(shapes, dtypes, modes, fla=fla, log=log)
+    first = [cs for cs in cases if cs[1] == shapes[0][0]]
+    compile_all([lc for *_, launches in first for lc in launches], log=log)
+    rows, _, _ = report(first)
+    chosen = {(r["impl"], r["dtype"], r["mode"], r["kernel"]): r["config"] for r in rows if r["candidates"] > 1}
+
+    def keep(case):
+        impl, name, dims, dt, launches = case
+        if name == shapes[0][0]:
+            return case
+        return (impl, name, dims, dt, [lc for lc in launches if chosen.get(
+            (impl, dt, lc.phase, lc.kernel), lc.config_text()) == lc.config_text()])
+
+    cases = [keep(cs) for cs in cases]
+    compile_all([lc for *_, launches in cases for lc in launches], log=log)
+    return report(cases)
 
 
 COLUMNS = [("impl", 4), ("mode", 3), ("kernel", 44), ("config", 22), ("ctas", 6), ("warps", 2), ("regs", 3),
@@ -606,12 +635,20 @@ HEAD = dict(impl="impl", mode="dir", kernel="kernel", config="config", ctas="CTA
             bound="bnd", est_us="est us")
 
 
+def _calibration_text(meta):
+    if meta.get("calibration_clamped"):
+        return "NOT calibrated: no kappa in the model's range gives FLA's 1.89 ms; clamped"
+    if meta["calibrated"]:
+        return "calibrated: FLA 0.6.0 bf16 forward at the anchor = 1.89 ms on an H200"
+    return "default, not calibrated: FLA not recorded at the anchor shape"
+
+
 def format_table(rows, totals, meta):
     """The text report: one table per (shape, dtype), then the totals."""
     out = [f"static sm_90 report (no GPU): triton {meta.get('triton', '?')}, model kappa = {meta['kappa']} "
-           f"cycles/instruction ({'calibrated: FLA 0.6.0 bf16 forward at the anchor = 1.89 ms on an H200' if meta['calibrated'] else 'default, not calibrated (FLA not recorded at the anchor)'}).",
+           f"cycles/instruction ({_calibration_text(meta)}).",
            "est us is a MODEL ESTIMATE (bench/NOTES.md, 'sm_90 report'), not a measurement. HGM/inst/wt/bar: per "
-           "iteration of the sequential chunk loop (SASS).", ""]
+           "iteration of the sequential chunk loop (SASS; HGM 'Nh': N HMMA, no HGMMA).", ""]
     keys = list(dict.fromkeys((r["shape"], r["dtype"]) for r in rows))
     for shape, dt in keys:
         out.append(f"== {shape} {dt}")
@@ -623,6 +660,8 @@ def format_table(rows, totals, meta):
             cells = []
             for c, w in COLUMNS:
                 v = r[c]
+                if c == "loop_hgmma" and r["loop_hmma"]:
+                    v = f"{r['loop_hmma']}h"
                 if c == "config" and r["candidates"] > 1:
                     v = f"{v} ({r['candidates']})"
                 left = c in ("kernel", "config", "impl", "dots", "bound", "mode")

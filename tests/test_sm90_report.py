@@ -59,6 +59,7 @@ TTIR = """
     %c0_i32 = arith.constant 0 : i32
     %c1_i32 = arith.constant 1 : i32
     %c32_i32 = arith.constant 32 : i32
+    %c-1_i32 = arith.constant -1 : i32
     %0 = arith.muli %n, %c32_i32 : i32
     %1 = tt.load %c : !tt.ptr<i32>
     scf.for %i = %c0_i32 to %0 step %c32_i32  : i32 {
@@ -72,6 +73,9 @@ TTIR = """
     scf.for %j2 = %c0_i32 to %1 step %c1_i32  : i32 {
       tt.store %q, %e : tensor<64x16x!tt.ptr<f32>>
     }
+    scf.for %j3 = %c-1_i32 to %n step %c1_i32  : i32 {
+      tt.store %q, %e : tensor<64x16x!tt.ptr<f32>>
+    }
     tt.return
   }
 """
@@ -80,12 +84,18 @@ TTIR = """
 def test_ttir_reader_counts_tiles_and_trips():
     r = sm90.read_ttir(TTIR, {"n": 3}, seq_chunks=5)
     # loop 1: 3 trips (n x 32 / 32) of a 64x32 bf16 load and a 64x16x32 dot; loop 2: data-dependent
-    # with a dot, 5 trips; loop 3: data-dependent without a dot, 0 trips
+    # with a dot, 5 trips; loop 3: data-dependent without a dot, 0 trips; loop 4: -1 to n, n + 1 trips
     assert r["ld"] == 4 + 3 * 64 * 32 * 2
-    assert r["st"] == 5 * 64 * 16 * 4
+    assert r["st"] == (5 + 4) * 64 * 16 * 4
     assert r["flops"] == 3 * 2 * 64 * 16 * 32 + 5 * 2 * 64 * 16 * 64
     assert r["seq_loop"]
     assert sorted(set(r["dots"])) == [("bf16", "bf16", "tf32"), ("f32", "f32", "tf32x3")]
+
+
+def test_constant_trip_loop_is_not_the_chunk_loop():
+    text = TTIR.replace("%0 step %c32_i32", "%c32_i32 step %c1_i32").split("    scf.for %j =")[0] + "  }"
+    r = sm90.read_ttir(text, {"n": 3}, seq_chunks=5)
+    assert not r["seq_loop"] and r["flops"] == 32 * 2 * 64 * 16 * 32
 
 
 SASS = """
@@ -103,7 +113,14 @@ SASS = """
 
 def test_sass_loop_counts_one_iteration():
     loop = sm90.sass_loop(sm90.sass_instructions(SASS))
-    assert loop == dict(hgmma=2, hgmma_cycles=16 + 32, instr=6, waits=1, bars=1, f2fp=1)
+    assert loop == dict(hgmma=2, hmma=0, mma_cycles=16 + 32, instr=6, waits=1, bars=1, f2fp=1)
+
+
+def test_sass_loop_of_mma_sync_kernels():
+    sass = SASS.replace("HGMMA.64x32x16.F32.BF16", "HMMA.16816.F32.BF16").replace("HGMMA.64x64x16.F32.BF16",
+                                                                                  "HMMA.16816.F32.BF16")
+    loop = sm90.sass_loop(sm90.sass_instructions(sass))
+    assert loop["hgmma"] == 0 and loop["hmma"] == 2 and loop["mma_cycles"] == 16
 
 
 @pytest.mark.parametrize("regs, smem, warps, want", [
@@ -111,6 +128,7 @@ def test_sass_loop_counts_one_iteration():
     (155, 111 * 1024, 4, 2),  # the issue's no-split figure: 2 CTAs
     (255, 8192, 4, 2),        # registers bound: 256 x 128 threads = 32K of 64K
     (32, 0, 8, 8),            # warps bound: 64 / 8
+    (128, 232.5 * 1024, 4, 0),  # more shared memory than an SM has
 ])
 def test_ctas_per_sm(regs, smem, warps, want):
     assert M.ctas_per_sm(regs, smem, warps) == want
