@@ -15,10 +15,24 @@ from bench import sm90_model as M
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run_cli(*args, timeout=600):
+RECORD = """
+import json, torch
+from bench import sm90
+rec = sm90.Recorder()
+with sm90.fake_hopper(), rec.active():
+    sm90.record_ours(rec, (1, 128, 2, 4, 64, 64), torch.bfloat16, ("fwd", "bwd"))
+print(json.dumps([[lc.phase, lc.kernel] for lc in rec.launches]))
+"""
+
+
+def _env():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "bench", "kernels", *args], env=env, cwd=ROOT,
+    return env
+
+
+def _run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "bench", "kernels", *args], env=_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -32,12 +46,11 @@ def test_small_shape_report_lists_every_launch(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = data["rows"]
-    # the launches the launchers record at this shape, each one row
-    import torch
-    rec = sm90.Recorder()
-    with sm90.fake_hopper(), rec.active():
-        sm90.record_ours(rec, (1, 128, 2, 4, 64, 64), torch.bfloat16, ("fwd", "bwd"))
-    assert [(r["mode"], r["kernel"]) for r in rows] == [(lc.phase, lc.kernel) for lc in rec.launches]
+    # the launches the launchers record at this shape (outside the interpreter), each one row
+    launched = subprocess.run([sys.executable, "-c", RECORD], env=_env(), cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert [[r["mode"], r["kernel"]] for r in rows] == json.loads(launched.stdout.splitlines()[-1])
     for r in rows:
         assert not r["error"], r
         assert 0 < r["regs"] <= 255 and r["smem_kb"] <= 227 and r["ctas_per_sm"] >= 1, r
