@@ -1,0 +1,144 @@
+"""Ahead-of-time check of every Triton kernel the chunked gated delta rule can launch, for the H200
+(sm_90), without a GPU: one harness for the forward and the backward.
+
+The launches are not listed here: bench/sm90.py runs the op bodies (backend="triton") on meta tensors
+with JITFunction.run recording each launch (kernel, signature, constexprs, options, grid) instead of
+running it, for every case below, and compiles each distinct launch with triton.compile for sm_90 (in
+a subprocess without TRITON_INTERPRET, which replaces @triton.jit with something AOT cannot compile).
+Cases: every variant (l2norm, initial state, final-state gradient dht, gates from raw a/b: all 16
+combinations) in bf16, fp16 and fp32 at K = V = 128; the default and the all-on variant at K = V in
+{16, 64, 256}; the all-on variant at (K, V) = (16, 256), (256, 16), (64, 128): every block/warp/stage
+config the dispatcher picks for head sizes 16 to 256 (BK, BV, warps and stages change at these
+sizes) is compiled, about 230 distinct kernels (~10 minutes on 2 cores, cached by Triton after). Asserted per case: every kernel compiles, shared
+memory <= 227 KB, no register spills, warpgroup MMA (HGMMA) in the kernels with bf16/fp16 dots; and
+the fp32 kernels' dots use the input precision that the launcher declares."""
+import functools
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SMEM_LIMIT = 227 * 1024
+FLAGS = ("l2norm", "h0", "dht", "gates")
+DTYPES = ("bf16", "fp16", "fp32")
+HOT = (2, 128, 16, 32)          # N, L, H, HV: head counts only change index constants, not tiles
+SQUARE = (16, 64, 256)                   # K = V, default and all-on variants (128: every variant)
+MIXED = [(16, 256), (256, 16), (64, 128)]  # K != V, all-on variant
+
+
+def _case_id(dt, K, V, flags):
+    on = [f for f, x in zip(FLAGS, flags) if x]
+    return f"{dt}-K{K}-V{V}-" + ("+".join(on) or "plain")
+
+
+def cases():
+    """(dtype, K, V, flags) of every case, flags a tuple of bools in FLAGS order."""
+    out = [(dt, 128, 128, fl) for dt in DTYPES for fl in itertools.product((False, True), repeat=4)]
+    out += [(dt, K, K, fl) for dt in DTYPES for K in SQUARE for fl in ((False,) * 4, (True,) * 4)]
+    out += [(dt, K, V, (True,) * 4) for dt in DTYPES for K, V in MIXED]
+    return out
+
+
+def _compile_all():
+    """Runs in the subprocess: one JSON line per (case, launch)."""
+    import torch
+
+    from bench import sm90
+    rec = sm90.Recorder()
+    recorded = []
+    with sm90.fake_hopper(), rec.active():
+        for dt, K, V, flags in cases():
+            rec.launches = []
+            sm90.record_ours(rec, HOT[:2] + HOT[2:] + (K, V), getattr(torch, sm90._DTYPES[dt]), ("fwd", "bwd"),
+                             **dict(zip(FLAGS, flags)))
+            recorded += [(_case_id(dt, K, V, flags), lc) for lc in rec.launches]
+    sm90.compile_all([lc for _, lc in recorded], log=lambda m: print(m, file=sys.stderr),
+                     workers=max(1, min(4, os.cpu_count() or 1)))
+    for case, lc in recorded:
+        c = sm90.compile_launch(lc, seq_chunks=2)
+        print(json.dumps(dict(case=case, kernel=lc.kernel, phase=lc.phase, config=lc.config_text(),
+                              regs=c.regs, smem=c.smem, spill=c.spill, hgmma=c.hgmma, error=c.error,
+                              dots=sorted(set(map(tuple, c.dots))))), flush=True)
+
+
+def fp32_dot_precisions(rows):
+    """{kernel: sorted input precisions of its dots with fp32 operands} over compiled fp32 rows."""
+    out = {}
+    for r in rows:
+        if r["case"].startswith("fp32"):
+            out.setdefault(r["kernel"], set()).update(p for a, b, p in r["dots"] if "f32" in (a, b))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def declared_fp32_precision():
+    """The input precision the launcher declares for fp32 dots (gdn_packed.triton.chunk.FP32_DOT_PRECISION),
+    or None when it declares none."""
+    from gdn_packed.triton import chunk
+    return getattr(chunk, "FP32_DOT_PRECISION", None)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled():
+    """{case id: [row per launch]}, from one subprocess that compiles every case."""
+    from bench.sm90 import toolchain_missing
+    why = toolchain_missing()
+    if why:
+        pytest.skip(why)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out.setdefault(r["case"], []).append(r)
+    return out
+
+
+TITLE = "AOT sm_90: every launch of every variant (triton.compile + cuobjdump)"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=_case_id(*c)) for c in cases()])
+def test_variant_compiles_for_sm90_without_spills(case, report_table):
+    rows = compiled()[_case_id(*case)]
+    assert rows, "the launchers recorded no launch"
+    bad = []
+    for r in rows:
+        name = f"{r['case']:34s} {r['phase']} {r['kernel']:34s} {r['config']:22s}"
+        if r["error"]:
+            report_table(TITLE, f"{name} FAILED {r['error'][-100:]}")
+            bad.append(f"{r['kernel']}: {r['error']}")
+            continue
+        report_table(TITLE, f"{name} regs {r['regs']:3d}  smem {r['smem'] / 1024:6.1f} KB  spill {r['spill']:5d} B  "
+                            f"HGMMA {r['hgmma']:3d}")
+        if r["smem"] > SMEM_LIMIT:
+            bad.append(f"{r['kernel']} {r['config']}: shared memory {r['smem']} B > {SMEM_LIMIT}")
+        if r["spill"]:
+            bad.append(f"{r['kernel']} {r['config']}: {r['spill']} B of register spills")
+        low = any(a in ("bf16", "f16") for a, _, _ in r["dots"])
+        if low and not r["hgmma"]:
+            bad.append(f"{r['kernel']} {r['config']}: bf16/fp16 dots but no HGMMA (warpgroup MMA) in the SASS")
+    assert not bad, "\n".join(bad)
+
+
+def test_fp32_dots_use_the_declared_precision(report_table):
+    """Every fp32-operand dot of the fp32 kernels uses the precision the launcher declares (docs/DESIGN.md
+    section 7: either tf32x3/ieee with the 1e-5 budget, or tf32 with the GPU budgets)."""
+    found = fp32_dot_precisions([r for rows in compiled().values() for r in rows])
+    for kernel, precs in found.items():
+        report_table("AOT sm_90: input precision of the fp32 dots", f"{kernel:40s} {', '.join(precs) or '-'}")
+    declared = declared_fp32_precision()
+    assert declared, ("gdn_packed.triton.chunk declares no FP32_DOT_PRECISION; the fp32 kernels use "
+                      f"{found}")
+    wrong = {k: p for k, p in found.items() if set(p) - {declared}}
+    assert not wrong, f"fp32 dots not in the declared {declared!r}: {wrong}"
+
+
+if __name__ == "__main__":
+    _compile_all()
