@@ -9,7 +9,13 @@ import triton
 from gdn_packed.triton.chunk_bwd import (chunk_bwd_dstate_kernel, chunk_bwd_finalize_kernel,
                                         chunk_bwd_grads_kernel)
 from gdn_packed.triton.chunk_fwd import chunk_fwd_prep_kernel, chunk_fwd_state_kernel
-from gdn_packed.triton.configs import CHUNK, bwd_configs, prep_config, smem_kb, state_config
+from gdn_packed.triton.configs import (CHUNK, bwd_configs, dot_precision, prep_config, smem_kb,
+                                      state_config)
+
+# input_precision of every dot with fp32 operands in the fp32 path (configs.dot_precision: tf32, so
+# fp32 inputs are held to the GPU fp32 budgets on a GPU); tests/test_sm90_aot.py reads the compiled
+# fp32 kernels and checks their dots against it
+FP32_DOT_PRECISION = dot_precision(torch.float32)
 
 
 def _check_chunk(C):
