@@ -13,6 +13,7 @@ inside this process. Cases (each returns measurements; the asserts live in test_
     cp      CP=2 over gloo, two CPU processes: ours vs ours at CP=1 and vs Megatron's block at CP=2
     cp_tp   CP=2 x TP=2 (+ sequence parallel) over gloo, four CPU processes, vs CP=1 x TP=1
 """
+import contextlib
 import json
 import os
 import sys
@@ -63,6 +64,13 @@ def local_submodules(out_norm=None):
     return GatedDeltaNetSubmodules(
         in_proj=ColumnParallelLinear, out_norm=out_norm or LocalSpecProvider().layer_norm(rms_norm=True),
         out_proj=RowParallelLinear)
+
+
+class PlainLayerNorm:
+    """torch.nn.LayerNorm as an out_norm spec: a norm the block does not fuse with the gate."""
+
+    def __new__(cls, config, hidden_size, eps):
+        return torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
 
 
 class PlainRMSNorm:
@@ -244,9 +252,15 @@ def case_oracle():
 
 def case_packed():
     """Ours alone, config.deterministic_mode=True: packed THD (with alignment padding, a zero-length
-    sequence and a padding tail) equals each sequence run alone, bit for bit; gradients are
-    bit-identical run to run; the forward+backward does no host sync; SBHD batch 3 equals its rows
-    run one by one. fla-core and causal-conv1d are made unimportable first.
+    sequence and a padding tail) equals each sequence run alone, bit for bit; outputs and gradients
+    are bit-identical run to run; the forward+backward does no host sync; NaN in the padding rows of
+    the input changes no real row and no parameter gradient; SBHD batch 3 equals its rows run one by
+    one. fla-core and causal-conv1d are made unimportable first.
+
+    Two schedules of the torch backend are checked (gdn_packed/torch_ref/chunk.py): the CPU one
+    (chunks planned from cu_seqlens read on the host) and, inside no_host_sync, the one of CUDA
+    tensors. They round differently by design (32- vs 64-row chunks), so run to run and packed vs
+    alone are compared within each schedule.
 
     Bitwise packing needs sequences of >= 12 tokens: MKL's GEMM in Megatron's linear layers takes
     another path for 1-11 rows (not row-invariant in the last bit; our kernels are), so sequences
@@ -254,6 +268,7 @@ def case_packed():
     for name in ("fla", "causal_conv1d"):  # the block must run without them: make them unimportable
         sys.modules[name] = None
     from gdn_packed.megatron import GatedDeltaNet
+    from gdn_packed.ops._common import device_schedule
     from gdn_packed.testing import no_host_sync
     res = {}
     ours = build(GatedDeltaNet, config(deterministic_mode=True), conv_bias=True)
@@ -269,33 +284,33 @@ def case_packed():
         wts = torch.randn(x.shape, generator=gen)
         psp = thd_params(cu, pad)
         with no_host_sync():
-            out, dx, grads = fwd_bwd(ours, x, psp, wts)
+            device_run = fwd_bwd(ours, x, psp, wts)
         res[tag + "host_sync_free"] = True
-        out2, dx2, grads2 = fwd_bwd(ours, x, psp, wts)
-        res[tag + "run_to_run_bitwise"] = (torch.equal(out, out2) and torch.equal(dx, dx2)
-                                           and all(torch.equal(grads[n], grads2[n]) for n in grads))
-        res[tag + "pad_out_zero"] = bool((out[~real] == 0).all())
-        res[tag + "pad_dx_zero"] = bool((dx[~real] == 0).all())
-        res[tag + "finite"] = bool(torch.isfinite(out).all() and torch.isfinite(dx).all())
+        with device_schedule():
+            device_again = fwd_bwd(ours, x, psp, wts)
+        host_run, host_again = fwd_bwd(ours, x, psp, wts), fwd_bwd(ours, x, psp, wts)
+        res[tag + "run_to_run_bitwise"] = (_bitwise(device_run, device_again)
+                                           and _bitwise(host_run, host_again))
+        runs = (host_run, device_run)
+        res[tag + "pad_out_zero"] = all(bool((out[~real] == 0).all()) for out, _, _ in runs)
+        res[tag + "pad_dx_zero"] = all(bool((dx[~real] == 0).all()) for _, dx, _ in runs)
+        res[tag + "finite"] = all(bool(torch.isfinite(out).all() and torch.isfinite(dx).all())
+                                  for out, dx, _ in runs)
 
-        # each sequence alone, as a one-sequence THD batch without padding
-        alone_out, alone_dx = torch.zeros_like(out), torch.zeros_like(dx)
-        alone_grads = {n: torch.zeros_like(g) for n, g in grads.items()}
-        for i, n in enumerate(lengths):
-            if n == 0:
-                continue
-            s = int(pad[i])
-            one = thd_params(torch.tensor([0, n], dtype=torch.int32))
-            o, d, g = fwd_bwd(ours, x[s:s + n], one, wts[s:s + n])
-            alone_out[s:s + n], alone_dx[s:s + n] = o, d
-            for k in g:
-                alone_grads[k] += g[k]
-        res[tag + "packed_vs_alone_out_bitwise"] = torch.equal(out[real], alone_out[real])
-        res[tag + "packed_vs_alone_dx_bitwise"] = torch.equal(dx[real], alone_dx[real])
-        res[tag + "packed_vs_alone_out_rel"] = rel(out[real], alone_out[real])
-        res[tag + "packed_vs_alone_dx_rel"] = rel(dx[real], alone_dx[real])
+        # each sequence alone, as a one-sequence THD batch without padding, in either schedule
+        alone = {}
+        for sched, (out, dx, grads) in zip(("host", "device"), runs):
+            with device_schedule() if sched == "device" else contextlib.nullcontext():
+                alone[sched] = _alone(ours, x, wts, lengths, pad, out, dx, grads)
+        pairs = [(run, alone[sched]) for sched, run in zip(("host", "device"), runs)]
+        res[tag + "packed_vs_alone_out_bitwise"] = all(torch.equal(p[0][real], a[0][real]) for p, a in pairs)
+        res[tag + "packed_vs_alone_dx_bitwise"] = all(torch.equal(p[1][real], a[1][real]) for p, a in pairs)
+        res[tag + "packed_vs_alone_out_rel"] = max(rel(p[0][real], a[0][real]) for p, a in pairs)
+        res[tag + "packed_vs_alone_dx_rel"] = max(rel(p[1][real], a[1][real]) for p, a in pairs)
         # parameter gradients are sums over tokens: same terms, another summation order
-        res[tag + "packed_vs_alone_grads_rel"] = max(rel(grads[n], alone_grads[n]) for n in grads)
+        res[tag + "packed_vs_alone_grads_rel"] = max(rel(p[2][n], a[2][n]) for p, a in pairs for n in p[2])
+
+    res.update(_nan_padding(gen))
 
     # SBHD batch 3 == each batch row alone
     xb = torch.randn(50, 3, HIDDEN, generator=gen)
@@ -311,6 +326,55 @@ def case_packed():
     res["float64_ops"] = _float64_ops(ours, xb, wb)
     res["ran_without_fla_and_causal_conv1d"] = not any(
         m.split(".")[0] in ("fla", "causal_conv1d") and mod is not None for m, mod in sys.modules.items())
+    return res
+
+
+def _bitwise(a, b):
+    """Two fwd_bwd results (out, dx, {param: grad}) are bit-identical."""
+    return (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            and all(torch.equal(a[2][n], b[2][n]) for n in a[2]))
+
+
+def _alone(block, x, wts, lengths, pad, out, dx, grads):
+    """(out, dx, summed param grads) of every sequence run alone as a one-sequence THD batch,
+    placed at its storage rows (zeros elsewhere); shaped like the packed run's out, dx, grads."""
+    alone_out, alone_dx = torch.zeros_like(out), torch.zeros_like(dx)
+    alone_grads = {n: torch.zeros_like(g) for n, g in grads.items()}
+    for i, n in enumerate(lengths):
+        if n == 0:
+            continue
+        s = int(pad[i])
+        o, d, g = fwd_bwd(block, x[s:s + n], thd_params(torch.tensor([0, n], dtype=torch.int32)),
+                          wts[s:s + n])
+        alone_out[s:s + n], alone_dx[s:s + n] = o, d
+        for k in g:
+            alone_grads[k] += g[k]
+    return alone_out, alone_dx, alone_grads
+
+
+def _nan_padding(gen):
+    """NaN in the padding rows (alignment gaps and a tail) of the block input, with the fused
+    gated-RMSNorm out_norm and with an out_norm that is not fused (LayerNorm): every real row's
+    output and input gradient and every parameter gradient is bit-identical to the clean run
+    (so finite), padding rows of the output and input gradient are 0."""
+    from gdn_packed.megatron import GatedDeltaNet
+    res = {}
+    cu, pad, rows, real = layout([70, 12, 0, 64, 45], ALIGN)
+    real = torch.cat([real, torch.zeros(7, dtype=torch.bool)])
+    x = torch.randn(real.shape[0], 1, HIDDEN, generator=gen)
+    wts = torch.randn(x.shape, generator=gen)
+    poisoned = x.masked_fill(~real[:, None, None], float("nan"))
+    psp = thd_params(cu, pad)
+    for tag, norm in (("fused", None), ("unfused", PlainLayerNorm)):
+        block = build(GatedDeltaNet, config(), out_norm=norm, conv_bias=True)
+        load(block, full_weights(conv_bias=True))
+        (o, d, g), (po, pd, pg) = fwd_bwd(block, x, psp, wts), fwd_bwd(block, poisoned, psp, wts)
+        res[f"nan_pad_{tag}_norm_fused"] = block.out_norm_fused
+        res[f"nan_pad_{tag}_real_rows_bitwise"] = (torch.equal(po[real], o[real])
+                                                  and torch.equal(pd[real], d[real]))
+        res[f"nan_pad_{tag}_pad_rows_zero"] = bool((po[~real] == 0).all() and (pd[~real] == 0).all())
+        res[f"nan_pad_{tag}_grads_finite"] = all(bool(torch.isfinite(t).all()) for t in pg.values())
+        res[f"nan_pad_{tag}_grads_bitwise"] = all(torch.equal(pg[n], g[n]) for n in g)
     return res
 
 

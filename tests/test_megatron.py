@@ -135,10 +135,25 @@ def test_packed_short_sequences_equal_alone(packed):
 
 @pytest.mark.parametrize("tag", ["", "short_"])
 def test_padding_zero_run_to_run_bitwise_no_host_sync(packed, tag):
+    """Padding rows 0 in the output and input gradient, everything finite, bit-identical run to run
+    in each of the torch backend's two schedules (CPU: planned on the host; CUDA's, run on CPU
+    inside no_host_sync, which also checks that it reads nothing back)."""
     assert packed[tag + "finite"]
     assert packed[tag + "pad_out_zero"] and packed[tag + "pad_dx_zero"]
     assert packed[tag + "run_to_run_bitwise"]
     assert packed[tag + "host_sync_free"]
+
+
+@pytest.mark.parametrize("norm", ["fused", "unfused"])
+def test_nan_in_padding_rows_reaches_no_real_row_or_parameter_gradient(packed, norm):
+    """NaN in the padding rows of the block input (THD with alignment gaps and a tail), with the
+    fused gated-RMSNorm out_norm and with one that is not fused (LayerNorm): real rows' outputs and
+    input gradients and all parameter gradients are bit-identical to a clean run, padding is 0."""
+    assert packed[f"nan_pad_{norm}_norm_fused"] == (norm == "fused")
+    assert packed[f"nan_pad_{norm}_real_rows_bitwise"]
+    assert packed[f"nan_pad_{norm}_pad_rows_zero"]
+    assert packed[f"nan_pad_{norm}_grads_finite"]
+    assert packed[f"nan_pad_{norm}_grads_bitwise"]
 
 
 def test_runs_without_fla_or_causal_conv1d(packed):

@@ -18,7 +18,8 @@ of every section's heads for whole sequences, see `context_parallel.py`):
     out     = out_proj(y)                                                  (RowParallelLinear, SP scatter)
 
 THD input (`PackedSeqParams(qkv_format="thd")`, batch 1): real lengths from `cu_seqlens_q`, storage
-offsets from `cu_seqlens_q_padded` when given. Padding rows are skipped by every kernel and are 0 in
+offsets from `cu_seqlens_q_padded` when given. Padding rows are replaced by 0 on entry (by selection,
+so NaN/Inf there reach no real row and no parameter gradient), skipped by every kernel, and are 0 in
 the output (and get 0 gradient); nothing reads cu_seqlens back to the host unless validating
 (GDN_PACKED_VALIDATE=1). SBHD input: any batch, each row one sequence.
 """
@@ -221,11 +222,19 @@ class GatedDeltaNet(MegatronModule):
             raise NotImplementedError("gdn_packed.megatron.GatedDeltaNet does not support inference "
                                       "(inference_context) yet")
         cu_seqlens, cu_seqlens_padded = self._packed_layout(packed_seq_params, hidden_states)
+        cp, rank = self.cp_size, self.cp_group.rank()
+        rows = hidden_states.shape[0] * self.sp_size * cp     # S, all rows of the sequences
+        if cp > 1:
+            gather, scatter = self._cp_row_order(cu_seqlens, cu_seqlens_padded, rows, hidden_states.device)
+        if cu_seqlens is not None:
+            # padding rows replaced by 0 on entry (selection): whatever they hold (NaN/Inf), they add
+            # nothing to the in_proj weight gradient, and every row after is finite
+            real = self._local_real_rows(cu_seqlens, cu_seqlens_padded, rows, None if cp == 1 else scatter)
+            hidden_states = torch.where(real.view(-1, 1, 1), hidden_states,
+                                        hidden_states.new_zeros(()))
 
         qkvzba, _ = self.in_proj(hidden_states)  # [S/cp, B, in_proj_dim / tp] (SP gathered)
-        cp, rank = self.cp_size, self.cp_group.rank()
         if cp > 1:
-            gather, scatter = self._cp_row_order(cu_seqlens, cu_seqlens_padded, qkvzba)
             features = cpx.feature_order(self.in_proj_split_sections, cp, qkvzba.device)
             qkvzba = cpx.cp_to_hp(qkvzba, features, gather, self.cp_group)  # [S, B, . / cp]
         S, B = qkvzba.shape[:2]
@@ -288,11 +297,24 @@ class GatedDeltaNet(MegatronModule):
         _check_kv_equals_q(packed_seq_params)
         return cu, (None if cu_padded is cu else cu_padded)
 
-    def _cp_row_order(self, cu_seqlens, cu_seqlens_padded, qkvzba):
+    def _local_real_rows(self, cu_seqlens, cu_seqlens_padded, rows, scatter):
+        """bool [rows of hidden_states]: False on this rank's padding rows. The sequences' `rows`
+        rows in natural order are cut over CP (`scatter`: natural row of each all-to-all row, rank r's
+        rows at [r S/cp, (r+1) S/cp)), then each CP rank's rows into contiguous SP slices. No sync."""
+        real = padding_row_mask(cu_seqlens, cu_seqlens_padded, total_rows=rows)
+        if scatter is not None:
+            n = rows // self.cp_size
+            real = real.index_select(0, scatter.narrow(0, self.cp_group.rank() * n, n))
+        if self.sp_size > 1:
+            n = real.shape[0] // self.sp_size
+            real = real.narrow(0, self.tp_group.rank() * n, n)
+        return real
+
+    def _cp_row_order(self, cu_seqlens, cu_seqlens_padded, rows, device):
         """The natural-order row tables of `context_parallel.natural_row_order` for this input
-        (sequences at their storage offsets), after the layout checks: shapes always, cu_seqlens
-        values when validating."""
-        cp, rows = self.cp_size, qkvzba.shape[0] * self.cp_size
+        (sequences at their storage offsets, `rows` rows in all), after the layout checks: shapes
+        always, cu_seqlens values when validating."""
+        cp = self.cp_size
         cu_storage = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
         if cu_storage is None:
             if rows % (2 * cp):
@@ -307,7 +329,7 @@ class GatedDeltaNet(MegatronModule):
             if V.want_validate(False):
                 name = "packed_seq_params.cu_seqlens_q" + ("" if cu_seqlens_padded is None else "_padded")
                 self._validate_cp_offsets(cu_storage, rows, name)
-        return cpx.natural_row_order(cu_storage, cp, rows, qkvzba.device)
+        return cpx.natural_row_order(cu_storage, cp, rows, device)
 
     def _validate_cp_offsets(self, cu_storage, rows, name):
         """[sync] Megatron's CP layout checks: the storage offsets span all `rows` rows and every
@@ -333,7 +355,9 @@ class GatedDeltaNet(MegatronModule):
 
         A torch RMSNorm or a Transformer Engine RMSNorm out_norm (zero-centred or not) runs as the
         fused gated-RMSNorm op; any other out_norm module runs as Megatron does it
-        (out_norm(o) * silu(z)), with padding rows zeroed explicitly."""
+        (out_norm(o) * silu(z)). Either way padding rows of o and z are replaced by 0 on entry (by
+        selection), so y is 0 there and they add nothing to out_norm's weight gradient, whatever z
+        holds there."""
         B, S = o.shape[:2]
         norm = self.out_norm
         kind = fused_rmsnorm_kind(norm)
@@ -343,12 +367,13 @@ class GatedDeltaNet(MegatronModule):
             if self.tp_size > 1:  # replicated over TP, each rank sees its own heads: sum the grads
                 weight = tensor_parallel.copy_to_tensor_model_parallel_region(weight, self.tp_group)
             y = gated_rmsnorm(o, z, weight, torch.finfo(o.dtype).eps if eps is None else eps,
-                              zero_centered=zero_centered)
+                              zero_centered=zero_centered, cu_seqlens=cu_seqlens,
+                              cu_seqlens_padded=cu_seqlens_padded)
         else:
+            if cu_seqlens is not None:      # y = norm(0) * silu(0) = 0 on padding rows
+                real = padding_row_mask(cu_seqlens, cu_seqlens_padded, total_rows=S).view(1, S, 1, 1)
+                o, z = (torch.where(real, t, t.new_zeros(())) for t in (o, z))
             y = (norm(o.reshape(-1, o.shape[-1])).view(o.shape) * F.silu(z.float())).to(o.dtype)
-            if cu_seqlens is not None:
-                real = padding_row_mask(cu_seqlens, cu_seqlens_padded, total_rows=S)
-                y = torch.where(real.view(1, S, 1, 1), y, torch.zeros((), dtype=y.dtype, device=y.device))
         return y.reshape(B, S, -1).transpose(0, 1).contiguous()
 
     # ------------------------------------------------------------------------------------------

@@ -411,13 +411,38 @@ def chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm):
     return dQ, dK, dV, dG, dB
 
 
+# torch's CPU kernels of exp, softplus, sigmoid (...) compute an element on the vectorised (SLEEF)
+# path, or on a scalar (libm) path for the last < 2 vector widths of each contiguous run and of each
+# thread's share, and the two paths can differ in the last bit. On gate rows [T, HV] (a few elements
+# per row) which rows fall on a scalar tail depends on T and the layout, i.e. on the other sequences
+# of the packing: a sequence's gates, hence its o and gradients, would change with its neighbours.
+# `_lanewise` runs such a function on a flat contiguous copy padded to a multiple of LANES (a multiple
+# of every CPU vector width x 2), in pieces of GATE_PIECE elements (below TensorIterator's parallel
+# grain of 32768, so one thread each): every element takes the vectorised path, wherever it sits.
+LANES = 64
+GATE_PIECE = 1 << 14
+
+
+def _lanewise(fn, x):
+    """fn(x) for an elementwise fn, with bits that do not depend on x's layout or size (CPU)."""
+    if x.device.type != "cpu":
+        return fn(x)
+    n = x.numel()
+    flat = torch.cat([x.reshape(-1), x.new_zeros(-n % LANES)])
+    if flat.numel() <= GATE_PIECE:
+        return fn(flat)[:n].view(x.shape)
+    out = torch.cat([fn(piece) for piece in flat.split(GATE_PIECE)])
+    return out[:n].view(x.shape)
+
+
 def gate_fwd_torch(a, b, A_log, dt_bias):
     """The gating of Qwen3-Next / Megatron from raw rows, in float32 (float64 for float64 inputs):
     g = -exp(A_log[h]) softplus(a + dt_bias[h]),  beta = sigmoid(b).  a, b [T, HV]; A_log, dt_bias [HV].
     Returns (g, beta) [T, HV]: these feed the chunked kernels unrounded (beta through bf16 drifts)."""
     dt = compute_dtype(a.dtype)
     x = a.to(dt) + dt_bias.to(dt)
-    return -torch.exp(A_log.to(dt)) * torch.nn.functional.softplus(x), torch.sigmoid(b.to(dt))
+    return (-torch.exp(A_log.to(dt)) * _lanewise(torch.nn.functional.softplus, x),
+            _lanewise(torch.sigmoid, b.to(dt)))
 
 
 def gate_bwd_torch(a, b, A_log, dt_bias, dg, dbeta):
@@ -429,8 +454,8 @@ def gate_bwd_torch(a, b, A_log, dt_bias, dg, dbeta):
     x = a.to(dt) + dt_bias.to(dt)
     decay = torch.exp(A_log.to(dt))
     dg, dbeta = dg.to(dt), dbeta.to(dt)
-    da = dg * -decay * torch.sigmoid(x)
-    beta = torch.sigmoid(b.to(dt))
+    da = dg * -decay * _lanewise(torch.sigmoid, x)
+    beta = _lanewise(torch.sigmoid, b.to(dt))
     db = dbeta * beta * (1 - beta)
-    dA_log = (dg * -decay * torch.nn.functional.softplus(x)).sum(0)
+    dA_log = (dg * -decay * _lanewise(torch.nn.functional.softplus, x)).sum(0)
     return da, db, dA_log, da.sum(0)
