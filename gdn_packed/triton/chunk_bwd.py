@@ -145,7 +145,8 @@ def _rowdot(a, b):
 
 @triton.jit
 def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, dxp, dq, dk, dgam_part,
-                           dbeta_part, table, scale, T, H, HV, K: tl.constexpr, V: tl.constexpr,
+                           dbeta_part, table, scale, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                           V: tl.constexpr,
                            C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
                            PREC: tl.constexpr):
     i_k, i_qh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
