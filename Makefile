@@ -2,6 +2,8 @@
 #   make venv    .venv (python3.11, --system-site-packages so a machine's CUDA torch is reused),
 #                dependencies, editable install that compiles csrc/ into gdn_packed/_C (when nvcc exists)
 #   make test    the whole pytest suite
+#   make test-aot  the full sm_90 AOT sweep of every Triton kernel variant (tests/test_sm90_aot.py with
+#                GDN_PACKED_AOT=full; `make test` compiles a subset that reaches every launch config)
 #   make bench   the microbenchmark CLI (python -m bench $(ARGS)); results in bench/results/local/
 #                (ignored by git), ARGS="--help" lists the options
 #   make gpu-check [DRY_RUN=1] [OUT=DIR]   tools/gpu_check.py: the prepared check for a lent GPU
@@ -25,7 +27,7 @@ NO_CUDA := $(filter-out 0 false False FALSE no No NO off Off OFF,$(GDN_PACKED_NO
 REQUIRE_C := $(if $(and $(NVCC),$(if $(NO_CUDA),,1)),1,0)
 ARGS ?=
 
-.PHONY: venv test bench clean-build gpu-check gpu-wheels test-compat
+.PHONY: venv test test-aot bench clean-build gpu-check gpu-wheels test-compat
 
 venv: $(BUILD_STAMP)
 
@@ -50,6 +52,9 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(BUILD_INPUTS)
 
 test: venv
 	GDN_PACKED_REQUIRE_C=$(REQUIRE_C) $(VPY) -m pytest -q tests
+
+test-aot: venv
+	GDN_PACKED_AOT=full $(VPY) -m pytest -q tests/test_sm90_aot.py
 
 bench: venv
 	$(VPY) -m bench $(ARGS)
