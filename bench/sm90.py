@@ -569,7 +569,7 @@ def _rows_of(case, kappa):
             ctas_per_sm=est.get("ctas_per_sm", 0), waves=est.get("waves", 0),
             loop_hgmma=loop.get("hgmma", ""), loop_hmma=loop.get("hmma", ""), loop_instr=loop.get("instr", ""), loop_waits=loop.get("waits", ""),
             loop_bars=loop.get("bars", ""), loop_f2fp=loop.get("f2fp", ""), dots=dot_precision(c),
-            hbm_gb=round(est.get("hbm_bytes", 0) / 1e9, 4), gflop=round(est.get("flops", 0) / 1e9, 2),
+            hbm_gb=float(f"{est.get('hbm_bytes', 0) / 1e9:.4g}"), gflop=round(est.get("flops", 0) / 1e9, 2),
             bound=est.get("bound", ""), est_us=round(est["est_s"] * 1e6, 1) if c.error == "" else "",
             error=c.error))
     return rows

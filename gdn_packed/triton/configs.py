@@ -68,7 +68,7 @@ def bwd_configs(K, V, dtype):
       without register spills for bf16/fp16 (the [C, BK] / [BV, BK] tiles of six streamed operands and
       their addresses cost more registers than the accumulators); every K-block recomputes U, dO U^T
       and dX' U^T.
-    - finalize: the whole K row, 4 warps (no dots)."""
+    - finalize: the whole K row, 4 warps (8 when K > 128; no dots)."""
     fp32 = dtype == torch.float32
     narrow = fp32 or pow2(K) > 128
     return dict(
@@ -76,5 +76,5 @@ def bwd_configs(K, V, dtype):
                     num_stages=1),
         grads=dict(BK=min(16, pow2(K)), BV=min(16 if fp32 else 32, pow2(V)), PREC=dot_precision(dtype),
                    num_warps=8, num_stages=1),
-        finalize=dict(BKP=pow2(K), num_warps=4, num_stages=1),
+        finalize=dict(BKP=pow2(K), num_warps=8 if pow2(K) > 128 else 4, num_stages=1),
     )
