@@ -10,7 +10,7 @@ import torch
 
 import gdn_packed
 from gdn_packed.ops.chunk_gdr import chunk_gdr_fwd
-from gdn_packed.testing import (BUDGETS, gdr_case_id, gdr_inputs, layout, no_host_sync, poisoned_outputs,
+from gdn_packed.testing import (BUDGETS, budgets, gdr_case_id, gdr_inputs, layout, no_host_sync, poisoned_outputs,
                                 real_rows, reference_gdr, rel_err)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,10 +79,17 @@ def errors(got, ref):
     return {n: rel_err(got[n], ref[n]) for n in GRADS if ref[n] is not None}
 
 
+def over_fp32_budget(err):
+    """The gradients of fp32 inputs over the budget on this device: 1e-5 on CPU (interpreter), the GPU
+    fp32 budgets on CUDA (tf32 dots; gdn_packed.testing.budgets), dg and dbeta the gate budget."""
+    b = budgets(torch.float32, DEV)
+    return {n: f"{e:.2e}" for n, e in err.items() if e > b["gate_grad" if n in ("dg", "dbeta") else "grad"]}
+
+
 @pytest.mark.parametrize("ci", range(len(CASES)), ids=[gdr_case_id(c) for c in CASES])
 def test_fp32_matches_float64_reference(ci):
     err = errors(triton_grads(ci, torch.float32), reference(ci, torch.float32))
-    assert all(e <= 1e-5 for e in err.values()), {n: f"{e:.2e}" for n, e in err.items()}
+    assert not over_fp32_budget(err), over_fp32_budget(err)
 
 
 @pytest.mark.parametrize("ci", range(len(CASES)), ids=[gdr_case_id(c) for c in CASES])
@@ -99,7 +106,7 @@ def test_padding_rows_exactly_zero(ci):
 def test_agrees_with_torch_backend(ci):
     got, ref = triton_grads(ci, torch.float32), grads(ci, torch.float32, "torch")
     err = errors(got, {n: None if t is None else t.double() for n, t in ref.items()})
-    assert all(e <= 1e-5 for e in err.values()), {n: f"{e:.2e}" for n, e in err.items()}
+    assert not over_fp32_budget(err), over_fp32_budget(err)
 
 
 def test_bit_identical_reruns():

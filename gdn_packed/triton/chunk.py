@@ -23,11 +23,6 @@ def _check_chunk(C):
         raise ValueError(f"the Triton kernels are written for chunk size {CHUNK}, got {C}")
 
 
-def stored_dtype(dtype):
-    """dtype of the stored C x C matrices (Ts, MT) and of X'^T: the input dtype."""
-    return dtype
-
-
 def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, store_m=False):
     """Launches chunk_fwd_prep_kernel (grid (HV, NC)); returns (gates, eg_last, rn, Ts, MT) as laid out
     in gdn_packed/triton/chunk_fwd.py (MT is M itself with store_m)."""
@@ -37,7 +32,7 @@ def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, store_m=False):
     gates = torch.empty(NC, HV, 5, C, **f32)
     eg_last = torch.empty(NC, HV, **f32)
     rn = torch.empty(NC, HV, 2, C, **f32)
-    ts = torch.empty(NC, HV, C, C, dtype=stored_dtype(q.dtype), device=q.device)
+    ts = torch.empty(NC, HV, C, C, dtype=q.dtype, device=q.device)        # input dtype
     mt = torch.empty_like(ts)
     if NC > 0 and HV > 0:
         chunk_fwd_prep_kernel[(HV, NC)](q, k, g, beta, table, gates, eg_last, rn, ts, mt, scale, H=H,
@@ -49,8 +44,8 @@ def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, store_m=False):
 def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=None, x_out=None):
     """Launches chunk_fwd_state_kernel, grid (cdiv(V, BV), HV, N), on chunk_fwd_prep's outputs `prep`.
     Forward: writes o [T, HV, V] (every row) and ht [N, HV, K, V] fp32. With s_out [NC, HV, V, K]
-    and x_out [NC, HV, V, C] in the input dtype (the backward's recompute) it writes S^T entering each chunk and X'^T
-    instead, and neither o nor ht."""
+    and x_out [NC, HV, V, C] in the input dtype (the backward's recompute) it writes S^T entering each
+    chunk and X'^T instead, and neither o nor ht."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     N = cu_chunks.numel() - 1
@@ -93,10 +88,10 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     the forward's prep (with M instead of M T) and state pass (STORE_STATES) run again, then the three
     backward kernels of chunk_bwd.py. Grids depend only on T, N, the chunk slots and the shapes.
 
-    Scratch per token x value head (K = V = 128, bf16, G = HV // H = 2): S^T 256 B and X'^T 128 B in
-    the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 512 B and dX'^T
-    256 B fp32 (dstate); dgam / dbeta partials 8 B per K-block; with l2norm fp32 dq, dk (256 B per
-    token x qk head)."""
+    Scratch per token x value head (K = V = 128, bf16, G = HV // H = 2): S^T 512 B and X'^T 256 B in
+    the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 1024 B and
+    dX'^T 512 B fp32 (dstate); dgam / dbeta partials 8 B per K-block (64 B at NK = 8): ~2.7 kB; with
+    l2norm the fp32 dq, dk before the l2norm backward (1 kB per token x qk head)."""
     _check_chunk(C)
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]

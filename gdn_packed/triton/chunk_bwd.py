@@ -36,9 +36,10 @@ first):
 Deterministic: no atomics; every scratch element has one writer; every sum runs in a fixed order.
 
 Numerics: every tensor-core dot takes its operands in the input dtype with fp32 accumulation (fp32
-inputs: every dot with fp32 operands at configs.dot_precision, tf32). Rounded to the input dtype only as dot operands: dS^T, dO^T scaled
-by its gate, dU^T, dX'^T scaled by its gate (dstate); U, dX', S^T, dSn^T (grads). Pm and DA enter
-their products with K^, Q^ as fp32 tf32 dots: dgam takes the row sums and the column sums of the same
+inputs: every fp32-operand dot at configs.dot_precision, tf32). Rounded to the input dtype only as dot
+operands: dS^T, dO^T scaled by its gate, dU^T, dX'^T scaled by its gate (dstate); U, dX', dSn^T
+(grads); S^T is stored by the forward's state pass in the input dtype, exactly as its dots used it.
+Pm and DA enter their products with K^, Q^ as fp32 tf32 dots: dgam takes the row sums and the column sums of the same
 C x C products (Pm (.) Q^K^^T, DA (.) K^K^^T) from two different dots, and their difference, summed
 by the reverse cumsum, cancels only if both see Pm, DA at better than bf16 precision (bf16 operands
 there put dg at ~1.2-1.5x FLA's error; tf32 keeps it below). Kept fp32: dS (registers and
@@ -221,16 +222,18 @@ def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, 
         b_pm = tl.where(causal, scale * b_dM * b_E, 0.)                  # Pm
         b_da = tl.where(o_c[:, None] > o_c[None, :], -b_dA * b_E, 0.)     # DA
         zero = tl.zeros([C, BK], dtype=tl.float32)
-        b_t = tl.dot(b_pm * b_rk[None, :], b_k.to(tl.float32), zero, input_precision=PREC)        # Pm K^
+        b_kf, b_qf = b_k.to(tl.float32), b_q.to(tl.float32)
+        b_t = tl.dot(b_pm * b_rk[None, :], b_kf, zero, input_precision=PREC)                 # Pm K^
         b_qM = b_rq * _rowdot(b_q, b_t)
         b_dq += b_rq[:, None] * b_t
-        b_t = tl.dot(tl.trans(b_pm * b_rq[:, None]), b_q.to(tl.float32), zero, input_precision=PREC)   # Pm^T Q^
+        b_t = tl.dot(tl.trans(b_pm * b_rq[:, None]), b_qf, zero, input_precision=PREC)       # Pm^T Q^
         b_colP = b_rk * _rowdot(b_k, b_t)
         b_dk += b_rk[:, None] * b_t
-        b_t = tl.dot(b_da * b_rk[None, :], b_k.to(tl.float32), zero, input_precision=PREC)        # DA K^
+        b_t = tl.dot(b_da * b_rk[None, :], b_kf, zero, input_precision=PREC)                 # DA K^
         b_rowA = b_rk * _rowdot(b_k, b_t)
         b_dk += (b_rk * b_beta)[:, None] * b_t
-        b_t = tl.dot(tl.trans(b_da * (b_beta * b_rk)[:, None]), b_k.to(tl.float32), zero, input_precision=PREC)   # DA^T beta K^
+        b_t = tl.dot(tl.trans(b_da * (b_beta * b_rk)[:, None]), b_kf, zero,
+                     input_precision=PREC)                                                     # DA^T beta K^
         b_colA = b_rk * _rowdot(b_k, b_t)
         b_dk += b_rk[:, None] * b_t
         b_eg = _gate_row(gates, j, i_h, HV, 1, C)                       # eg rk
@@ -279,9 +282,9 @@ def chunk_bwd_finalize_kernel(q, k, dq_pre, dk_pre, rn, dgam_part, dbeta_part, d
         m_qk = m_c[:, None] & (o_k < K)[None, :]
         p_qk = rows[:, None] * (H * K) + i_qh * K + o_k[None, :]
         p_rn = (j * HV + i_qh * G) * (2 * C)
-        b_dq = _l2norm_bwd(tl.load(q + p_qk, mask=m_qk, other=0.), tl.load(dq_pre + p_qk, mask=m_qk, other=0.),
-                           tl.load(rn + p_rn + o_c))
+        b_dq = _l2norm_bwd(tl.load(q + p_qk, mask=m_qk, other=0.),
+                           tl.load(dq_pre + p_qk, mask=m_qk, other=0.), tl.load(rn + p_rn + o_c))
         tl.store(dq + p_qk, b_dq.to(dq.dtype.element_ty), mask=m_qk)
-        b_dk = _l2norm_bwd(tl.load(k + p_qk, mask=m_qk, other=0.), tl.load(dk_pre + p_qk, mask=m_qk, other=0.),
-                           tl.load(rn + p_rn + C + o_c))
+        b_dk = _l2norm_bwd(tl.load(k + p_qk, mask=m_qk, other=0.),
+                           tl.load(dk_pre + p_qk, mask=m_qk, other=0.), tl.load(rn + p_rn + C + o_c))
         tl.store(dk + p_qk, b_dk.to(dk.dtype.element_ty), mask=m_qk)
