@@ -64,6 +64,38 @@ def layout(lengths, *, gaps=None, tail=0, index_dtype=torch.int32):
     return torch.tensor(cu, dtype=index_dtype), torch.tensor(pad, dtype=index_dtype), pad[-1] + tail
 
 
+class Packing:
+    """One packed layout: sequence lengths, padding rows after each sequence (or None: no gaps) and
+    padding rows at the end. `layout()` gives (cu_seqlens, cu_seqlens_padded or None, rows)."""
+
+    def __init__(self, name, lengths, gaps=None, tail=0):
+        self.name, self.lengths, self.gaps, self.tail = name, list(lengths), gaps, tail
+
+    def layout(self, index_dtype=torch.int32):
+        return layout(self.lengths, gaps=self.gaps, tail=self.tail, index_dtype=index_dtype)
+
+    @property
+    def has_padding(self):
+        return bool(self.tail) or bool(self.gaps and any(self.gaps))
+
+    def __repr__(self):
+        return self.name
+
+
+# The packings every op's specification test runs (docs/DESIGN.md section 7): zero-length and
+# single-token sequences, lengths around the chunk size (64), padding between and after sequences.
+PACKINGS = [
+    Packing("one-long", [300]),
+    Packing("mixed", [0, 1, 63, 64, 65, 127, 300, 5]),
+    Packing("gaps-and-empties", [65, 0, 1, 0], gaps=[3, 0, 7, 1], tail=5),
+    Packing("around-chunk-gaps", [127, 64, 63], gaps=[1, 64, 0], tail=9),
+    Packing("one-token", [1]),
+    Packing("chunk-multiples", [64, 64, 1, 0, 127], gaps=[0, 0, 0, 2, 0], tail=3),
+    Packing("only-padding", [0, 0], gaps=[2, 3], tail=1),
+]
+PACKING_BY_NAME = {p.name: p for p in PACKINGS}
+
+
 def gdr_case_id(case):
     """Test id of a packing case (lengths, gaps, tail, H, HV, K, V, initial_state, l2norm), e.g.
     N3-T254-H1x2-K32-V48-pad-l2."""
