@@ -21,13 +21,14 @@ import torch
 from torch import Tensor
 
 from gdn_packed import _validate as V
+from gdn_packed.ops import BACKENDS
 from gdn_packed.ops._common import new_output, resolve_float64_backend, segments_or_rows
 from gdn_packed.ops.chunk_table import build_chunk_table
 from gdn_packed.packing import padding_row_mask
 
 CHUNK_SIZE = 64
 MAX_HEAD_DIM = 256
-BACKENDS_IMPLEMENTED = ("triton", "torch")
+BACKENDS_IMPLEMENTED = BACKENDS["chunk_gated_delta_rule"]
 
 
 def _impl(backend):

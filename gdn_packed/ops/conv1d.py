@@ -16,11 +16,12 @@ import torch
 from torch import Tensor
 
 from gdn_packed import _validate as V
+from gdn_packed.ops import BACKENDS
 from gdn_packed.ops._common import new_output, resolve_backend, segments_or_rows
 
 MAX_WIDTH = 8
 ACTIVATIONS = ("silu", "swish", None)
-BACKENDS_IMPLEMENTED = ("cuda", "torch")
+BACKENDS_IMPLEMENTED = BACKENDS["causal_conv1d_varlen"]
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FWD_TILE_ROWS = 16    # rows per thread in the CUDA forward (sliding window along the rows)
 BWD_TILE_ROWS = 64    # rows per thread (and per dweight/dbias partial sum) in the CUDA backward

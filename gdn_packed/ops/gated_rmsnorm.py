@@ -20,10 +20,11 @@ import torch
 from torch import Tensor
 
 from gdn_packed import _validate as V
+from gdn_packed.ops import BACKENDS
 from gdn_packed.ops._common import new_output, resolve_float64_backend
 from gdn_packed.packing import padding_row_mask
 
-BACKENDS_IMPLEMENTED = ("torch", "triton")
+BACKENDS_IMPLEMENTED = BACKENDS["gated_rmsnorm"]
 
 
 def _impl(backend):

@@ -16,12 +16,13 @@ import torch
 from torch import Tensor
 
 from gdn_packed import _validate as V
+from gdn_packed.ops import BACKENDS
 from gdn_packed.ops._common import new_output, resolve_backend, segments_or_rows
 
 MAX_HEAD_DIM = 256
 CUDA_MAX_K = 128
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BACKENDS_IMPLEMENTED = ("cuda", "torch")
+BACKENDS_IMPLEMENTED = BACKENDS["fused_recurrent_gated_delta_rule"]
 
 
 def _cu(x, cu_seqlens):
