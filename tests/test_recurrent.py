@@ -6,6 +6,7 @@ import torch
 
 import gdn_packed
 from gdn_packed import _cext
+from gdn_packed import cuda as gdn_cuda
 from gdn_packed.ops import recurrent_gdr as rec_op
 from gdn_packed.ops._common import poisoned_outputs
 from gdn_packed.testing import gdr_inputs, layout, no_host_sync, real_rows, reference_gdr, rel_err
@@ -43,7 +44,7 @@ def recurrent(backend, q, k, v, g, beta, h0=None, cu=None, pad=None, l2=False, i
         sc = q.shape[-1] ** -0.5 if scale is None else scale
         rows = lambda x: x.reshape(B * L, *x.shape[2:])  # noqa: E731
         cus = torch.arange(B + 1) * L if cu is None else cu
-        rec_op.recurrent_fwd_cuda(rows(q), rows(k), rows(v), rows(g), rows(beta), cus, pad, h0, idx, sc, l2,
+        gdn_cuda.recurrent_fwd_cuda(rows(q), rows(k), rows(v), rows(g), rows(beta), cus, pad, h0, idx, sc, l2,
                                   rows(o), fs, host=True)
         return o, (h0 if idx is not None else fs)
     dev = "cuda" if backend == "cuda" else "cpu"

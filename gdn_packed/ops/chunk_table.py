@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from gdn_packed._validate import check_cu_seqlens_meta, check_padded_meta
+from gdn_packed.cuda import chunk_table_cuda
 
 INT32_MAX = 2**31 - 1
 
@@ -34,31 +35,15 @@ def _check(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int, chun
     return nc
 
 
-def _chunk_table_cuda(C_mod, cu_seqlens, cu_seqlens_padded, T, chunk_size, nc):
-    dev = cu_seqlens.device
-    n = cu_seqlens.shape[0] - 1
-    cu = cu_seqlens.contiguous()
-    padded = cu_seqlens_padded.contiguous() if cu_seqlens_padded is not None else None
-    table = torch.empty((nc, 4), dtype=torch.int32, device=dev)
-    cu_chunks = torch.empty((n + 1,), dtype=torch.int32, device=dev)
-    with torch.cuda.device(dev):
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        C_mod.chunk_table(cu.data_ptr(), padded.data_ptr() if padded is not None else 0,
-                          cu.dtype == torch.int64, n, T, chunk_size, table.data_ptr(),
-                          cu_chunks.data_ptr(), dev.index if dev.index is not None else
-                          torch.cuda.current_device(), stream)
-    return table, cu_chunks
-
-
 @torch.library.custom_op("gdn_packed::chunk_table", mutates_args=())
 def chunk_table(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int,
                 chunk_size: int) -> tuple[Tensor, Tensor]:
-    nc = _check(cu_seqlens, cu_seqlens_padded, T, chunk_size)
+    _check(cu_seqlens, cu_seqlens_padded, T, chunk_size)
     if cu_seqlens.device.type == "cuda":
-        from gdn_packed._cext import cuda_available, get_C
+        from gdn_packed._cext import cuda_available
 
         if cuda_available():
-            return _chunk_table_cuda(get_C(), cu_seqlens, cu_seqlens_padded, T, chunk_size, nc)
+            return chunk_table_cuda(cu_seqlens, cu_seqlens_padded, T, chunk_size)
     from gdn_packed.torch_ref.chunk_table import chunk_table_torch
 
     table, cu_chunks = chunk_table_torch(cu_seqlens, cu_seqlens_padded, T, chunk_size)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from gdn_packed import _validate as V
+from gdn_packed.cuda import conv1d_bwd_cuda, conv1d_fwd_cuda
 from gdn_packed.ops import BACKENDS
 from gdn_packed.ops._common import new_output, resolve_backend, segments_or_rows
 
@@ -23,8 +24,6 @@ MAX_WIDTH = 8
 ACTIVATIONS = ("silu", "swish", None)
 BACKENDS_IMPLEMENTED = BACKENDS["causal_conv1d_varlen"]
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FWD_TILE_ROWS = 16    # rows per thread in the CUDA forward (sliding window along the rows)
-BWD_TILE_ROWS = 64    # rows per thread (and per dweight/dbias partial sum) in the CUDA backward
 
 
 def _cu(x, cu_seqlens):
@@ -33,71 +32,6 @@ def _cu(x, cu_seqlens):
 
 def _num_seqs(x, cu_seqlens):
     return segments_or_rows(x, cu_seqlens)[1]
-
-
-def _dtype_code(dtype):
-    return {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[dtype]
-
-
-def _cuda_common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded):
-    """Contiguous operands and the integer arguments shared by the _C entry points."""
-    T, D = x.shape[0] * x.shape[1], x.shape[2]
-    cu = _cu(x, cu_seqlens).to(torch.int64).contiguous()
-    pad = None if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64).contiguous()
-    xc = x.contiguous()
-    wc = weight.to(torch.float32).contiguous()
-    bc = None if bias is None else bias.to(torch.float32).contiguous()
-    h0 = None if initial_state is None else initial_state.to(x.dtype).contiguous()
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    keep = (cu, pad, xc, wc, bc, h0)
-    args = dict(x=ptr(xc), weight=ptr(wc), bias=ptr(bc), initial_state=ptr(h0), cu_seqlens=ptr(cu),
-                cu_seqlens_padded=ptr(pad), N=cu.shape[0] - 1, T=T, D=D, W=weight.shape[1],
-                dtype=_dtype_code(x.dtype))
-    return keep, args
-
-
-def _launch(fn_name, device, args, host):
-    from gdn_packed._cext import get_C
-
-    C = get_C()
-    if host:
-        getattr(C, fn_name + "_host")(**args)
-        return
-    with torch.cuda.device(device):
-        getattr(C, fn_name)(**args, device=device.index if device.index is not None else
-                            torch.cuda.current_device(), stream=torch.cuda.current_stream(device).cuda_stream)
-
-
-def conv1d_fwd_cuda(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, y, final_state,
-                    *, host=False):
-    """The csrc/ forward; host=True runs the same per-thread bodies in a CPU loop (CPU tensors)."""
-    keep, args = _cuda_common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded)
-    args.update(silu=bool(silu), tile_rows=FWD_TILE_ROWS, y=y.data_ptr(), final_state=final_state.data_ptr())
-    _launch("conv1d_varlen_fwd", x.device, args, host)
-    del keep
-
-
-def conv1d_bwd_cuda(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, dy, dfinal,
-                    dx, dweight, dbias, dinitial_state, *, host=False):
-    """The csrc/ backward: dx, dinitial_state (x's dtype) directly; dweight/dbias [D, W]/[D] float32
-    through per-tile partial sums [ceil(T / BWD_TILE_ROWS), D, W+1] and a fixed-order reduction."""
-    keep, args = _cuda_common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded)
-    T, D, W = args["T"], args["D"], args["W"]
-    tiles = (T + BWD_TILE_ROWS - 1) // BWD_TILE_ROWS
-    partial = torch.empty((tiles, D, W + 1), dtype=torch.float32, device=x.device)
-    dw32 = torch.empty((D, W + 1), dtype=torch.float32, device=x.device)
-    dyc = dy.to(x.dtype).contiguous()
-    dfc = None if dfinal is None else dfinal.to(x.dtype).contiguous()
-    dh0 = dinitial_state if dinitial_state.dtype == x.dtype else torch.empty_like(dinitial_state, dtype=x.dtype)
-    args.update(silu=bool(silu), tile_rows=BWD_TILE_ROWS, dy=dyc.data_ptr(),
-                dfinal=0 if dfc is None else dfc.data_ptr(), dx=dx.data_ptr(), partial=partial.data_ptr(),
-                dweight_bias=dw32.data_ptr(), dinitial_state=dh0.data_ptr())
-    _launch("conv1d_varlen_bwd", x.device, args, host)
-    dweight.copy_(dw32[:, :W])
-    dbias.copy_(dw32[:, W])
-    if dh0 is not dinitial_state:
-        dinitial_state.copy_(dh0)
-    del keep
 
 
 def _impl(backend):
