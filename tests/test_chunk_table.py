@@ -16,15 +16,10 @@ from gdn_packed.ops import chunk_table as op_mod
 from gdn_packed.ops.chunk_table import build_chunk_table
 from gdn_packed.testing import PACKINGS, layout
 
+from cuda_backends import BACKENDS, needs_C, needs_gpu
+
 INT32_MAX = 2**31 - 1
 SENTINEL = 0x5A5A5A5A
-GPU_REASON = _cext.cuda_unavailable_reason() or ("" if torch.cuda.is_available() else "torch has no CUDA")
-needs_C = pytest.mark.skipif(not _cext.built(), reason="gdn_packed._C not built (no nvcc at install)")
-BACKENDS = [
-    "torch",
-    pytest.param("host", marks=needs_C),
-    pytest.param("cuda", marks=pytest.mark.skipif(bool(GPU_REASON), reason=f"no GPU: {GPU_REASON}")),
-]
 
 
 def chunk_table_torch(*args):
@@ -256,7 +251,7 @@ def test_op_never_syncs(monkeypatch):
 
 
 # ---- GPU (runs only where a CUDA device and _C are usable) --------------------------------------
-@pytest.mark.skipif(bool(GPU_REASON), reason=f"no GPU: {GPU_REASON}")
+@needs_gpu
 def test_cuda_kernel_graph_capture_and_side_stream():
     dev = torch.device("cuda")
     cu, pad, T = SANE["padded_gaps"]
