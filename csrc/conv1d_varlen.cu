@@ -424,10 +424,12 @@ Status check(const ConvParams& p, bool bwd) {
   if (p.dtype < kF32 || p.dtype > kBF16) return bad("dtype code must be 0, 1 or 2");
   if (p.x == 0 && p.T * p.D > 0) return bad("x is null");
   if (p.weight == 0 || p.cu_seqlens == 0) return bad("weight and cu_seqlens are required");
-  if (!bwd && (p.y == 0 || (p.final_state == 0 && p.N * p.D * (p.W - 1) > 0)))
+  // an empty tensor may have a null pointer: rows and states are required only when there are any
+  const bool rows = p.T * p.D > 0, states = p.N * p.D * (p.W - 1) > 0;
+  if (!bwd && ((p.y == 0 && rows) || (p.final_state == 0 && states)))
     return bad("y and final_state are required");
-  if (bwd && (p.dy == 0 || p.dx == 0 || p.dweight_bias == 0 || (p.partial == 0 && p.T > 0) ||
-              (p.dinitial_state == 0 && p.N * p.D * (p.W - 1) > 0)))
+  if (bwd && (((p.dy == 0 || p.dx == 0 || p.partial == 0) && rows) || (p.dweight_bias == 0 && p.D > 0) ||
+              (p.dinitial_state == 0 && states)))
     return bad("dy, dx, partial, dweight_bias and dinitial_state are required");
   return {};
 }

@@ -252,16 +252,14 @@ def test_cuda_backend_on_cpu_tensors_is_refused():
         gdn_packed.causal_conv1d_varlen(**_good(), backend="cuda")
 
 
-@pytest.mark.parametrize("rows, cu", [(0, [0]), (5, [0]), (5, [0, 0, 0])], ids=["T0-N0", "T5-N0", "T5-N2-empty"])
-def test_degenerate_packings(rows, cu):
+@pytest.mark.parametrize("rows, cu", [(0, [0]), (5, [0]), (5, [0, 0, 0]), (0, [0, 0])],
+                         ids=["T0-N0", "T5-N0", "T5-N2-empty", "T0-N1-empty"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_degenerate_packings(backend, rows, cu):
     """No sequence, or only empty ones: y and dx are all padding (0), the final state is the initial
-    state and its gradient passes through."""
+    state and its gradient passes through; dweight is 0."""
     c = torch.tensor(cu, dtype=torch.int32)
-    x = torch.randn(1, rows, 12, requires_grad=True)
-    w = torch.randn(12, 4, requires_grad=True)
-    h0 = torch.randn(len(cu) - 1, 12, 3, requires_grad=True)
-    y, st = gdn_packed.causal_conv1d_varlen(x, w, cu_seqlens=c, initial_state=h0, output_final_state=True,
-                                            backend="torch")
-    dst = torch.randn_like(st)
-    (y.sum() + (st * dst).sum()).backward()
-    assert (y == 0).all() and torch.equal(st, h0) and (x.grad == 0).all() and torch.equal(h0.grad, dst)
+    x, w, _, h0, dy, df = make(rows, 12, 4, N=len(cu) - 1, bias=False)
+    y, st, dx, dw, _, dh0 = conv(backend, x, w, None, "silu", c, None, h0, dy, df)
+    assert (y == 0).all() and (dx == 0).all() and (dw == 0).all()
+    assert torch.equal(st, h0) and torch.equal(dh0, df)
