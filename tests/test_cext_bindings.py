@@ -173,3 +173,34 @@ def test_cuda_errors_raise_runtime_error(entry):
     """Without a usable GPU a device launch fails cleanly with the CUDA error named."""
     with pytest.raises(RuntimeError, match="cudaError"):
         getattr(C, entry)(**ENTRY_POINTS[entry]())
+
+
+# ---- the Python side: gdn_packed.cuda.launch ---------------------------------------------------------
+def test_launcher_names_a_tensor_on_the_wrong_device():
+    from gdn_packed.cuda.launch import launch
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_chunks must be on cpu"):
+        launch("chunk_table", cu.device, host=True, reads=dict(cu_seqlens=cu, cu_seqlens_padded=None),
+               writes=dict(table=torch.empty(1, 4, dtype=torch.int32),
+                           cu_chunks=torch.empty(2, dtype=torch.int32, device="meta")),
+               index_int64=False, N=1, T=4, chunk_size=64)
+
+
+def test_launcher_names_a_non_contiguous_output():
+    from gdn_packed.cuda.launch import launch
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="table is written in place .* must be contiguous"):
+        launch("chunk_table", cu.device, host=True, reads=dict(cu_seqlens=cu, cu_seqlens_padded=None),
+               writes=dict(table=torch.empty(1, 8, dtype=torch.int32)[:, ::2], cu_chunks=torch.empty(2, dtype=torch.int32)),
+               index_int64=False, N=1, T=4, chunk_size=64)
+
+
+def test_launcher_makes_inputs_contiguous():
+    """A strided cu_seqlens view is copied (and the copy kept through the call), not read as strided."""
+    from gdn_packed.cuda import chunk_table_cuda
+    from gdn_packed.torch_ref.chunk_table import chunk_table_torch
+    cu = torch.tensor([[0, 99], [70, 99], [75, 99]], dtype=torch.int64)[:, 0]
+    assert not cu.is_contiguous()
+    table, cc = chunk_table_cuda(cu, None, 80, 64, host=True)
+    ref_t, ref_cc = chunk_table_torch(cu, None, 80, 64)
+    assert torch.equal(table, ref_t) and torch.equal(cc, ref_cc)

@@ -22,15 +22,6 @@ def dtype_code(dtype: torch.dtype) -> int:
     return DTYPE_CODES[dtype]
 
 
-def seq_offsets(x, cu_seqlens):
-    """cu_seqlens as the int64 offsets the kernels read, or for an unpacked batch x [B, L, ...] the
-    offsets that make each row a sequence; no host sync."""
-    if cu_seqlens is None:
-        B, L = x.shape[:2]
-        return torch.arange(B + 1, dtype=torch.int64, device=x.device) * L
-    return cu_seqlens.to(torch.int64).contiguous()
-
-
 def _pointer(name, t, device, *, output):
     if t is None:
         return None
@@ -53,8 +44,8 @@ def launch(entry: str, device: torch.device, *, host: bool = False, reads: dict,
         if device.type != "cuda":
             raise ValueError(f"{entry} launches on a CUDA device, got {device} (host=True runs the host mirror)")
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-    keep = {name: None if t is None else t.contiguous() for name, t in reads.items()}
-    args = {name: _pointer(name, t, device, output=False) for name, t in keep.items()}
+    copies = {name: None if t is None else t.contiguous() for name, t in reads.items()}   # alive until return
+    args = {name: _pointer(name, t, device, output=False) for name, t in copies.items()}
     args.update({name: _pointer(name, t, device, output=True) for name, t in writes.items()})
     args.update({k: dtype_code(v) if isinstance(v, torch.dtype) else v for k, v in scalars.items()})
     if host:
@@ -62,4 +53,3 @@ def launch(entry: str, device: torch.device, *, host: bool = False, reads: dict,
     else:
         with torch.cuda.device(device):
             getattr(C, entry)(**args, device=device.index, stream=torch.cuda.current_stream(device).cuda_stream)
-    del keep
