@@ -16,10 +16,12 @@ from gdn_packed.ops import chunk_table as op_mod
 from gdn_packed.ops.chunk_table import build_chunk_table
 from gdn_packed.testing import PACKINGS, layout
 
-from cuda_backends import BACKENDS, needs_C, needs_gpu
+from cuda_backends import backends, gpu_reason, host_reason
 
 INT32_MAX = 2**31 - 1
 SENTINEL = 0x5A5A5A5A
+BACKENDS = backends()
+needs_C = pytest.mark.skipif(bool(host_reason()), reason=host_reason())
 
 
 def chunk_table_torch(*args):
@@ -251,7 +253,7 @@ def test_op_never_syncs(monkeypatch):
 
 
 # ---- GPU (runs only where a CUDA device and _C are usable) --------------------------------------
-@needs_gpu
+@pytest.mark.skipif(bool(gpu_reason()), reason=f"no GPU: {gpu_reason()}")
 def test_cuda_kernel_graph_capture_and_side_stream():
     dev = torch.device("cuda")
     cu, pad, T = SANE["padded_gaps"]

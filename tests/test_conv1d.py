@@ -12,8 +12,9 @@ from gdn_packed.ops._common import poisoned_outputs
 from gdn_packed.testing import PACKINGS, layout, no_host_sync, real_rows, rel_err
 from gdn_packed.torch_ref.conv1d import causal_conv1d_ref
 
-from cuda_backends import BACKENDS
+from cuda_backends import backends
 
+BACKENDS = backends()
 # the op's own dimensions, crossed with every packing: (W, D, bias, initial_state, activation);
 # D = 13 is not a multiple of any vector width
 DIMS = [(2, 16, False, True, "silu"), (3, 13, True, False, "silu"), (4, 8, True, True, None)]

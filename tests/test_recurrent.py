@@ -14,8 +14,9 @@ from gdn_packed.ops._common import poisoned_outputs
 from gdn_packed.testing import (PACKING_BY_NAME, PACKINGS, Packing, gdr_inputs, layout, no_host_sync, real_rows,
                                 reference_gdr, rel_err)
 
-from cuda_backends import BACKENDS
+from cuda_backends import backends
 
+BACKENDS = backends()
 # the shared packings and the decode step (one token per sequence), crossed with the op's own
 # dimensions: (H, HV, K, V, initial_state, l2norm); K = 128 is the cuda kernel's largest
 DECODE_STEP = Packing("decode-step", [1, 1, 1, 1, 1, 1])
