@@ -16,7 +16,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench import gdr, output  # noqa: E402
+from bench import gdr, output, providers  # noqa: E402
+from bench.common import Provider  # noqa: E402
 from bench.cli import RESULTS_DIR, main, parser  # noqa: E402
 from bench.registry import SUITES  # noqa: E402
 
@@ -155,17 +156,17 @@ def test_help_and_list_name_every_suite_and_no_issue_numbers(capsys):
 
 
 def test_a_providers_warning_goes_into_its_row_note(tmp_path, capsys):
-    right = gdr.PROVIDERS["ours-torch"].extra["call"]
+    right = providers.PROVIDERS["gdr"]["ours-torch"].call
 
     def warns(q, k, v, g, beta, cu):
         warnings.warn("this platform is not supported, rolling back", UserWarning)
         return right(q, k, v, g, beta, cu)
-    gdr.PROVIDERS["warns"] = gdr.make_provider("warns", warns)
+    p = providers.register(Provider("warns", gdr.FAMILY, warns))
     try:
         rc = main(["--scenarios", "TINY_N3_T201_H2x4_K32_V32", "--providers", "warns", "--modes", "fwd",
                    "--out", str(tmp_path), "--no-memory", *FAST])
     finally:
-        del gdr.PROVIDERS["warns"]
+        providers.unregister(p)
     assert rc == 0
     rows = output.load(glob.glob(str(tmp_path / "*.json"))[0])
     note = next(r["note"] for r in rows if r["provider"] == "warns" and r["metric"] == "time")
@@ -174,16 +175,16 @@ def test_a_providers_warning_goes_into_its_row_note(tmp_path, capsys):
 
 
 def test_gate_rejects_a_wrong_provider_and_does_not_time_it(tmp_path, capsys):
-    right = gdr.PROVIDERS["ours-torch"].extra["call"]
+    right = providers.PROVIDERS["gdr"]["ours-torch"].call
 
     def off_by_a_bit(q, k, v, g, beta, cu):      # a plausible bug: the decay applied one token late
         return right(q, k, v, torch.roll(g, 1, dims=1), beta, cu)
-    gdr.PROVIDERS["wrong"] = gdr.make_provider("wrong", off_by_a_bit)
+    p = providers.register(Provider("wrong", gdr.FAMILY, off_by_a_bit))
     try:
         rc = main(["--scenarios", "TINY_N3_T201_H2x4_K32_V32", "--providers", "wrong,ours-torch",
                    "--modes", "fwd", "--out", str(tmp_path), "--no-memory", *FAST])
     finally:
-        del gdr.PROVIDERS["wrong"]
+        providers.unregister(p)
     assert rc == 0
     rows = output.load(glob.glob(str(tmp_path / "*.json"))[0])
     wrong = [r for r in rows if r["provider"] == "wrong"]
