@@ -4,7 +4,8 @@
                             [--no-fla] [--json FILE] [--csv FILE] [--txt FILE]
 
 How (nothing about a kernel is hard-coded here):
-1. Record. The public launchers are called on meta tensors (gdn_packed's op bodies with
+1. Record. The public launchers are called on meta tensors (gdn_packed's op bodies - the registered
+   torch.ops.gdn_packed.chunk_gdr_fwd / _bwd redispatched past their fake kernels - with
    backend="triton", and FLA 0.6.0's chunk_gated_delta_rule through autograd) inside `fake_hopper()`,
    which answers triton's driver and torch.cuda's device queries as one H200 would, while
    JITFunction.run is patched to record each launch (kernel, signature and specialisation exactly as
