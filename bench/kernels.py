@@ -25,8 +25,9 @@ def conv_reference(x, weight, bias, lengths, rows=None):
     D, W = weight.shape
     w = weight.double().unsqueeze(1)
     b = None if bias is None else bias.double()
+    bounds = cu_seqlens_from_lengths(lengths).tolist()
     segs = ([x[i:i + 1] for i in range(x.shape[0])] if rows is not None else
-            [x[:, a:a + n] for a, n in zip([sum(lengths[:i]) for i in range(len(lengths))], lengths)])
+            [x[:, a:e] for a, e in zip(bounds[:-1], bounds[1:])])
     outs = [F.silu(F.conv1d(F.pad(s.double().transpose(1, 2), (W - 1, 0)), w, b, groups=D)).transpose(1, 2)
             for s in segs]
     return torch.cat(outs, dim=0 if rows is not None else 1)
