@@ -63,28 +63,30 @@ def _fla_why_not(fn_name):
     return why_not
 
 
-def _naive_why_not(device):
-    return import_reason("gdn_packed.torch_ref.naive", "naive_recurrent_gdr")
+def _needs(modname, attr):
+    """why_not of a provider that runs wherever `modname.attr` imports."""
+    return lambda device: import_reason(modname, attr)
+
+
+_NAIVE = _needs("gdn_packed.torch_ref.naive", "naive_recurrent_gdr")
 
 
 DECLARED = (
     *_ours(gdr.FAMILY, "chunk_gated_delta_rule", gdr.ours),
     Provider("fla", gdr.FAMILY, gdr.fla, _fla_why_not("chunk_gated_delta_rule")),
-    Provider("hf-torch", gdr.FAMILY, gdr.hf, varlen=False, why_not=lambda device: import_reason(
-        "transformers.models.qwen3_next.modeling_qwen3_next", "torch_chunk_gated_delta_rule")),
-    Provider("naive", gdr.FAMILY, gdr.naive, _naive_why_not, note="per-token loop, fp32", varlen=False,
+    Provider("hf-torch", gdr.FAMILY, gdr.hf, _needs("transformers.models.qwen3_next.modeling_qwen3_next",
+                                                    "torch_chunk_gated_delta_rule"), varlen=False),
+    Provider("naive", gdr.FAMILY, gdr.naive, _NAIVE, note="per-token loop, fp32", varlen=False,
              max_token_heads=gdr.NAIVE_MAX_TOKEN_HEADS),
     *_ours(kernels.CONV, "causal_conv1d_varlen", kernels.ours_conv),
     *_ours(kernels.RECURRENT, "fused_recurrent_gated_delta_rule", kernels.ours_rec),
     Provider("fla", kernels.RECURRENT, kernels.fla_rec, _fla_why_not("fused_recurrent_gated_delta_rule")),
-    Provider("naive", kernels.RECURRENT, kernels.naive_rec, _naive_why_not,
+    Provider("naive", kernels.RECURRENT, kernels.naive_rec, _NAIVE,
              note="torch per-token reference in fp32, the N decode steps batched"),
-    Provider("ours", layers.LAYER, layers.ours_layer, lambda device: import_reason("gdn_packed.layers",
-                                                                                   "GatedDeltaNet")),
+    Provider("ours", layers.LAYER, layers.ours_layer, _needs("gdn_packed.layers", "GatedDeltaNet")),
     Provider("megatron", layers.LAYER, layers.megatron_layer, layers.megatron_why_not,
              note="megatron-core block, local submodules"),
-    Provider("ours", layers.HYBRID, layers.ours_hybrid, lambda device: import_reason("gdn_packed.layers",
-                                                                                     "HybridLM")),
+    Provider("ours", layers.HYBRID, layers.ours_hybrid, _needs("gdn_packed.layers", "HybridLM")),
 )
 for _p in DECLARED:
     register(_p)
