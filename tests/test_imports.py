@@ -105,3 +105,37 @@ def test_the_walk_finds_a_cycle(tmp_path, lazy):
     assert graph["gdn_packed.ops.table"] == {"gdn_packed.packing"}
     cycle = find_cycle(graph)
     assert cycle[0] == cycle[-1] and sorted(cycle[:-1]) == ["gdn_packed._validate", "gdn_packed.packing"]
+
+
+def test_dispatch_table_names_real_functions():
+    """Every "module:function" of the one dispatch table imports (lazily, on first use) and is a
+    function; gdn_packed.ops.BACKENDS lists exactly the table's backends, in its order."""
+    from gdn_packed.ops import BACKENDS
+    from gdn_packed.ops._dispatch import TABLE, kernel
+
+    assert BACKENDS == {op: tuple(impls) for op, impls in TABLE.items()}
+    for op, impls in TABLE.items():
+        for backend, parts in impls.items():
+            assert "fwd" in parts
+            for part in parts:
+                assert callable(kernel(op, backend, part)), (op, backend, part)
+    with pytest.raises(NotImplementedError, match="available: cuda, torch"):
+        kernel("causal_conv1d_varlen", "triton", "fwd")
+
+
+def test_resolve_backend_refuse_is_an_error_when_asked_and_skipped_by_auto():
+    """One rule for "this backend does not take this input": asked by name it raises the refusal;
+    "auto" passes over it to torch. (A CUDA device object needs no GPU to resolve.)"""
+    import torch
+
+    from gdn_packed.ops._common import refuse_float64, resolve_backend
+
+    cuda = torch.device("cuda")
+    x64, x32 = torch.zeros(1, dtype=torch.float64), torch.zeros(1)
+    have = ("triton", "torch")
+    assert resolve_backend("auto", cuda, have=have, refuse=refuse_float64(x64)) == "torch"
+    assert resolve_backend("triton", cuda, have=have, refuse=refuse_float64(x32)) == "triton"
+    assert resolve_backend("auto", cuda, have=have, refuse=refuse_float64(x32)) == "triton"
+    with pytest.raises(TypeError, match="float64"):
+        resolve_backend("triton", cuda, have=have, refuse=refuse_float64(x64))
+    assert resolve_backend("torch", cuda, have=have, refuse=lambda b: ValueError("never for torch")) == "torch"

@@ -70,7 +70,7 @@ def resolve_backend(backend, device, *, have=("torch",), refuse=None):
     `have` lists the backends the op has kernels for, fastest GPU one first (gdn_packed.ops.BACKENDS).
     `refuse(b)` says whether backend b takes this particular input (dtype, head dim, ...): None when
     it does, else the exception naming the argument. A backend asked by name raises it; "auto" passes
-    over a refused backend (down to "torch", which takes every input)."""
+    over a refused backend, down to "torch", which takes every input (it is never asked)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -92,7 +92,7 @@ def resolve_backend(backend, device, *, have=("torch",), refuse=None):
         if not _cuda_ok():
             from gdn_packed._cext import cuda_unavailable_reason
             raise RuntimeError(f"backend='cuda' is unavailable: {cuda_unavailable_reason()}")
-    error = None if refuse is None else refuse(backend)
+    error = None if refuse is None or backend == "torch" else refuse(backend)
     if error is not None:
         raise error
     return backend
