@@ -112,7 +112,7 @@ def jobs_for(args):
 
 def check_names(args):
     from bench.common import DTYPES
-    from bench.runner import PROVIDERS
+    from bench.providers import PROVIDERS
     providers = list(dict.fromkeys(n for ps in PROVIDERS.values() for n in ps))
     if args.providers:
         _one_of("provider", args.providers, providers)
@@ -230,7 +230,7 @@ def list_command(argv):
     if argv:
         raise UsageError(f"`list` takes no arguments, got {' '.join(argv)}")
     from bench.registry import SCENARIOS, SUITE_DOCS, SUITES
-    from bench.runner import PROVIDERS
+    from bench.providers import PROVIDERS
     print("scenarios:")
     for n, s in SCENARIOS.items():
         extra = f" docs={len(s.docs)} real={s.real_tokens} padded={s.padded_tokens}" if s.layout == "packing" else ""

@@ -1,6 +1,6 @@
 """What every op module of the benchmark shares: the prepared case, skip/fail signals, inputs."""
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 
@@ -20,17 +20,49 @@ class Case:
     note: str = ""
 
 
-@dataclass
-class Provider:
-    """A named implementation of an op. `why_not(device)` is '' when it can run there, else why not.
-    `build(scenario, layout, mode, device, dtype)` returns a Case or raises Skip.
-    `gate(device, dtype, grads)` returns (ok, {tensor: rel_err}, detail)."""
-    name: str
-    why_not: Callable[[torch.device], str]
+@dataclass(frozen=True)
+class Family:
+    """How the bench drives the providers of one kind of op (bench/gdr.py, kernels.py, layers.py):
+    the scenario ops it serves, `build(provider, scenario, layout, mode, device, dtype)` -> Case (or
+    raise Skip) and `gate(provider, device, dtype, grads)` -> (ok, {tensor: rel_err}, detail)."""
+    ops: Tuple[str, ...]
     build: Callable[..., Case]
     gate: Callable[..., tuple]
+
+
+def runs_anywhere(device) -> str:
+    return ""
+
+
+@dataclass(frozen=True)
+class Provider:
+    """A named implementation of an op family, declared once (bench/providers.py).
+    `call`: the implementation in its family's calling convention (the family module's docstring says
+    which). `why_not(device)`: '' when it can run there, else why not. `varlen`: False for a call
+    without cu_seqlens, which the family then runs on packed input one sequence at a time (what a
+    caller of it has to do; the rows' notes say so). `max_token_heads`: real tokens x v-heads above
+    which a case is skipped (0: no limit)."""
+    name: str
+    family: Family
+    call: Callable[..., Any]
+    why_not: Callable[[torch.device], str] = runs_anywhere
     note: str = ""
-    extra: Dict[str, Any] = field(default_factory=dict)
+    varlen: bool = True
+    max_token_heads: int = 0
+
+    def build(self, s, layout, mode, device, dtype) -> Case:
+        return self.family.build(self, s, layout, mode, device, dtype)
+
+    def gate(self, device, dtype, grads) -> tuple:
+        return self.family.gate(self, device, dtype, grads)
+
+    def note_for(self, layout) -> str:
+        """The note of this provider's rows in a layout (packed / padded / dense)."""
+        if self.varlen or layout == "dense":
+            return self.note
+        how = {"packed": "no cu_seqlens: one call per sequence",
+               "padded": "one batched call over the padded rows"}[layout]
+        return "; ".join(x for x in (self.note, how) if x)
 
 
 def import_reason(modname: str, attr: Optional[str] = None) -> str:

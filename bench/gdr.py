@@ -1,16 +1,19 @@
-"""The chunked gated delta rule (ops `gdr` and `packing`): inputs, providers, correctness gate.
+"""The chunked gated delta rule (ops `gdr` and `packing`): inputs, provider calls, cases, correctness gate.
 
-Every provider is reduced to one call, `call(q, k, v, g, beta, cu_seqlens) -> o`, on either
-  a batch [B, T, ...] without cu_seqlens (dense scenarios and the padded side of `packing`), or
-  a packed row [1, T, ...] with cu_seqlens (int32).
+Calling convention of a provider's `call` (bench/providers.py declares the providers):
+  varlen providers:  call(q, k, v, g, beta, cu_seqlens) -> o, on either a batch [B, T, ...] with
+                     cu_seqlens None (dense scenarios and the padded side of `packing`) or a packed row
+                     [1, T, ...] with cu_seqlens (int32);
+  varlen=False:      call(q, k, v, g, beta) -> o on a batch; packed input is run one sequence at a time
+                     (hf-torch, naive: that is what a caller of theirs has to do, and the rows say so).
 The final state is always asked for (output_final_state=True), so every provider does the same work.
-Providers without cu_seqlens support (hf-torch, naive) run packed input one sequence at a time:
-that is what a caller of theirs has to do, and the rows say so.
 """
 import torch
 
-from bench.common import NEEDS_GPU, Case, Provider, Skip, grad_fn, import_reason, randn
-from gdn_packed.testing import BUDGETS, reference_gdr, rel_err
+from bench.common import Case, Family, Skip, grad_fn, randn
+from gdn_packed.packing import cu_seqlens_from_lengths, unpack
+from gdn_packed.testing import budgets as testing_budgets
+from gdn_packed.testing import reference_gdr, rel_err
 
 NAIVE_MAX_TOKEN_HEADS = 64 * 1024     # naive: real tokens x v-heads above this are skipped
 
@@ -29,22 +32,14 @@ def make_inputs(H, HV, K, V, lengths, dtype, device, *, rows=None, seed=0, requi
     g = torch.nn.functional.logsigmoid(randn((1, T, HV), torch.float32, device, gen) + 2.0)
     beta = torch.rand((1, T, HV), generator=gen, device=device)
     q, k, v = (x.to(dtype) for x in (q, k, v))
-    cu = torch.tensor([0] + list(_cumsum(lengths)), dtype=torch.int32, device=device)
+    cu = cu_seqlens_from_lengths(lengths, device=device)
     xs = [q, k, v, g, beta]
     if rows is not None:
-        from gdn_packed.packing import unpack
         B, L = rows
         xs = [unpack(x, cu, B, L) for x in xs]
         cu = None
     xs = [x.contiguous().requires_grad_(requires_grad) for x in xs]
     return xs, cu
-
-
-def _cumsum(xs):
-    s = 0
-    for x in xs:
-        s += x
-        yield s
 
 
 def per_sequence(fn):
@@ -59,110 +54,51 @@ def per_sequence(fn):
     return call
 
 
-# ------------------------------------------------------------------------------------------- providers
-def _ours(backend):
+def varlen_call(p):
+    """The provider's call in the varlen convention (batch-only calls wrapped by per_sequence)."""
+    return p.call if p.varlen else per_sequence(p.call)
+
+
+# ------------------------------------------------------------------------------------------------ calls
+def ours(backend):
+    """gdn_packed.chunk_gated_delta_rule on one backend."""
     def call(q, k, v, g, beta, cu):
         from gdn_packed import chunk_gated_delta_rule
         return chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu,
                                       backend=backend)[0]
-
-    def why_not(device):
-        r = import_reason("gdn_packed", "chunk_gated_delta_rule")
-        if r:
-            return r
-        if backend in ("triton", "cuda") and device.type != "cuda":
-            return NEEDS_GPU
-        from gdn_packed.ops import chunk_gdr
-        have = getattr(chunk_gdr, "BACKENDS_IMPLEMENTED", ("torch",))
-        if backend not in have:
-            return f"backend={backend!r} not implemented yet (chunk_gdr has {', '.join(have)})"
-        if backend == "cuda":
-            from gdn_packed import cuda_available, cuda_unavailable_reason
-            if not cuda_available():
-                return f"gdn_packed._C unavailable: {cuda_unavailable_reason()}"
-        return ""
-    return call, why_not
+    return call
 
 
-def _fla():
-    def call(q, k, v, g, beta, cu):
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        return chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
-                                      cu_seqlens=None if cu is None else cu.long())[0]
-
-    def why_not(device):
-        if device.type != "cuda":
-            return "fla-core needs a GPU (its CPU path is the Triton interpreter)"
-        return import_reason("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
-    return call, why_not
+def fla(q, k, v, g, beta, cu):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    return chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
+                                  cu_seqlens=None if cu is None else cu.long())[0]
 
 
-def _hf():
-    def fn(q, k, v, g, beta):
-        from transformers.models.qwen3_next import modeling_qwen3_next as m
-        f = getattr(m.torch_chunk_gated_delta_rule, "__wrapped__", m.torch_chunk_gated_delta_rule)
-        return f(q, k, v, g, beta, output_final_state=True)[0]
-
-    def why_not(device):
-        return import_reason("transformers.models.qwen3_next.modeling_qwen3_next",
-                             "torch_chunk_gated_delta_rule")
-    return per_sequence(fn), why_not
+def hf(q, k, v, g, beta):
+    """transformers' torch_chunk_gated_delta_rule (its plain torch function, not the FLA dispatch)."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as m
+    f = getattr(m.torch_chunk_gated_delta_rule, "__wrapped__", m.torch_chunk_gated_delta_rule)
+    return f(q, k, v, g, beta, output_final_state=True)[0]
 
 
-def _naive():
-    def fn(q, k, v, g, beta):
-        from gdn_packed.torch_ref.naive import naive_recurrent_gdr
-        return naive_recurrent_gdr(q, k, v, g, beta, compute_dtype=torch.float32)[0].to(v.dtype)
-
-    def why_not(device):
-        return import_reason("gdn_packed.torch_ref.naive", "naive_recurrent_gdr")
-    return per_sequence(fn), why_not
-
-
-def _provider(name, call, why_not, note=""):
-    p = Provider(name=name, why_not=why_not, build=None, gate=None, note=note)
-    p.build = lambda s, layout, mode, device, dtype: build_case(p, call, s, layout, mode, device, dtype)
-    p.gate = lambda device, dtype, grads: gate(call, device, dtype, grads)
-    p.extra["call"] = call
-    return p
-
-
-def make_provider(name, call, why_not=lambda device: "", note=""):
-    """A gdr provider from `call(q, k, v, g, beta, cu_seqlens) -> o` (tests register wrong ones)."""
-    return _provider(name, call, why_not, note)
-
-
-PROVIDERS = {
-    "ours-triton": _provider("ours-triton", *_ours("triton")),
-    "ours-cuda": _provider("ours-cuda", *_ours("cuda")),
-    "ours-torch": _provider("ours-torch", *_ours("torch")),
-    "fla": _provider("fla", *_fla()),
-    "hf-torch": _provider("hf-torch", *_hf()),
-    "naive": _provider("naive", *_naive(), note="per-token loop, fp32"),
-}
-# hf-torch and naive have no cu_seqlens: a batch is one call, packed input one call per sequence
-PROVIDERS["hf-torch"].extra["notes"] = {"packed": "no cu_seqlens: one call per sequence",
-                                        "padded": "one batched call over the padded rows"}
-PROVIDERS["naive"].extra["notes"] = {"packed": "per-token loop, fp32, one call per sequence",
-                                     "padded": "per-token loop, fp32, batched rows"}
+def naive(q, k, v, g, beta):
+    """The per-token recurrence of gdn_packed.torch_ref.naive (docs/DESIGN.md section 9) in fp32."""
+    from gdn_packed.torch_ref.naive import naive_recurrent_gdr
+    return naive_recurrent_gdr(q, k, v, g, beta, compute_dtype=torch.float32)[0].to(v.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- cases
-def build_case(p, call, s, layout, mode, device, dtype):
+def build_case(p, s, layout, mode, device, dtype):
     """layout: 'dense' (B x T batch), 'packed' (cu_seqlens) or 'padded' (one document per row)."""
-    if p.name == "naive" and s.real_tokens * s.HV > NAIVE_MAX_TOKEN_HEADS:
-        raise Skip(f"naive per-token loop skipped above {NAIVE_MAX_TOKEN_HEADS} token-heads "
+    if p.max_token_heads and s.real_tokens * s.HV > p.max_token_heads:
+        raise Skip(f"{p.name} skipped above {p.max_token_heads} token-heads "
                    f"(this case: {s.real_tokens * s.HV})")
     grads = mode != "fwd"
-    if layout == "dense":
-        xs, cu = make_inputs(s.H, s.HV, s.K, s.V, s.docs, dtype, device, rows=(s.B, s.T),
-                             requires_grad=grads)
-    elif layout == "padded":
-        xs, cu = make_inputs(s.H, s.HV, s.K, s.V, s.docs, dtype, device, rows=(len(s.docs), s.T),
-                             requires_grad=grads)
-    else:
-        xs, cu = make_inputs(s.H, s.HV, s.K, s.V, s.docs, dtype, device, requires_grad=grads)
-    note = p.extra.get("notes", {}).get(layout, p.note)
+    rows = s.rows(layout)
+    xs, cu = make_inputs(s.H, s.HV, s.K, s.V, s.docs, dtype, device, rows=rows, requires_grad=grads)
+    call = varlen_call(p)
+    note = p.note_for(layout)
     if mode == "fwd":
         def fwd():
             with torch.no_grad():
@@ -178,16 +114,17 @@ GATE_DENSE = (2, 70)             # batch rows x tokens
 
 
 def budgets(dtype, device):
-    if dtype == torch.float32 and device.type == "cuda":    # tf32 dots (docs/DESIGN.md section 7)
-        return dict(o=2e-3, grad=5e-3)
-    b = BUDGETS[dtype]
-    return dict(o=b["o"], grad=b["grad"])
+    """{o, grad} budgets of gdn_packed.testing.budgets; one gradient budget (the looser of grad and
+    gate_grad: dg, dbeta on a GPU in fp32) for every gradient."""
+    b = testing_budgets(dtype, device)
+    return dict(o=b["o"], grad=max(b["grad"], b["gate_grad"]))
 
 
-def gate(call, device, dtype, grads):
-    """Run `call` at a small size, packed and batched, against the float64 reference (and its autograd
-    gradients when `grads`). Returns (ok, {name: rel_err}, detail)."""
+def gate(p, device, dtype, grads):
+    """Run the provider's call at a small size, packed and batched, against the float64 reference (and
+    its autograd gradients when `grads`). Returns (ok, {name: rel_err}, detail)."""
     H, HV, K, V = 2, 4, 32, 32
+    call = varlen_call(p)
     errs = {}
     budget = budgets(dtype, device)
     for tag, rows, lengths in (("packed", None, GATE_LENGTHS),
@@ -208,4 +145,6 @@ def gate(call, device, dtype, grads):
     return (not bad), errs, (f"rel. err over budget {budget}: {detail}" if bad else "")
 
 
-__all__ = ["PROVIDERS", "make_provider", "make_inputs", "gate", "budgets"]
+FAMILY = Family(ops=("gdr", "packing"), build=build_case, gate=gate)
+
+__all__ = ["FAMILY", "make_inputs", "budgets", "ours", "fla", "hf", "naive", "NAIVE_MAX_TOKEN_HEADS"]

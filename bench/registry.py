@@ -88,6 +88,11 @@ class Scenario:
         """Tokens a padded trainer computes (packing: one document per row of row_len)."""
         return len(self.lengths) * self.T if self.layout == "packing" else self.real_tokens
 
+    def rows(self, layout: str) -> Optional[Tuple[int, int]]:
+        """(B, L) of the batch the scenario runs as in a layout: dense = its B rows of T tokens, padded =
+        one document per row of T tokens; None for packed (one row with cu_seqlens)."""
+        return {"dense": (self.B, self.T), "padded": (len(self.docs), self.T)}.get(layout)
+
     @property
     def width(self) -> int:
         """Model width for layer/hybrid (and the channel count of conv)."""

@@ -5,15 +5,11 @@ import warnings
 
 import torch
 
-from bench import gdr, kernels, layers, model, timing
+from bench import model, timing
 from bench.common import DTYPES, Skip, sync
 from bench.output import row
+from bench.providers import PROVIDERS
 from bench.registry import SCENARIOS
-
-PROVIDERS = {"gdr": gdr.PROVIDERS, "packing": gdr.PROVIDERS, "conv": kernels.CONV_PROVIDERS,
-             "recurrent": kernels.REC_PROVIDERS, "layer": layers.LAYER_PROVIDERS,
-             "hybrid": layers.HYBRID_PROVIDERS}
-GATE_FAMILY = {"packing": "gdr"}       # ops that share one gate result
 
 
 class Options:
@@ -95,7 +91,7 @@ def _provider_rows(p, op, s, modes, dtype_name, opt, env, base, gates, progress)
         return rows
     for mode in modes:
         grads = mode != "fwd"
-        gkey = (GATE_FAMILY.get(op, op), p.name, dtype_name, grads)
+        gkey = (p.family.ops, p.name, dtype_name, grads)     # one gate result per family (gdr, packing)
         if gkey not in gates:
             gates[gkey] = _gate(p, device, dtype, grads)
         status, err, detail = gates[gkey]

@@ -4,7 +4,8 @@
                             [--no-fla] [--json FILE] [--csv FILE] [--txt FILE]
 
 How (nothing about a kernel is hard-coded here):
-1. Record. The public launchers are called on meta tensors (gdn_packed's op bodies with
+1. Record. The public launchers are called on meta tensors (gdn_packed's op bodies - the registered
+   torch.ops.gdn_packed.chunk_gdr_fwd / _bwd redispatched past their fake kernels - with
    backend="triton", and FLA 0.6.0's chunk_gated_delta_rule through autograd) inside `fake_hopper()`,
    which answers triton's driver and torch.cuda's device queries as one H200 would, while
    JITFunction.run is patched to record each launch (kernel, signature and specialisation exactly as
@@ -448,25 +449,36 @@ def _meta_inputs(dims, dtype, grad=False):
             torch.empty(1, T, HV, dtype=torch.float32, **m))
 
 
-def record_ours(rec, dims, dtype, modes, l2norm=False, h0=False, dht=False, gates=False):
-    """gdn_packed's op bodies with backend="triton" on meta tensors (what the dispatcher launches)."""
+def _op_body(name):
+    """The body of the registered op torch.ops.gdn_packed.<name> (what it runs on real tensors), callable on
+    meta tensors: a redispatch past the op's fake (Meta) kernel to its CompositeExplicitAutograd kernel."""
     import torch
-    from gdn_packed.ops.chunk_gdr import chunk_gdr_bwd, chunk_gdr_fwd
+    import gdn_packed  # noqa: F401  (registers the ops)
+    op = getattr(torch.ops.gdn_packed, name).default
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    return lambda **kwargs: op.redispatch(keys, **kwargs)
+
+
+def record_ours(rec, dims, dtype, modes, l2norm=False, h0=False, dht=False, gates=False):
+    """gdn_packed's op bodies (torch.ops.gdn_packed.chunk_gdr_fwd / _bwd) with backend="triton" on meta
+    tensors: what the dispatcher launches."""
+    import torch
     N, L, H, HV, K, V = dims
     q, k, v, g, beta = _meta_inputs(dims, dtype)
     if gates:       # raw a, b in the input dtype, as the layers pass them
         g, beta = g.to(dtype), beta.to(dtype)
     cu = torch.empty(N + 1, dtype=torch.int32, device="meta")
     state = torch.empty(N, HV, K, V, dtype=torch.float32, device="meta")
-    extra = (torch.empty(HV, device="meta"), torch.empty(HV, device="meta")) if gates else ()
-    common = (q, k, v, g, beta, state if h0 else None, cu, None)
+    common = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=state if h0 else None, cu_seqlens=cu,
+                  cu_seqlens_padded=None, scale=K ** -0.5, use_qk_l2norm=l2norm, backend="triton")
+    if gates:
+        common.update(A_log=torch.empty(HV, device="meta"), dt_bias=torch.empty(HV, device="meta"))
     if "fwd" in modes:
         rec.phase = "fwd"
-        chunk_gdr_fwd._init_fn(*common, K ** -0.5, l2norm, "triton", *extra)
+        _op_body("chunk_gdr_fwd")(**common)
     if "bwd" in modes:
         rec.phase = "bwd"
-        chunk_gdr_bwd._init_fn(*common, torch.empty_like(v), state if dht else None, K ** -0.5, l2norm,
-                               "triton", *extra)
+        _op_body("chunk_gdr_bwd")(**common, do=torch.empty_like(v), dht=state if dht else None)
 
 
 def record_fla(rec, dims, dtype, modes):

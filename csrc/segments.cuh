@@ -70,8 +70,8 @@ GDN_HD int64_t find_segment(const int32_t* cc, int64_t n, int64_t j) {
 }
 
 // ---- Row-level segment lookup (conv1d_varlen.cu, recurrent_gdr.cu) ---------------------------------
-// Which sequence a packed row belongs to: the same rule as gdn_packed.packing._locate. Sequence i owns
-// rows [base_i, base_i + len_i); every other row is padding (seq = -1). For a valid layout
+// Which sequence a packed row belongs to: the same rule as gdn_packed.segments.locate_rows. Sequence i
+// owns rows [base_i, base_i + len_i); every other row is padding (seq = -1). For a valid layout
 // (non-decreasing bases, base_{i+1} >= base_i + len_i) this is exact; for a corrupt one the answer is
 // some sequence with base <= row < base + len (callers still bound every row they read to [0, T)).
 struct RowLoc {

@@ -29,6 +29,9 @@ All index tensors are computed with vectorised ops (``searchsorted``, ``nonzero`
 ``index_select``/``index_copy``); there is no Python loop over sequences or tokens, and the data
 movers (:func:`pack`, :func:`unpack`, :func:`to_padded_layout`, :func:`from_padded_layout`) are
 differentiable with respect to their floating-point input.
+
+The segment logic itself (the checks of ``cu_seqlens``, :func:`validate_cu_seqlens`, locating rows,
+:func:`padding_row_mask`) lives in :mod:`gdn_packed.segments`; this module re-exports the public part.
 """
 
 from __future__ import annotations
@@ -39,8 +42,12 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from gdn_packed._validate import check_cu_seqlens_meta as _check_cu_meta
-from gdn_packed._validate import check_padded_meta as _check_padded_meta
+from gdn_packed._validate import check_int as _check_int
+from gdn_packed.segments import check_cu_seqlens_meta as _check_cu_meta
+from gdn_packed.segments import check_padded_meta as _check_padded_meta
+from gdn_packed.segments import locate_rows
+from gdn_packed.segments import offsets_and_rows
+from gdn_packed.segments import padding_row_mask, validate_cu_seqlens
 
 __all__ = [
     "cu_seqlens_from_lengths",
@@ -67,15 +74,6 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 # ----------------------------------------------------------------------------------------------------
 # internal helpers
 # ----------------------------------------------------------------------------------------------------
-def _check_int(value, name: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
 def _check_mask(mask, name: str = "attention_mask") -> None:
     if not isinstance(mask, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
@@ -111,41 +109,6 @@ def _nonzero_1d_sorted(flags: Tensor, size: int, fill_value: int) -> Tensor:
     count = flags.sum()
     keep = torch.arange(size, device=flags.device) < count
     return torch.where(keep, order, torch.full_like(order, fill_value))
-
-
-def _locate(offsets: Tensor, lengths: Tensor, rows: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """Map every row ``r in [0, rows)`` of a storage layout to ``(seq, pos, real)`` (int64, int64,
-    bool), where sequence ``i`` occupies rows ``[offsets[i], offsets[i] + lengths[i])``.
-
-    ``seq`` is the slot containing the row (clamped to ``[0, N-1]``; only meaningful where ``real``),
-    ``pos = r - offsets[seq]``. No synchronisation.
-    """
-    device = offsets.device
-    r = torch.arange(rows, device=device, dtype=torch.int64)
-    n = lengths.numel()
-    if n == 0:
-        return r.new_zeros(rows), r.new_zeros(rows), torch.zeros(rows, dtype=torch.bool, device=device)
-    off = offsets.to(torch.int64)
-    raw = torch.searchsorted(off, r, right=True) - 1  # last i with off[i] <= r; n when r >= off[n]
-    seq = raw.clamp(0, n - 1)
-    pos = r - off[seq]
-    real = (raw >= 0) & (raw < n) & (pos < lengths.to(torch.int64)[seq])
-    return seq, pos, real
-
-
-def _offsets_and_rows(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor],
-                      total_rows: Optional[int]) -> Tuple[Tensor, int]:
-    _check_cu_meta(cu_seqlens, "cu_seqlens")
-    if cu_seqlens_padded is not None:
-        _check_padded_meta(cu_seqlens, cu_seqlens_padded, "cu_seqlens", "cu_seqlens_padded")
-        offsets = cu_seqlens_padded
-    else:
-        offsets = cu_seqlens
-    if total_rows is None:
-        rows = int(offsets[-1])  # host sync: documented on the callers
-    else:
-        rows = _check_int(total_rows, "total_rows")
-    return offsets, rows
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -356,7 +319,7 @@ def unpack(packed: Tensor, cu_seqlens: Tensor, batch_size: int, seqlen: int,
         dest = _nonzero_1d(flat, t, fill_value=rows)  # surplus tokens -> dump row
     else:
         cu = cu_seqlens.to(packed.device)
-        seq, pos, real = _locate(cu[:-1], cu[1:] - cu[:-1], t)
+        seq, pos, real = locate_rows(cu[:-1], cu[1:] - cu[:-1], t)
         fits = real & (pos < seqlen)
         dest = torch.where(fits, seq * seqlen + pos, torch.full_like(pos, rows))
     out = src.new_zeros((rows + 1, *feat)).index_copy(0, dest, src)  # row `rows` is a dump row
@@ -415,7 +378,7 @@ def _token_targets(cu_seqlens: Tensor, cu_seqlens_padded: Tensor, num_tokens: in
     """Storage row of each packed token ``t in [0, num_tokens)`` and whether it is a real token
     that fits in its slot and in ``[0, num_rows)``."""
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    seq, pos, real = _locate(cu_seqlens[:-1], lens, num_tokens)
+    seq, pos, real = locate_rows(cu_seqlens[:-1], lens, num_tokens)
     if cu_seqlens.numel() == 1:
         return pos, real
     padded = cu_seqlens_padded.to(torch.int64)
@@ -482,19 +445,6 @@ def from_padded_layout(x: Tensor, cu_seqlens: Tensor, cu_seqlens_padded: Tensor,
 # ----------------------------------------------------------------------------------------------------
 # shared per-row index logic (RoPE, attention masks, conv, ...)
 # ----------------------------------------------------------------------------------------------------
-def padding_row_mask(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor] = None,
-                     total_rows: Optional[int] = None) -> Tensor:
-    """bool ``[total_rows]``: True on rows holding a real token, False on padding rows.
-
-    ``cu_seqlens_padded=None`` means the packed layout itself (rows at or after ``cu_seqlens[-1]``
-    are padding). **[no sync]** when ``total_rows`` is given; otherwise it is read from the last
-    offset (**[sync]**).
-    """
-    offsets, rows = _offsets_and_rows(cu_seqlens, cu_seqlens_padded, total_rows)
-    _, _, real = _locate(offsets, cu_seqlens[1:] - cu_seqlens[:-1], rows)
-    return real
-
-
 def token_seq_ids(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor] = None,
                   total_rows: Optional[int] = None) -> Tensor:
     """Sequence index of every row ``[total_rows]`` (``cu_seqlens``' dtype), -1 on padding rows.
@@ -502,8 +452,8 @@ def token_seq_ids(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor] = None
     Rows are those of the padded storage when ``cu_seqlens_padded`` is given, else of the packed
     layout. **[no sync]** when ``total_rows`` is given; otherwise it is the last offset (**[sync]**).
     """
-    offsets, rows = _offsets_and_rows(cu_seqlens, cu_seqlens_padded, total_rows)
-    seq, _, real = _locate(offsets, cu_seqlens[1:] - cu_seqlens[:-1], rows)
+    offsets, rows = offsets_and_rows(cu_seqlens, cu_seqlens_padded, total_rows)
+    seq, _, real = locate_rows(offsets, cu_seqlens[1:] - cu_seqlens[:-1], rows)
     return torch.where(real, seq, torch.full_like(seq, -1)).to(cu_seqlens.dtype)
 
 
@@ -515,66 +465,7 @@ def position_ids_from_cu_seqlens(cu_seqlens: Tensor, cu_seqlens_padded: Optional
 
     Same row conventions and sync rules as :func:`token_seq_ids`.
     """
-    offsets, rows = _offsets_and_rows(cu_seqlens, cu_seqlens_padded, total_rows)
-    _, pos, real = _locate(offsets, cu_seqlens[1:] - cu_seqlens[:-1], rows)
+    offsets, rows = offsets_and_rows(cu_seqlens, cu_seqlens_padded, total_rows)
+    _, pos, real = locate_rows(offsets, cu_seqlens[1:] - cu_seqlens[:-1], rows)
     out = torch.where(real, pos, torch.zeros_like(pos))
     return out.to(cu_seqlens.dtype if dtype is None else dtype)
-
-
-# ----------------------------------------------------------------------------------------------------
-# validation (explicit, synchronising)
-# ----------------------------------------------------------------------------------------------------
-def validate_cu_seqlens(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor] = None,
-                        total_rows: Optional[int] = None, name: str = "cu_seqlens",
-                        padded_name: Optional[str] = None) -> None:
-    """Check ``cu_seqlens`` (and optionally ``cu_seqlens_padded`` / ``total_rows``) fully.
-
-    Raises ``TypeError``/``ValueError`` whose message names the offending argument (``name``, and
-    ``padded_name``, default ``name + "_padded"``) for: not a tensor, dtype not int32/int64, not
-    1-D, empty, first element != 0, decreasing values; padded offsets of a different
-    shape/dtype/device, negative or decreasing, a slot shorter than its sequence; the last offset
-    (of the padded offsets if given, else of ``cu_seqlens``) beyond ``total_rows``.
-
-    **[sync]** this is the explicit validation step: it copies the offsets to the host.
-    """
-    padded_name = padded_name if padded_name is not None else f"{name}_padded"
-    _check_cu_meta(cu_seqlens, name)
-    if cu_seqlens_padded is not None:
-        _check_cu_meta(cu_seqlens_padded, padded_name)
-        _check_padded_meta(cu_seqlens, cu_seqlens_padded, name, padded_name)
-    if total_rows is not None:
-        total_rows = _check_int(total_rows, "total_rows")
-
-    cu = cu_seqlens.detach().to("cpu", torch.int64)
-    if int(cu[0]) != 0:
-        raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
-    lens = cu[1:] - cu[:-1]
-    if lens.numel() and bool((lens < 0).any()):
-        i = int(torch.nonzero(lens < 0)[0, 0])
-        raise ValueError(
-            f"{name} must be non-decreasing, but {name}[{i + 1}] = {int(cu[i + 1])} < "
-            f"{name}[{i}] = {int(cu[i])}")
-    last_name, last = name, int(cu[-1])
-
-    if cu_seqlens_padded is not None:
-        pad = cu_seqlens_padded.detach().to("cpu", torch.int64)
-        if int(pad[0]) < 0:
-            raise ValueError(f"{padded_name}[0] must be >= 0, got {int(pad[0])}")
-        slots = pad[1:] - pad[:-1]
-        if slots.numel() and bool((slots < 0).any()):
-            i = int(torch.nonzero(slots < 0)[0, 0])
-            raise ValueError(
-                f"{padded_name} must be non-decreasing, but {padded_name}[{i + 1}] = "
-                f"{int(pad[i + 1])} < {padded_name}[{i}] = {int(pad[i])}")
-        short = slots < lens
-        if short.numel() and bool(short.any()):
-            i = int(torch.nonzero(short)[0, 0])
-            raise ValueError(
-                f"{padded_name}: sequence {i} has length {int(lens[i])} but its padded slot holds "
-                f"{int(slots[i])} (from {name} and {padded_name})")
-        last_name, last = padded_name, int(pad[-1])
-
-    if total_rows is not None and last > total_rows:
-        raise ValueError(
-            f"{last_name}[-1] = {last} exceeds total_rows = {total_rows} "
-            f"(the tensor has only {total_rows} rows)")

@@ -1,6 +1,9 @@
 """The benchmark CLI (bench/): an end-to-end run on tiny scenarios with every CPU provider, the
 result files' schema, what the console shows (tables that fit the width, one progress line per case
-when piped), bad arguments, the correctness gate rejecting a wrong provider, and the plot command."""
+when piped), bad arguments, the correctness gate rejecting a wrong provider, the plot command, and the
+provider registry (ours-<backend> exactly for the backends an op has; bench imports only public or
+documented names of gdn_packed)."""
+import ast
 import csv
 import glob
 import json
@@ -16,9 +19,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench import gdr, output  # noqa: E402
+from bench import gdr, output, providers  # noqa: E402
+from bench.common import Provider  # noqa: E402
 from bench.cli import RESULTS_DIR, main, parser  # noqa: E402
 from bench.registry import SUITES  # noqa: E402
+from gdn_packed.ops import BACKENDS  # noqa: E402
 
 CPU_PROVIDERS = ("ours-torch", "hf-torch", "naive")
 FAST = ["--repeats", "3", "--warmup", "1", "--budget-s", "1", "--threads", "1"]
@@ -155,17 +160,17 @@ def test_help_and_list_name_every_suite_and_no_issue_numbers(capsys):
 
 
 def test_a_providers_warning_goes_into_its_row_note(tmp_path, capsys):
-    right = gdr.PROVIDERS["ours-torch"].extra["call"]
+    right = providers.PROVIDERS["gdr"]["ours-torch"].call
 
     def warns(q, k, v, g, beta, cu):
         warnings.warn("this platform is not supported, rolling back", UserWarning)
         return right(q, k, v, g, beta, cu)
-    gdr.PROVIDERS["warns"] = gdr.make_provider("warns", warns)
+    p = providers.register(Provider("warns", gdr.FAMILY, warns))
     try:
         rc = main(["--scenarios", "TINY_N3_T201_H2x4_K32_V32", "--providers", "warns", "--modes", "fwd",
                    "--out", str(tmp_path), "--no-memory", *FAST])
     finally:
-        del gdr.PROVIDERS["warns"]
+        providers.unregister(p)
     assert rc == 0
     rows = output.load(glob.glob(str(tmp_path / "*.json"))[0])
     note = next(r["note"] for r in rows if r["provider"] == "warns" and r["metric"] == "time")
@@ -174,16 +179,16 @@ def test_a_providers_warning_goes_into_its_row_note(tmp_path, capsys):
 
 
 def test_gate_rejects_a_wrong_provider_and_does_not_time_it(tmp_path, capsys):
-    right = gdr.PROVIDERS["ours-torch"].extra["call"]
+    right = providers.PROVIDERS["gdr"]["ours-torch"].call
 
     def off_by_a_bit(q, k, v, g, beta, cu):      # a plausible bug: the decay applied one token late
         return right(q, k, v, torch.roll(g, 1, dims=1), beta, cu)
-    gdr.PROVIDERS["wrong"] = gdr.make_provider("wrong", off_by_a_bit)
+    p = providers.register(Provider("wrong", gdr.FAMILY, off_by_a_bit))
     try:
         rc = main(["--scenarios", "TINY_N3_T201_H2x4_K32_V32", "--providers", "wrong,ours-torch",
                    "--modes", "fwd", "--out", str(tmp_path), "--no-memory", *FAST])
     finally:
-        del gdr.PROVIDERS["wrong"]
+        providers.unregister(p)
     assert rc == 0
     rows = output.load(glob.glob(str(tmp_path / "*.json"))[0])
     wrong = [r for r in rows if r["provider"] == "wrong"]
@@ -192,6 +197,65 @@ def test_gate_rejects_a_wrong_provider_and_does_not_time_it(tmp_path, capsys):
     assert not any(r["metric"] == "time" for r in wrong)
     assert any(r["provider"] == "ours-torch" and r["metric"] == "time" for r in rows)
     assert "FAILED" in capsys.readouterr().out
+
+
+# the public op behind each op of the bench that has ours-<backend> providers
+PUBLIC_OP = {"gdr": "chunk_gated_delta_rule", "packing": "chunk_gated_delta_rule",
+             "conv": "causal_conv1d_varlen", "recurrent": "fused_recurrent_gated_delta_rule"}
+
+
+@pytest.mark.parametrize("op", sorted(PUBLIC_OP))
+def test_ours_providers_are_exactly_the_backends_the_op_has(op):
+    ours = [n[len("ours-"):] for n in providers.PROVIDERS[op] if n.startswith("ours-")]
+    assert ours == list(BACKENDS[PUBLIC_OP[op]])
+
+
+def test_every_op_with_providers_is_covered():
+    assert set(providers.PROVIDERS) == set(PUBLIC_OP) | {"layer", "hybrid"}
+
+
+def test_register_refuses_a_taken_name_and_unregister_restores_the_table():
+    before = {op: dict(ps) for op, ps in providers.PROVIDERS.items()}
+    taken = Provider("ours-torch", gdr.FAMILY, gdr.ours("torch"))
+    with pytest.raises(ValueError, match="'ours-torch' is already registered"):
+        providers.register(taken)
+    p = providers.register(Provider("extra", gdr.FAMILY, gdr.ours("torch")))
+    assert providers.PROVIDERS["gdr"]["extra"] is p and providers.PROVIDERS["packing"]["extra"] is p
+    providers.unregister(p)
+    with pytest.raises(KeyError, match="'extra' is not registered"):
+        providers.unregister(p)
+    assert providers.PROVIDERS == before
+
+
+# gdn_packed modules bench may import: the public API, its documented modules, and the per-token
+# recurrence documented in docs/DESIGN.md section 9 (the `naive` provider); from gdn_packed.ops only BACKENDS
+ALLOWED = {"gdn_packed": None, "gdn_packed.packing": None, "gdn_packed.layers": None,
+           "gdn_packed.testing": None, "gdn_packed.megatron": None, "gdn_packed.torch_ref.naive": None,
+           "gdn_packed.ops": {"BACKENDS"}}
+
+
+def test_bench_imports_only_public_or_documented_names_of_gdn_packed():
+    bad = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "bench", "*.py"))):
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods, names = [node.module], [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods, names = [a.name for a in node.names], []
+            else:
+                continue
+            where = f"{os.path.basename(path)}:{node.lineno}"
+            for mod in mods:
+                if mod.split(".")[0] != "gdn_packed":
+                    continue
+                if mod not in ALLOWED:
+                    bad.append(f"{where} imports {mod}")
+                elif ALLOWED[mod] is not None and not set(names) <= ALLOWED[mod]:
+                    bad.append(f"{where} imports {sorted(set(names) - ALLOWED[mod])} from {mod}")
+                bad += [f"{where} imports the private name {n} from {mod}" for n in names if n.startswith("_")]
+    assert not bad, bad
 
 
 def test_plot_writes_a_png(tiny_run, tmp_path):

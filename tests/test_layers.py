@@ -371,7 +371,13 @@ def test_gdn_matches_hf_qwen3_next_after_loading_its_weights(monkeypatch):
 def test_attention_backend_is_visible_and_positions_restart():
     torch.manual_seed(0)
     attn = GatedAttention(32, 4, 2, 16, partial_rotary_factor=0.25)
-    assert attn.backend == ("sdpa" if not torch.cuda.is_available() else attn.backend)
+    assert attn.backend == "sdpa"       # parameters on CPU: the per-segment SDPA, on any machine
+    if torch.cuda.is_available():
+        from gdn_packed.layers.attention import _flash_attn_varlen, _torch_varlen
+        on_gpu = GatedAttention(32, 4, 2, 16, partial_rotary_factor=0.25, device="cuda")
+        expected = ("flash_attn" if _flash_attn_varlen() is not None else
+                    "torch_varlen" if _torch_varlen() is not None else "sdpa")
+        assert on_gpu.backend == expected
     docs = [torch.randn(n, 32) for n in (6, 11)]
     with torch.no_grad():
         packed = attn(torch.cat(docs)[None], packing.cu_seqlens_from_lengths([6, 11]))

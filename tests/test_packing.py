@@ -1,6 +1,7 @@
 """Tests for gdn_packed.packing (CPU; the no-sync contract is checked on the meta device)."""
 
 import importlib
+import sys
 
 import pytest
 import torch
@@ -466,3 +467,70 @@ def test_no_host_sync_on_meta():
     assert P.padding_row_mask(c, pd, 13).shape == (13,)
     assert P.token_seq_ids(c, pd, 13).shape == (13,)
     assert P.position_ids_from_cu_seqlens(c, None, 7).shape == (7,)
+
+
+# ----------------------------------------------------------------------------------------------------
+# gdn_packed.segments: one owner, metadata checked once per public call
+# ----------------------------------------------------------------------------------------------------
+def test_packing_reexports_the_segment_logic():
+    S = importlib.import_module("gdn_packed.segments")
+    assert P.validate_cu_seqlens is S.validate_cu_seqlens
+    assert P.padding_row_mask is S.padding_row_mask
+    assert "validate_cu_seqlens" in P.__all__ and "padding_row_mask" in P.__all__
+
+
+def _count_meta_checks(monkeypatch):
+    importlib.import_module("gdn_packed")
+    S = importlib.import_module("gdn_packed.segments")
+    calls = []
+    real = S.check_cu_seqlens_meta
+
+    def counted(*args, **kwargs):
+        calls.append(args[1] if len(args) > 1 else kwargs.get("name", "cu_seqlens"))
+        return real(*args, **kwargs)
+
+    for mod in [m for name, m in sys.modules.items() if name.startswith("gdn_packed") and m is not None]:
+        for attr, value in list(vars(mod).items()):
+            if value is real:       # every name bound to the check, `from ... import` ones included
+                monkeypatch.setattr(mod, attr, counted)
+    return calls
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["packed", "padded-storage"])
+def test_public_ops_check_cu_seqlens_once(monkeypatch, padded):
+    """Each public op checks cu_seqlens' metadata once per call, forward and backward together; the
+    custom ops below it (chunk_gdr_fwd/bwd and the chunk table inside them) trust that check."""
+    import gdn_packed as G
+
+    torch.manual_seed(0)
+    c = cu([0, 3, 3, 70])
+    pd = P.pad_cu_seqlens(c, 8) if padded else None
+    R = 72 if padded else 70
+    H, HV, K, V = 1, 2, 8, 8
+    q, k = (torch.randn(1, R, H, K, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, R, HV, V, requires_grad=True)
+    g = (-torch.rand(1, R, HV)).requires_grad_()
+    beta = torch.rand(1, R, HV, requires_grad=True)
+    calls = _count_meta_checks(monkeypatch)
+    o, _ = G.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=c, cu_seqlens_padded=pd, backend="torch")
+    o.sum().backward()
+    assert calls == ["cu_seqlens"]
+    calls.clear()
+    A_log, dt_bias = torch.zeros(HV, requires_grad=True), torch.zeros(HV, requires_grad=True)
+    o, _ = G.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=c, cu_seqlens_padded=pd, A_log=A_log,
+                                    dt_bias=dt_bias, backend="torch")
+    o.sum().backward()
+    assert calls == ["cu_seqlens"]
+    calls.clear()
+    x = torch.randn(1, R, 4, requires_grad=True)
+    y, _ = G.causal_conv1d_varlen(x, torch.randn(4, 3), cu_seqlens=c, cu_seqlens_padded=pd, backend="torch")
+    y.sum().backward()
+    assert calls == ["cu_seqlens"]
+    calls.clear()
+    G.fused_recurrent_gated_delta_rule(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
+                                       cu_seqlens=c, cu_seqlens_padded=pd, backend="torch")
+    assert calls == ["cu_seqlens"]
+    calls.clear()
+    z = torch.randn(1, R, HV, V, requires_grad=True)
+    G.gated_rmsnorm(z, z, torch.ones(V), cu_seqlens=c, cu_seqlens_padded=pd, backend="torch").sum().backward()
+    assert calls == ["cu_seqlens"]

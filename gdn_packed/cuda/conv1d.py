@@ -6,23 +6,15 @@ dweight/dbias are reduced from per-tile partial sums in a fixed order (determini
 import torch
 
 from gdn_packed.cuda.launch import launch
+from gdn_packed.segments import segments_or_rows
 
 FWD_TILE_ROWS = 16    # rows per thread in the CUDA forward (sliding window along the rows)
 BWD_TILE_ROWS = 64    # rows per thread (and per dweight/dbias partial sum) in the CUDA backward
 
 
-def _offsets(x, cu_seqlens):
-    """cu_seqlens as the int64 offsets the kernel reads, or for an unpacked batch x [B, L, D] the
-    offsets that make each row a sequence; no host sync."""
-    if cu_seqlens is None:
-        B, L = x.shape[:2]
-        return torch.arange(B + 1, dtype=torch.int64, device=x.device) * L
-    return cu_seqlens.to(torch.int64)
-
-
 def _common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded):
     """(reads, scalars) shared by the forward and the backward."""
-    cu = _offsets(x, cu_seqlens)
+    cu = segments_or_rows(x, cu_seqlens)[0].to(torch.int64)
     reads = dict(x=x, weight=weight.to(torch.float32), bias=None if bias is None else bias.to(torch.float32),
                  initial_state=None if initial_state is None else initial_state.to(x.dtype), cu_seqlens=cu,
                  cu_seqlens_padded=None if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64))

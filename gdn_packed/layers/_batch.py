@@ -2,7 +2,7 @@
 `cu_seqlens` (and optional `cu_seqlens_padded`), whatever layout the caller used."""
 import torch
 
-from gdn_packed import packing
+from gdn_packed import packing, segments
 
 
 def as_packed(x, cu_seqlens=None, cu_seqlens_padded=None, attention_mask=None):
@@ -27,7 +27,7 @@ def as_packed(x, cu_seqlens=None, cu_seqlens_padded=None, attention_mask=None):
         if x.dim() < 2:
             raise ValueError(f"input must be [B, L, ...], got shape {tuple(x.shape)}")
         B, L = x.shape[:2]
-        cu = torch.arange(B + 1, dtype=torch.int32, device=x.device) * L
+        cu, _ = segments.segments_or_rows(x, None, torch.int32)
         return x.reshape(1, B * L, *x.shape[2:]), cu, None, lambda y: y.reshape(B, L, *y.shape[2:])
     if x.dim() < 2 or x.shape[0] != 1:
         raise ValueError(f"packed input with cu_seqlens must have batch size 1 ([1, T, ...]), "
@@ -38,5 +38,5 @@ def as_packed(x, cu_seqlens=None, cu_seqlens_padded=None, attention_mask=None):
 def zero_padding_rows(x, cu_seqlens, cu_seqlens_padded=None):
     """x [1, R, ...] with the rows outside the sequences' tokens replaced by 0 by selection
     (torch.where: NaN/Inf stored there is dropped, and its gradient there is 0). No host sync."""
-    real = packing.padding_row_mask(cu_seqlens, cu_seqlens_padded, total_rows=x.shape[1])
+    real = segments.padding_row_mask(cu_seqlens, cu_seqlens_padded, total_rows=x.shape[1])
     return torch.where(real.view(1, -1, *([1] * (x.dim() - 2))), x, x.new_zeros(()))

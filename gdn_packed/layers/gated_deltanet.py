@@ -25,8 +25,7 @@ from torch import Tensor, nn
 
 from gdn_packed.layers._batch import as_packed, zero_padding_rows
 from gdn_packed.layers.norms import GatedRMSNorm
-from gdn_packed.ops import conv1d as _conv_op
-from gdn_packed.ops import gated_rmsnorm as _norm_op
+from gdn_packed.ops import BACKENDS
 from gdn_packed.ops.chunk_gdr import chunk_gated_delta_rule
 from gdn_packed.ops.conv1d import causal_conv1d_varlen
 
@@ -69,7 +68,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.empty(num_v_heads, **kw))
         self.dt_bias = nn.Parameter(torch.empty(num_v_heads, **kw))
         self.out_norm = GatedRMSNorm(head_v_dim, eps=layer_norm_eps,
-                                     backend=_for_op(backend, _norm_op.BACKENDS_IMPLEMENTED), **kw)
+                                     backend=_for_op(backend, BACKENDS["gated_rmsnorm"]), **kw)
         self.out_proj = nn.Linear(self.v_dim, hidden_size, bias=False, **kw)
         self.reset_parameters()
 
@@ -90,13 +89,21 @@ class GatedDeltaNet(nn.Module):
         """x -> y (same shape), or (y, GDNState) with output_final_state. initial_state: a GDNState
         (either part may be None) with one entry per sequence (N = len(cu_seqlens) - 1, or B)."""
         xp, cu, cu_pad, restore = as_packed(x, cu_seqlens, cu_seqlens_padded, attention_mask)
-        y, state = self.forward_packed(xp, cu, cu_pad, initial_state, output_final_state)
+        y, state = self.forward_packed_with_state(xp, cu, cu_pad, initial_state, output_final_state)
         y = restore(y)
         return (y, state) if output_final_state else y
 
-    def forward_packed(self, x, cu_seqlens, cu_seqlens_padded=None, initial_state=None,
-                       output_final_state=False):
-        """x [1, R, hidden] packed rows -> (y [1, R, hidden], GDNState or None). No host sync."""
+    def forward_packed(self, x, cu_seqlens, cu_seqlens_padded=None, initial_state=None, *,
+                       max_seqlen=None):
+        """x [1, R, hidden] packed rows -> y [1, R, hidden]: the contract every mixer of
+        gdn_packed.layers shares (GatedAttention.forward_packed too). max_seqlen is accepted for
+        that contract and not needed here. No host sync. The final state: forward_packed_with_state."""
+        return self.forward_packed_with_state(x, cu_seqlens, cu_seqlens_padded, initial_state)[0]
+
+    def forward_packed_with_state(self, x, cu_seqlens, cu_seqlens_padded=None, initial_state=None,
+                                  output_final_state=False):
+        """x [1, R, hidden] packed rows -> (y [1, R, hidden], GDNState or None unless
+        output_final_state). No host sync."""
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         conv0, rec0 = (None, None) if initial_state is None else initial_state
         x = zero_padding_rows(x, cu_seqlens, cu_seqlens_padded)
@@ -104,7 +111,7 @@ class GatedDeltaNet(nn.Module):
         qkv, conv_state = causal_conv1d_varlen(
             qkv, self.conv1d.weight, self.conv1d.bias, activation="silu", cu_seqlens=cu_seqlens,
             cu_seqlens_padded=cu_seqlens_padded, initial_state=conv0, output_final_state=output_final_state,
-            backend=_for_op(self.backend, _conv_op.BACKENDS_IMPLEMENTED))
+            backend=_for_op(self.backend, BACKENDS["causal_conv1d_varlen"]))
         q, k, v = qkv.split([self.qk_dim, self.qk_dim, self.v_dim], dim=-1)
         # the op computes g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) in fp32 itself
         o, rec_state = chunk_gated_delta_rule(

@@ -85,12 +85,8 @@ class HybridBlock(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.init_std, out_init_std, **kw)
 
     def forward_packed(self, h, cu_seqlens, cu_seqlens_padded=None, max_seqlen=None):
-        x = self.input_norm(h)
-        if self.kind == "G":
-            mixed, _ = self.mixer.forward_packed(x, cu_seqlens, cu_seqlens_padded)
-        else:
-            mixed = self.mixer.forward_packed(x, cu_seqlens, cu_seqlens_padded, max_seqlen=max_seqlen)
-        h = h + mixed
+        h = h + self.mixer.forward_packed(self.input_norm(h), cu_seqlens, cu_seqlens_padded,
+                                          max_seqlen=max_seqlen)
         return h + self.mlp(self.mlp_norm(h))
 
 

@@ -48,6 +48,7 @@ from megatron.core.transformer.utils import (
 from megatron.core.utils import deprecate_inference_params
 
 from gdn_packed import _validate as V
+from gdn_packed import segments
 from gdn_packed.megatron import context_parallel as cpx
 from gdn_packed.ops.chunk_gdr import chunk_gated_delta_rule
 from gdn_packed.ops.conv1d import causal_conv1d_varlen
@@ -286,14 +287,14 @@ class GatedDeltaNet(MegatronModule):
         cu = packed_seq_params.cu_seqlens_q
         if cu is None:
             raise ValueError("packed_seq_params.cu_seqlens_q is required for qkv_format='thd'")
-        V.check_cu_seqlens_meta(cu, "packed_seq_params.cu_seqlens_q")
+        segments.check_cu_seqlens_meta(cu, "packed_seq_params.cu_seqlens_q")
         cu_padded = packed_seq_params.cu_seqlens_q_padded
         if cu_padded is not None:
-            V.check_cu_seqlens_meta(cu_padded, "packed_seq_params.cu_seqlens_q_padded")
+            segments.check_cu_seqlens_meta(cu_padded, "packed_seq_params.cu_seqlens_q_padded")
             if cu_padded.dtype != cu.dtype:
                 cu_padded = cu_padded.to(cu.dtype)
-            V.check_padded_meta(cu, cu_padded, "packed_seq_params.cu_seqlens_q",
-                                "packed_seq_params.cu_seqlens_q_padded")
+            segments.check_padded_meta(cu, cu_padded, "packed_seq_params.cu_seqlens_q",
+                                       "packed_seq_params.cu_seqlens_q_padded")
         _check_kv_equals_q(packed_seq_params)
         return cu, (None if cu_padded is cu else cu_padded)
 

@@ -1,6 +1,7 @@
 """What every op shares: output allocation (NaN-poisoned under gdn_packed.testing) and the choice of
 backend. Backends: "torch" (pure PyTorch, any device), "triton" (GPU kernels; CPU tensors only under
-the Triton interpreter), "cuda" (csrc/ through gdn_packed._C)."""
+the Triton interpreter), "cuda" (csrc/ through gdn_packed._C). Which function implements an op on
+a backend is in the dispatch table, gdn_packed/ops/_dispatch.py."""
 import os
 from contextlib import contextmanager
 
@@ -63,16 +64,19 @@ def triton_usable(device) -> str:
     return ""
 
 
-def resolve_backend(backend, device, *, have=("torch",)):
+def resolve_backend(backend, device, *, have=("torch",), refuse=None):
     """Map the user's backend string to one this op implements on `device`.
 
-    `have` lists the backends the op has kernels for, fastest first among the GPU ones."""
+    `have` lists the backends the op has kernels for, fastest GPU one first (gdn_packed.ops.BACKENDS).
+    `refuse(b)` says whether backend b takes this particular input (dtype, head dim, ...): None when
+    it does, else the exception naming the argument. A backend asked by name raises it; "auto" passes
+    over a refused backend, down to "torch", which takes every input (it is never asked)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         if device.type == "cuda":
-            for b in ("triton", "cuda"):
-                if b in have and (b != "triton" or not triton_usable(device)) and (b != "cuda" or _cuda_ok()):
+            for b in have:
+                if b != "torch" and _usable(b, device) and (refuse is None or refuse(b) is None):
                     return b
         return "torch"
     if backend not in have:
@@ -88,20 +92,27 @@ def resolve_backend(backend, device, *, have=("torch",)):
         if not _cuda_ok():
             from gdn_packed._cext import cuda_unavailable_reason
             raise RuntimeError(f"backend='cuda' is unavailable: {cuda_unavailable_reason()}")
+    error = None if refuse is None or backend == "torch" else refuse(backend)
+    if error is not None:
+        raise error
     return backend
 
 
-def resolve_float64_backend(backend, x, have):
-    """resolve_backend for an op whose triton kernels compute in float32 at most: float64 input x
-    with backend="triton" is a TypeError naming the dtype; "auto" then picks "torch" (exact float64)."""
-    asked = backend
-    backend = resolve_backend(backend, x.device, have=have)
-    if backend == "triton" and x.dtype == torch.float64:
-        if asked == "triton":
-            raise TypeError(f"backend='triton' computes in float32 and does not take float64 inputs, got "
-                            f"{x.dtype}; use backend='torch' (exact float64) or cast to float32")
-        return "torch"
-    return backend
+def refuse_float64(x):
+    """`refuse` for an op whose triton kernels compute in float32 at most: float64 input x with
+    backend="triton" is a TypeError naming the dtype; "auto" then picks "torch" (exact float64)."""
+    def refuse(backend):
+        if backend == "triton" and x.dtype == torch.float64:
+            return TypeError(f"backend='triton' computes in float32 and does not take float64 inputs, "
+                             f"got {x.dtype}; use backend='torch' (exact float64) or cast to float32")
+        return None
+    return refuse
+
+
+def _usable(backend, device):
+    if backend == "triton":
+        return not triton_usable(device)
+    return backend == "cuda" and _cuda_ok()
 
 
 def _cuda_ok():
@@ -109,10 +120,6 @@ def _cuda_ok():
     return cuda_available()
 
 
-def segments_or_rows(x, cu_seqlens, dtype=torch.int64):
-    """cu_seqlens, or for an unpacked batch x [B, L, ...] the one that makes each row a sequence
-    ([0, L, 2L, ..., BL] in `dtype`); and N, the number of sequences. No host sync."""
-    if cu_seqlens is not None:
-        return cu_seqlens, cu_seqlens.shape[0] - 1
-    B, L = x.shape[:2]
-    return torch.arange(B + 1, dtype=dtype, device=x.device) * L, B
+def compute_dtype(dtype):
+    """The dtype the torch backend computes in: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

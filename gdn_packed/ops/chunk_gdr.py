@@ -7,13 +7,14 @@
 
 With A_log and dt_bias [HV] (the gating of Qwen3-Next / Megatron), `g` and `beta` hold the raw a and b
 [B, T, HV]: the backend computes g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) in float32
-first (`_gate_impl`), and its backward returns da, db in g's / beta's slots plus dA_log, ddt_bias
+first (the "gate_fwd" kernel), and its backward returns da, db in g's / beta's slots plus dA_log, ddt_bias
 (token sums of fixed order); without them dA_log and ddt_bias are empty.
 
 The forward saves only its inputs for the backward; the backward recomputes the per-chunk quantities.
 Both ops build the chunk table on the device (no host sync), flatten the packed rows and hand them to
-one backend implementation (`_impl`), which writes every row of the outputs it is given.
-Input checks live in `chunk_gated_delta_rule`, the public function, and run before any launch.
+one backend implementation (gdn_packed.ops._dispatch.kernel), which writes every row of the outputs
+it is given. Input checks live in `chunk_gated_delta_rule`, the public function, and run once, before
+any launch; the ops trust them (they call make_chunk_table, not the checked chunk_table op).
 """
 from typing import Optional
 
@@ -21,41 +22,24 @@ import torch
 from torch import Tensor
 
 from gdn_packed import _validate as V
+from gdn_packed import segments
 from gdn_packed.ops import BACKENDS
-from gdn_packed.ops._common import new_output, resolve_float64_backend, segments_or_rows
-from gdn_packed.ops.chunk_table import build_chunk_table
-from gdn_packed.packing import padding_row_mask
+from gdn_packed.ops._common import new_output, refuse_float64, resolve_backend
+from gdn_packed.ops._dispatch import kernel
+from gdn_packed.ops.chunk_table import chunk_slots, make_chunk_table
 
+OP = "chunk_gated_delta_rule"
 CHUNK_SIZE = 64
 MAX_HEAD_DIM = 256
-BACKENDS_IMPLEMENTED = BACKENDS["chunk_gated_delta_rule"]
-
-
-def _impl(backend):
-    """(forward, backward) kernels of a backend, on flattened rows; see torch_ref/chunk.py."""
-    if backend == "torch":
-        from gdn_packed.torch_ref import chunk
-        return chunk.chunk_gdr_fwd_torch, chunk.chunk_gdr_bwd_torch
-    if backend == "triton":
-        from gdn_packed.triton import chunk
-        return chunk.chunk_gdr_fwd_triton, chunk.chunk_gdr_bwd_triton
-    raise NotImplementedError(f"backend={backend!r} has no chunked gated delta rule")
-
-
-def _gate_impl(backend):
-    """(forward, backward) of the gating from raw a, b, on flattened rows; see torch_ref/chunk.py."""
-    if backend == "torch":
-        from gdn_packed.torch_ref import chunk
-        return chunk.gate_fwd_torch, chunk.gate_bwd_torch
-    from gdn_packed.triton import chunk_gate
-    return chunk_gate.gate_fwd_triton, chunk_gate.gate_bwd_triton
+BACKENDS_IMPLEMENTED = BACKENDS[OP]
 
 
 def _segments(q, cu_seqlens, cu_seqlens_padded):
-    """Flattened row count T, sequence count N, and the chunk table over the rows."""
+    """Flattened row count T, sequence count N, and the chunk table over the rows (the public
+    function checked cu_seqlens: no check here)."""
     T = q.shape[0] * q.shape[1]
-    cu_seqlens, N = segments_or_rows(q, cu_seqlens, torch.int32)
-    table, cu_chunks = build_chunk_table(cu_seqlens, cu_seqlens_padded, T, CHUNK_SIZE)
+    cu_seqlens, N = segments.segments_or_rows(q, cu_seqlens, torch.int32)
+    table, cu_chunks = make_chunk_table(cu_seqlens, cu_seqlens_padded, T, CHUNK_SIZE)
     return T, N, table, cu_chunks
 
 
@@ -70,7 +54,7 @@ def _raw_gate_rows(a, b, cu_seqlens, cu_seqlens_padded, T):
     a, b = _rows(a, T), _rows(b, T)
     if cu_seqlens is None:
         return a, b
-    real = padding_row_mask(cu_seqlens, cu_seqlens_padded, total_rows=T)[:, None]
+    real = segments.real_rows(cu_seqlens, cu_seqlens_padded, T)[:, None]
     return torch.where(real, a, a.new_zeros(())), torch.where(real, b, b.new_zeros(()))
 
 
@@ -87,9 +71,8 @@ def chunk_gdr_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     g_rows, beta_rows = _rows(g, T), _rows(beta, T)
     if A_log is not None:
         a_rows, b_rows = _raw_gate_rows(g, beta, cu_seqlens, cu_seqlens_padded, T)
-        g_rows, beta_rows = _gate_impl(backend)[0](a_rows, b_rows, A_log, dt_bias)
-    fwd, _ = _impl(backend)
-    fwd(_rows(q, T), _rows(k, T), _rows(v, T), g_rows, beta_rows, table, cu_chunks,
+        g_rows, beta_rows = kernel(OP, backend, "gate_fwd")(a_rows, b_rows, A_log, dt_bias)
+    kernel(OP, backend, "fwd")(_rows(q, T), _rows(k, T), _rows(v, T), g_rows, beta_rows, table, cu_chunks,
         initial_state, scale, CHUNK_SIZE, use_qk_l2norm, _rows(o, T), final_state)
     return o, final_state
 
@@ -117,13 +100,12 @@ def chunk_gdr_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     g_rows, beta_rows, dg_rows, dbeta_rows = _rows(g, T), _rows(beta, T), _rows(dg, T), _rows(dbeta, T)
     gating = A_log is not None
     if gating:      # the chunked backward runs on the float32 gates and writes float32 dg, dbeta
-        gate_fwd, gate_bwd = _gate_impl(backend)
+        gate_fwd, gate_bwd = kernel(OP, backend, "gate_fwd"), kernel(OP, backend, "gate_bwd")
         a_rows, b_rows = _raw_gate_rows(g, beta, cu_seqlens, cu_seqlens_padded, T)
         g_rows, beta_rows = gate_fwd(a_rows, b_rows, A_log, dt_bias)
         dg_rows = new_output(g_rows.shape, torch.float32, g.device)
         dbeta_rows = new_output(g_rows.shape, torch.float32, g.device)
-    _, bwd = _impl(backend)
-    bwd(_rows(q, T), _rows(k, T), _rows(v, T), g_rows, beta_rows, table, cu_chunks,
+    kernel(OP, backend, "bwd")(_rows(q, T), _rows(k, T), _rows(v, T), g_rows, beta_rows, table, cu_chunks,
         initial_state, scale, CHUNK_SIZE, use_qk_l2norm, _rows(do, T), dht,
         _rows(dq, T), _rows(dk, T), _rows(dv, T), dg_rows, dbeta_rows, dh0)
     if gating:
@@ -227,8 +209,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale)
     _check_gates(A_log, dt_bias, v.shape[2], q.device)
     if V.want_validate(validate) and cu_seqlens is not None:
-        V.check_cu_seqlens_values(cu_seqlens, cu_seqlens_padded, total_rows=q.shape[1])
-    backend = resolve_float64_backend(backend, q, BACKENDS_IMPLEMENTED)
+        segments.validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, total_rows=q.shape[1])
+    backend = resolve_backend(backend, q.device, have=BACKENDS_IMPLEMENTED, refuse=refuse_float64(q))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     o, final_state = chunk_gdr_fwd(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded,
                                    scale, bool(use_qk_l2norm_in_kernel), backend, A_log, dt_bias)
@@ -238,7 +220,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale):
     B, T, H, HV, K, Vd = V.check_gdr_inputs(q, k, v, g, beta, MAX_HEAD_DIM)
     dev = q.device
-    N = V.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, B, dev)
+    N = segments.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, B, dev)
+    chunk_slots(B * T, CHUNK_SIZE, N)
     if initial_state is not None:
         V.check_tensor("initial_state", initial_state, dtypes=(torch.float32, torch.float64), ndim=4,
                        device=dev)

@@ -6,6 +6,8 @@ table int32 [T // chunk_size + N, 4] rows (seq_id, chunk_idx, start_row, length)
 (-1, 0, 0, 0); cu_chunks int32 [N+1]. The full contract is in gdn_packed/torch_ref/chunk_table.py and
 csrc/segments.cuh. CUDA tensors use the csrc/ kernels when gdn_packed._C can run, everything else the
 torch implementation. No path reads cu_seqlens back to the host, so the op is CUDA-graph capturable.
+The registered op checks its inputs; `make_chunk_table` is the unchecked implementation that
+chunk_gdr calls inside its own op (its public function checked cu_seqlens already).
 """
 from __future__ import annotations
 
@@ -14,39 +16,52 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from gdn_packed._validate import check_cu_seqlens_meta, check_padded_meta
-from gdn_packed.cuda import chunk_table_cuda
+from gdn_packed.segments import check_cu_seqlens_meta, check_padded_meta
 
 INT32_MAX = 2**31 - 1
+
+
+def chunk_slots(T: int, chunk_size: int, N: int) -> int:
+    """NC = T // chunk_size + N, the rows of the table; a ValueError when it does not fit int32."""
+    nc = T // chunk_size + N
+    if nc > INT32_MAX:
+        raise ValueError(f"T // chunk_size + N = {nc} chunk slots do not fit int32")
+    return nc
 
 
 def _check(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int, chunk_size: int) -> int:
     """Metadata-only validation (no device sync). Returns NC = T // chunk_size + N."""
     check_cu_seqlens_meta(cu_seqlens)
     if cu_seqlens_padded is not None:
-        check_padded_meta(cu_seqlens, cu_seqlens_padded, "cu_seqlens", "cu_seqlens_padded")
+        check_padded_meta(cu_seqlens, cu_seqlens_padded)
     if T < 0:
         raise ValueError(f"T must be >= 0, got {T}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    nc = T // chunk_size + cu_seqlens.shape[0] - 1
-    if nc > INT32_MAX:
-        raise ValueError(f"T // chunk_size + N = {nc} chunk slots do not fit int32")
-    return nc
+    return chunk_slots(T, chunk_size, cu_seqlens.shape[0] - 1)
+
+
+def make_chunk_table(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int,
+                     chunk_size: int) -> tuple[Tensor, Tensor]:
+    """The chunk table, trusting its inputs (the caller checked them: the registered op below, or a
+    public op such as chunk_gated_delta_rule, which calls this inside its own custom op). CUDA
+    tensors use the csrc/ kernel when gdn_packed._C can run, everything else the torch one."""
+    if cu_seqlens.device.type == "cuda":
+        from gdn_packed._cext import cuda_available
+
+        if cuda_available():
+            from gdn_packed.cuda import chunk_table_cuda
+            return chunk_table_cuda(cu_seqlens, cu_seqlens_padded, T, chunk_size)
+    from gdn_packed.torch_ref.chunk_table import chunk_table_torch
+
+    return chunk_table_torch(cu_seqlens, cu_seqlens_padded, T, chunk_size)
 
 
 @torch.library.custom_op("gdn_packed::chunk_table", mutates_args=())
 def chunk_table(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int,
                 chunk_size: int) -> tuple[Tensor, Tensor]:
     _check(cu_seqlens, cu_seqlens_padded, T, chunk_size)
-    if cu_seqlens.device.type == "cuda":
-        from gdn_packed._cext import cuda_available
-
-        if cuda_available():
-            return chunk_table_cuda(cu_seqlens, cu_seqlens_padded, T, chunk_size)
-    from gdn_packed.torch_ref.chunk_table import chunk_table_torch
-
-    table, cu_chunks = chunk_table_torch(cu_seqlens, cu_seqlens_padded, T, chunk_size)
+    table, cu_chunks = make_chunk_table(cu_seqlens, cu_seqlens_padded, T, chunk_size)
     # a custom op must not return a view (of its inputs or of anything else)
     if table._base is not None:
         table = table.clone()
@@ -65,6 +80,6 @@ def _(cu_seqlens, cu_seqlens_padded, T, chunk_size):
 
 def build_chunk_table(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int,
                       chunk_size: int) -> tuple[Tensor, Tensor]:
-    """(table int32 [T // chunk_size + N, 4], cu_chunks int32 [N+1]) for a packed tensor of T rows."""
-    _check(cu_seqlens, cu_seqlens_padded, T, chunk_size)
+    """(table int32 [T // chunk_size + N, 4], cu_chunks int32 [N+1]) for a packed tensor of T rows:
+    the registered op torch.ops.gdn_packed.chunk_table, which checks its inputs."""
     return torch.ops.gdn_packed.chunk_table(cu_seqlens, cu_seqlens_padded, T, chunk_size)

@@ -16,31 +16,16 @@ import torch
 from torch import Tensor
 
 from gdn_packed import _validate as V
-from gdn_packed.cuda import conv1d_bwd_cuda, conv1d_fwd_cuda
+from gdn_packed import segments
 from gdn_packed.ops import BACKENDS
-from gdn_packed.ops._common import new_output, resolve_backend, segments_or_rows
+from gdn_packed.ops._common import new_output, resolve_backend
+from gdn_packed.ops._dispatch import kernel
 
+OP = "causal_conv1d_varlen"
 MAX_WIDTH = 8
 ACTIVATIONS = ("silu", "swish", None)
-BACKENDS_IMPLEMENTED = BACKENDS["causal_conv1d_varlen"]
+BACKENDS_IMPLEMENTED = BACKENDS[OP]
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _cu(x, cu_seqlens):
-    return segments_or_rows(x, cu_seqlens)[0]
-
-
-def _num_seqs(x, cu_seqlens):
-    return segments_or_rows(x, cu_seqlens)[1]
-
-
-def _impl(backend):
-    if backend == "torch":
-        from gdn_packed.torch_ref import conv1d
-        return conv1d.conv1d_varlen_fwd_torch, conv1d.conv1d_varlen_bwd_torch
-    if backend == "cuda":
-        return conv1d_fwd_cuda, conv1d_bwd_cuda
-    raise NotImplementedError(f"backend={backend!r} has no varlen conv1d")
 
 
 @torch.library.custom_op("gdn_packed::conv1d_varlen_fwd", mutates_args=())
@@ -48,19 +33,19 @@ def conv1d_varlen_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial
                       cu_seqlens: Optional[Tensor], cu_seqlens_padded: Optional[Tensor], silu: bool,
                       backend: str) -> tuple[Tensor, Tensor]:
     B, L, D = x.shape
-    W, N = weight.shape[1], _num_seqs(x, cu_seqlens)
+    cu, N = segments.segments_or_rows(x, cu_seqlens)
+    W = weight.shape[1]
     y = new_output(x.shape, x.dtype, x.device)
     final_state = new_output((N, D, W - 1), x.dtype, x.device)
-    fwd, _ = _impl(backend)
     xt = x if backend == "cuda" else x.reshape(B * L, D)
     yt = y if backend == "cuda" else y.view(B * L, D)
-    fwd(xt, weight, bias, initial_state, _cu(x, cu_seqlens), cu_seqlens_padded, silu, yt, final_state)
+    kernel(OP, backend, "fwd")(xt, weight, bias, initial_state, cu, cu_seqlens_padded, silu, yt, final_state)
     return y, final_state
 
 
 @conv1d_varlen_fwd.register_fake
 def _(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, backend):
-    N = _num_seqs(x, cu_seqlens)
+    N = segments.segments_or_rows(x, cu_seqlens)[1]
     return x.new_empty(x.shape), x.new_empty((N, x.shape[2], weight.shape[1] - 1))
 
 
@@ -70,24 +55,25 @@ def conv1d_varlen_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial
                       backend: str, dy: Tensor, dfinal: Optional[Tensor]
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     B, L, D = x.shape
-    W, N = weight.shape[1], _num_seqs(x, cu_seqlens)
+    cu, N = segments.segments_or_rows(x, cu_seqlens)
+    W = weight.shape[1]
     dx = new_output(x.shape, x.dtype, x.device)
     dweight = new_output(weight.shape, weight.dtype, weight.device)
     dbias = new_output((D,), weight.dtype if bias is None else bias.dtype, weight.device)
     dh0 = new_output((N, D, W - 1), x.dtype if initial_state is None else initial_state.dtype, x.device)
-    _, bwd = _impl(backend)
+    bwd = kernel(OP, backend, "bwd")
     if backend == "cuda":
         bwd(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, dy, dfinal,
             dx, dweight, dbias, dh0)
     else:
-        bwd(x.reshape(B * L, D), weight, bias, initial_state, _cu(x, cu_seqlens), cu_seqlens_padded, silu,
+        bwd(x.reshape(B * L, D), weight, bias, initial_state, cu, cu_seqlens_padded, silu,
             dy.reshape(B * L, D), dfinal, dx.view(B * L, D), dweight, dbias, dh0)
     return dx, dweight, dbias, dh0
 
 
 @conv1d_varlen_bwd.register_fake
 def _(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, backend, dy, dfinal):
-    N, D, W = _num_seqs(x, cu_seqlens), x.shape[2], weight.shape[1]
+    N, D, W = segments.segments_or_rows(x, cu_seqlens)[1], x.shape[2], weight.shape[1]
     return (x.new_empty(x.shape), weight.new_empty(weight.shape),
             weight.new_empty((D,), dtype=weight.dtype if bias is None else bias.dtype),
             x.new_empty((N, D, W - 1), dtype=x.dtype if initial_state is None else initial_state.dtype))
@@ -153,16 +139,18 @@ def causal_conv1d_varlen(x, weight, bias=None, activation="silu", cu_seqlens=Non
     """
     weight = _check_inputs(x, weight, bias, activation, cu_seqlens, cu_seqlens_padded, initial_state)
     if V.want_validate(validate) and cu_seqlens is not None:
-        V.check_cu_seqlens_values(cu_seqlens, cu_seqlens_padded, total_rows=x.shape[1])
-    asked = backend
-    backend = resolve_backend(backend, x.device, have=BACKENDS_IMPLEMENTED)
-    if backend == "cuda" and x.dtype not in CUDA_DTYPES:
-        if asked == "cuda":
-            raise TypeError(f"backend='cuda' supports x of dtype float32/float16/bfloat16, got {x.dtype}")
-        backend = "torch"
+        segments.validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, total_rows=x.shape[1])
+    backend = resolve_backend(backend, x.device, have=BACKENDS_IMPLEMENTED, refuse=lambda b: _refuse(b, x))
     y, final_state = conv1d_varlen_fwd(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded,
                                        activation is not None, backend)
     return y, (final_state if output_final_state else None)
+
+
+def _refuse(backend, x):
+    """The inputs the cuda backend does not take (resolve_backend's `refuse`)."""
+    if backend == "cuda" and x.dtype not in CUDA_DTYPES:
+        return TypeError(f"backend='cuda' supports x of dtype float32/float16/bfloat16, got {x.dtype}")
+    return None
 
 
 def _check_inputs(x, weight, bias, activation, cu_seqlens, cu_seqlens_padded, initial_state):
@@ -185,7 +173,7 @@ def _check_inputs(x, weight, bias, activation, cu_seqlens, cu_seqlens_padded, in
         V.check_shape("bias", bias, (D,), " ([D])")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be 'silu', 'swish' or None, got {activation!r}")
-    N = V.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, B, dev)
+    N = segments.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, B, dev)
     if initial_state is not None:
         V.check_tensor("initial_state", initial_state, ndim=3, device=dev)
         if initial_state.dtype != x.dtype:

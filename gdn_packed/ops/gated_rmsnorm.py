@@ -20,21 +20,13 @@ import torch
 from torch import Tensor
 
 from gdn_packed import _validate as V
+from gdn_packed import segments
 from gdn_packed.ops import BACKENDS
-from gdn_packed.ops._common import new_output, resolve_float64_backend
-from gdn_packed.packing import padding_row_mask
+from gdn_packed.ops._common import new_output, refuse_float64, resolve_backend
+from gdn_packed.ops._dispatch import kernel
 
-BACKENDS_IMPLEMENTED = BACKENDS["gated_rmsnorm"]
-
-
-def _impl(backend):
-    if backend == "torch":
-        from gdn_packed.torch_ref import gated_rmsnorm as m
-        return m.gated_rmsnorm_fwd_torch, m.gated_rmsnorm_bwd_torch
-    if backend == "triton":
-        from gdn_packed.triton import gated_rmsnorm as m
-        return m.gated_rmsnorm_fwd_triton, m.gated_rmsnorm_bwd_triton
-    raise NotImplementedError(f"backend={backend!r} has no gated RMSNorm")
+OP = "gated_rmsnorm"
+BACKENDS_IMPLEMENTED = BACKENDS[OP]
 
 
 def _rows(x):
@@ -50,9 +42,9 @@ def gated_rmsnorm_fwd(x: Tensor, z: Tensor, weight: Tensor, eps: float, zero_cen
                       backend: str, real: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     y = new_output(x.shape, x.dtype, x.device)
     rstd = new_output(x.shape[:-1], torch.float32, x.device)
-    fwd, _ = _impl(backend)
     y2 = y.view(-1, x.shape[-1])
-    fwd(_rows(x), _rows(z), weight.contiguous(), eps, zero_centered, y2, rstd.view(-1), _real(real))
+    kernel(OP, backend, "fwd")(_rows(x), _rows(z), weight.contiguous(), eps, zero_centered, y2,
+                               rstd.view(-1), _real(real))
     return y, rstd
 
 
@@ -68,10 +60,10 @@ def gated_rmsnorm_bwd(dy: Tensor, x: Tensor, z: Tensor, weight: Tensor, rstd: Te
     dx = new_output(x.shape, x.dtype, x.device)
     dz = new_output(z.shape, z.dtype, z.device)
     dweight = new_output(weight.shape, weight.dtype, weight.device)
-    _, bwd = _impl(backend)
     N = x.shape[-1]
-    bwd(_rows(dy), _rows(x), _rows(z), weight.contiguous(), rstd.reshape(-1).contiguous(),
-        zero_centered, dx.view(-1, N), dz.view(-1, N), dweight, _real(real))
+    kernel(OP, backend, "bwd")(_rows(dy), _rows(x), _rows(z), weight.contiguous(),
+                               rstd.reshape(-1).contiguous(), zero_centered, dx.view(-1, N),
+                               dz.view(-1, N), dweight, _real(real))
     return dx, dz, dweight
 
 
@@ -138,7 +130,7 @@ def gated_rmsnorm(x, z, weight, eps=1e-6, backend="auto", *, zero_centered=False
     if not isinstance(zero_centered, bool):
         raise TypeError(f"zero_centered must be a bool, got {type(zero_centered).__name__}")
     real = _real_rows(x, cu_seqlens, cu_seqlens_padded)
-    backend = resolve_float64_backend(backend, x, BACKENDS_IMPLEMENTED)
+    backend = resolve_backend(backend, x.device, have=BACKENDS_IMPLEMENTED, refuse=refuse_float64(x))
     y, _ = gated_rmsnorm_fwd(x, z, weight, float(eps), zero_centered, backend, real)
     return y
 
@@ -150,6 +142,6 @@ def _real_rows(x, cu_seqlens, cu_seqlens_padded):
         return None
     if x.dim() < 3:
         raise ValueError(f"x with cu_seqlens must be packed as [1, T, ..., N], got shape {tuple(x.shape)}")
-    V.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, x.shape[0], x.device)
-    real = padding_row_mask(cu_seqlens, cu_seqlens_padded, total_rows=x.shape[1])
+    segments.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, x.shape[0], x.device)
+    real = segments.real_rows(cu_seqlens, cu_seqlens_padded, x.shape[1])
     return real.view(1, -1, *([1] * (x.dim() - 3))).expand(x.shape[:-1])

@@ -16,31 +16,16 @@ import torch
 from torch import Tensor
 
 from gdn_packed import _validate as V
-from gdn_packed.cuda import recurrent_fwd_cuda
+from gdn_packed import segments
 from gdn_packed.ops import BACKENDS
-from gdn_packed.ops._common import new_output, resolve_backend, segments_or_rows
+from gdn_packed.ops._common import new_output, resolve_backend
+from gdn_packed.ops._dispatch import kernel
 
+OP = "fused_recurrent_gated_delta_rule"
 MAX_HEAD_DIM = 256
 CUDA_MAX_K = 128
 CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BACKENDS_IMPLEMENTED = BACKENDS["fused_recurrent_gated_delta_rule"]
-
-
-def _cu(x, cu_seqlens):
-    return segments_or_rows(x, cu_seqlens)[0]
-
-
-def _num_seqs(x, cu_seqlens):
-    return segments_or_rows(x, cu_seqlens)[1]
-
-
-def _impl(backend):
-    if backend == "torch":
-        from gdn_packed.torch_ref.recurrent import recurrent_gdr_fwd_torch
-        return recurrent_gdr_fwd_torch
-    if backend == "cuda":
-        return recurrent_fwd_cuda
-    raise NotImplementedError(f"backend={backend!r} has no recurrent gated delta rule")
+BACKENDS_IMPLEMENTED = BACKENDS[OP]
 
 
 def _rows(x):
@@ -51,18 +36,20 @@ def _rows(x):
 def recurrent_gdr_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
                       cu_seqlens: Optional[Tensor], cu_seqlens_padded: Optional[Tensor], scale: float,
                       use_qk_l2norm: bool, output_final_state: bool, backend: str) -> tuple[Tensor, Tensor]:
-    N, HV, K, Vd = _num_seqs(q, cu_seqlens), v.shape[2], q.shape[3], v.shape[3]
+    cu, N = segments.segments_or_rows(q, cu_seqlens)
+    HV, K, Vd = v.shape[2], q.shape[3], v.shape[3]
     o = new_output(v.shape, v.dtype, v.device)
     final_state = new_output((N if output_final_state else 0, HV, K, Vd), torch.float32, v.device)
-    _impl(backend)(_rows(q), _rows(k), _rows(v), _rows(g), _rows(beta), _cu(q, cu_seqlens), cu_seqlens_padded,
-                   initial_state, None, scale, use_qk_l2norm, _rows(o), final_state if output_final_state else None)
+    kernel(OP, backend, "fwd")(_rows(q), _rows(k), _rows(v), _rows(g), _rows(beta), cu, cu_seqlens_padded,
+                               initial_state, None, scale, use_qk_l2norm, _rows(o),
+                               final_state if output_final_state else None)
     return o, final_state
 
 
 @recurrent_gdr_fwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, use_qk_l2norm, output_final_state,
       backend):
-    N = _num_seqs(q, cu_seqlens) if output_final_state else 0
+    N = segments.segments_or_rows(q, cu_seqlens)[1] if output_final_state else 0
     return v.new_empty(v.shape), v.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32)
 
 
@@ -72,8 +59,9 @@ def recurrent_gdr_fwd_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
                            cu_seqlens_padded: Optional[Tensor], scale: float, use_qk_l2norm: bool,
                            backend: str) -> Tensor:
     o = new_output(v.shape, v.dtype, v.device)
-    _impl(backend)(_rows(q), _rows(k), _rows(v), _rows(g), _rows(beta), _cu(q, cu_seqlens), cu_seqlens_padded,
-                   state_pool, state_indices, scale, use_qk_l2norm, _rows(o), state_pool)
+    cu = segments.segments_or_rows(q, cu_seqlens)[0]
+    kernel(OP, backend, "fwd")(_rows(q), _rows(k), _rows(v), _rows(g), _rows(beta), cu, cu_seqlens_padded,
+                               state_pool, state_indices, scale, use_qk_l2norm, _rows(o), state_pool)
     return o
 
 
@@ -133,16 +121,10 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, state_indices, scale)
     if V.want_validate(validate):
         if cu_seqlens is not None:
-            V.check_cu_seqlens_values(cu_seqlens, cu_seqlens_padded, total_rows=q.shape[1])
+            segments.validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, total_rows=q.shape[1])
         if state_indices is not None:
             _check_indices_values(state_indices, initial_state.shape[0])
-    asked = backend
-    backend = resolve_backend(backend, q.device, have=BACKENDS_IMPLEMENTED)
-    if backend == "cuda" and (q.dtype not in CUDA_DTYPES or q.shape[3] > CUDA_MAX_K):
-        if asked == "cuda":
-            raise ValueError(f"backend='cuda' needs q of dtype float32/float16/bfloat16 and K <= {CUDA_MAX_K}, "
-                             f"got {q.dtype} and K = {q.shape[3]}")
-        backend = "torch"
+    backend = resolve_backend(backend, q.device, have=BACKENDS_IMPLEMENTED, refuse=lambda b: _refuse(b, q))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     l2 = bool(use_qk_l2norm_in_kernel)
     if state_indices is not None:
@@ -152,6 +134,14 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     o, final_state = recurrent_gdr_fwd(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, l2,
                                        bool(output_final_state), backend)
     return o, (final_state if output_final_state else None)
+
+
+def _refuse(backend, q):
+    """The inputs the cuda backend does not take (resolve_backend's `refuse`)."""
+    if backend == "cuda" and (q.dtype not in CUDA_DTYPES or q.shape[3] > CUDA_MAX_K):
+        return ValueError(f"backend='cuda' needs q of dtype float32/float16/bfloat16 and K <= {CUDA_MAX_K}, "
+                          f"got {q.dtype} and K = {q.shape[3]}")
+    return None
 
 
 def _check_indices_values(state_indices, P):
@@ -166,7 +156,7 @@ def _check_indices_values(state_indices, P):
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, state_indices, scale):
     B, T, H, HV, K, Vd = V.check_gdr_inputs(q, k, v, g, beta, MAX_HEAD_DIM)
     dev = q.device
-    N = V.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, B, dev)
+    N = segments.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, B, dev)
     if state_indices is not None:
         V.check_tensor("state_indices", state_indices, dtypes=V.INDEX_DTYPES, ndim=1, device=dev)
         V.check_shape("state_indices", state_indices, (N,), " ([N], one slot per sequence)")

@@ -59,15 +59,11 @@ from dataclasses import dataclass
 
 import torch
 
-from gdn_packed.ops._common import host_schedule
+from gdn_packed.ops._common import compute_dtype, host_schedule
 from gdn_packed.torch_ref.naive import l2norm
 
 HOST_CHUNK = 32
 BLOCK_CHUNK_HEADS = 64
-
-
-def compute_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _l2norm_bwd(x, dy, eps: float = 1e-6):

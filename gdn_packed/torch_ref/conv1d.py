@@ -22,11 +22,8 @@ The only Python loops are over the W taps.
 import torch
 import torch.nn.functional as F
 
-from gdn_packed.packing import _locate
-
-
-def compute_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from gdn_packed.ops._common import compute_dtype
+from gdn_packed.segments import locate_rows
 
 
 class Rows:
@@ -37,7 +34,7 @@ class Rows:
         offsets = cu if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64)
         self.lens = (cu[1:] - cu[:-1]).clamp_min(0)
         self.base = offsets[:-1]
-        self.seq, self.pos, self.real = _locate(offsets, self.lens, T)
+        self.seq, self.pos, self.real = locate_rows(offsets, self.lens, T)
         self.row_len = torch.cat([self.lens, self.lens.new_zeros(1)])[self.seq]   # safe when N = 0
         self.N, self.T = self.lens.numel(), T
         self.r = torch.arange(T, device=cu.device)

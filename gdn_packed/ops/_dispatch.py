@@ -1,0 +1,71 @@
+"""The one dispatch table: public op -> backend -> the functions that implement it.
+
+Each implementation is a string "module:function" imported on first use, so importing gdn_packed
+never imports triton or loads gdn_packed._C. The backends of an op are listed fastest GPU one first;
+gdn_packed.ops.BACKENDS (the public table) is derived from this one, and `kernel` is how the
+registered ops find the function for the backend they were given (resolved by
+gdn_packed.ops._common.resolve_backend in the public function).
+
+The parts of an op ("fwd", "bwd", "gate_fwd", ...) take the arguments documented in the module of
+its torch implementation (gdn_packed/torch_ref/*.py).
+"""
+from functools import lru_cache
+from importlib import import_module
+
+TABLE = {
+    "chunk_gated_delta_rule": {
+        "triton": {
+            "fwd": "gdn_packed.triton.chunk:chunk_gdr_fwd_triton",
+            "bwd": "gdn_packed.triton.chunk:chunk_gdr_bwd_triton",
+            "gate_fwd": "gdn_packed.triton.chunk_gate:gate_fwd_triton",
+            "gate_bwd": "gdn_packed.triton.chunk_gate:gate_bwd_triton",
+        },
+        "torch": {
+            "fwd": "gdn_packed.torch_ref.chunk:chunk_gdr_fwd_torch",
+            "bwd": "gdn_packed.torch_ref.chunk:chunk_gdr_bwd_torch",
+            "gate_fwd": "gdn_packed.torch_ref.chunk:gate_fwd_torch",
+            "gate_bwd": "gdn_packed.torch_ref.chunk:gate_bwd_torch",
+        },
+    },
+    "fused_recurrent_gated_delta_rule": {
+        "cuda": {"fwd": "gdn_packed.cuda.recurrent:recurrent_fwd_cuda"},
+        "torch": {"fwd": "gdn_packed.torch_ref.recurrent:recurrent_gdr_fwd_torch"},
+    },
+    "causal_conv1d_varlen": {
+        "cuda": {
+            "fwd": "gdn_packed.cuda.conv1d:conv1d_fwd_cuda",
+            "bwd": "gdn_packed.cuda.conv1d:conv1d_bwd_cuda",
+        },
+        "torch": {
+            "fwd": "gdn_packed.torch_ref.conv1d:conv1d_varlen_fwd_torch",
+            "bwd": "gdn_packed.torch_ref.conv1d:conv1d_varlen_bwd_torch",
+        },
+    },
+    "gated_rmsnorm": {
+        "torch": {
+            "fwd": "gdn_packed.torch_ref.gated_rmsnorm:gated_rmsnorm_fwd_torch",
+            "bwd": "gdn_packed.torch_ref.gated_rmsnorm:gated_rmsnorm_bwd_torch",
+        },
+        "triton": {
+            "fwd": "gdn_packed.triton.gated_rmsnorm:gated_rmsnorm_fwd_triton",
+            "bwd": "gdn_packed.triton.gated_rmsnorm:gated_rmsnorm_bwd_triton",
+        },
+    },
+}
+
+
+def backends(op):
+    """The backends `op` has kernels for, fastest GPU one first."""
+    return tuple(TABLE[op])
+
+
+@lru_cache(maxsize=None)
+def kernel(op, backend, part):
+    """The function implementing `part` of `op` on `backend` (imported on first use)."""
+    try:
+        target = TABLE[op][backend][part]
+    except KeyError:
+        raise NotImplementedError(f"backend={backend!r} has no {part!r} for {op}; "
+                                  f"available: {', '.join(backends(op))}") from None
+    module, name = target.split(":")
+    return getattr(import_module(module), name)

@@ -1,0 +1,141 @@
+"""The import graph of gdn_packed has no cycle: read from the source (ast, every import statement,
+including those inside functions), not from what happens to be imported at runtime, so a lazy import
+that hides a cycle is found as well."""
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "gdn_packed"
+
+
+def _module_name(path, root):
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _resolve(node, module, is_package, known):
+    """The absolute names of the modules one import statement imports: `from a import b` imports
+    the module a.b when that is a module, else the name b of module a."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level:
+        base = module.split(".")
+        base = base[:len(base) - node.level + (1 if is_package else 0)]
+        prefix = ".".join(base + ([node.module] if node.module else []))
+    else:
+        prefix = node.module
+    return [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in known else prefix for a in node.names]
+
+
+def import_graph(root=PKG):
+    """{module: set of gdn_packed modules it imports}, from every .py file under root."""
+    files = {_module_name(p, root): p for p in root.rglob("*.py")}
+    known = set(files) | {f"{root.name}._C"}     # the compiled extension (csrc/), built or not: a leaf
+    graph = {}
+    for module, path in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for name in _resolve(node, module, path.name == "__init__.py", known):
+                    if name in files and name != module:
+                        deps.add(name)
+        graph[module] = deps
+    return graph
+
+
+def find_cycle(graph):
+    """One cycle as a list of modules [a, b, ..., a], or None. Importing a package's submodule runs
+    the package's __init__ first, but that edge is Python's, not a module's own import: only the
+    imports written in the files count."""
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                return stack[stack.index(d):] + [d]
+            if d not in state:
+                found = visit(d)
+                if found:
+                    return found
+        stack.pop()
+        state[m] = "done"
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+def test_gdn_packed_imports_have_no_cycle():
+    graph = import_graph()
+    assert "gdn_packed.segments" in graph and "gdn_packed.ops.chunk_gdr" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_segment_checks_have_one_owner():
+    graph = import_graph()
+    assert "gdn_packed.packing" not in graph["gdn_packed._validate"]
+    assert graph["gdn_packed._validate"] == set(), "_validate imports no gdn_packed module"
+    assert "gdn_packed.packing" not in graph["gdn_packed.torch_ref.conv1d"]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["top-level", "lazy"])
+def test_the_walk_finds_a_cycle(tmp_path, lazy):
+    """The walk sees a cycle written the way _validate <-> packing was (one side imports inside a
+    function), and one written with top-level imports."""
+    pkg = tmp_path / "gdn_packed"
+    (pkg / "ops").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from gdn_packed import packing\n")
+    (pkg / "ops" / "__init__.py").write_text("")
+    (pkg / "packing.py").write_text("from gdn_packed._validate import check\n")
+    body = ("def check():\n    from gdn_packed.packing import validate\n" if lazy else
+            "from . import packing\n\ndef check():\n    pass\n")
+    (pkg / "_validate.py").write_text(body)
+    (pkg / "ops" / "table.py").write_text("from ..packing import x\n")
+    graph = import_graph(pkg)
+    assert graph["gdn_packed.ops.table"] == {"gdn_packed.packing"}
+    cycle = find_cycle(graph)
+    assert cycle[0] == cycle[-1] and sorted(cycle[:-1]) == ["gdn_packed._validate", "gdn_packed.packing"]
+
+
+def test_dispatch_table_names_real_functions():
+    """Every "module:function" of the one dispatch table imports (lazily, on first use) and is a
+    function; gdn_packed.ops.BACKENDS lists exactly the table's backends, in its order."""
+    from gdn_packed.ops import BACKENDS
+    from gdn_packed.ops._dispatch import TABLE, kernel
+
+    assert BACKENDS == {op: tuple(impls) for op, impls in TABLE.items()}
+    for op, impls in TABLE.items():
+        for backend, parts in impls.items():
+            assert "fwd" in parts
+            for part in parts:
+                assert callable(kernel(op, backend, part)), (op, backend, part)
+    with pytest.raises(NotImplementedError, match="available: cuda, torch"):
+        kernel("causal_conv1d_varlen", "triton", "fwd")
+
+
+def test_resolve_backend_refuse_is_an_error_when_asked_and_skipped_by_auto():
+    """One rule for "this backend does not take this input": asked by name it raises the refusal;
+    "auto" passes over it to torch. (A CUDA device object needs no GPU to resolve.)"""
+    import torch
+
+    from gdn_packed.ops._common import refuse_float64, resolve_backend
+
+    cuda = torch.device("cuda")
+    x64, x32 = torch.zeros(1, dtype=torch.float64), torch.zeros(1)
+    have = ("triton", "torch")
+    assert resolve_backend("auto", cuda, have=have, refuse=refuse_float64(x64)) == "torch"
+    assert resolve_backend("triton", cuda, have=have, refuse=refuse_float64(x32)) == "triton"
+    assert resolve_backend("auto", cuda, have=have, refuse=refuse_float64(x32)) == "triton"
+    with pytest.raises(TypeError, match="float64"):
+        resolve_backend("triton", cuda, have=have, refuse=refuse_float64(x64))
+    assert resolve_backend("torch", cuda, have=have, refuse=lambda b: ValueError("never for torch")) == "torch"
