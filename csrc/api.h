@@ -1,6 +1,7 @@
 // Plain C++ declarations of everything bindings.cpp exposes. bindings.cpp is compiled by the host
-// compiler and includes no CUDA header; the implementations live in the .cu files. Every function
-// reports failure through its std::string return value ("" = success) or an `err` out-parameter.
+// compiler and includes no CUDA header; the implementations live in the .cu files. Every kernel entry
+// point returns a Status: its kind says which Python exception the binding raises (one mapping, in
+// bindings.cpp), its message what went wrong.
 #pragma once
 
 #include <cstdint>
@@ -8,27 +9,41 @@
 
 namespace gdn {
 
+enum class StatusKind : int {
+  kOk = 0,
+  kInvalidValue = 1,  // a size or argument the kernel cannot take      -> ValueError
+  kCudaError = 2,     // the CUDA runtime refused (no driver, bad launch) -> RuntimeError
+};
+
+struct Status {
+  StatusKind kind = StatusKind::kOk;
+  std::string message;
+  bool ok() const { return kind == StatusKind::kOk; }
+  static Status invalid(std::string m) { return {StatusKind::kInvalidValue, std::move(m)}; }
+};
+
 // ---- runtime.cu -----------------------------------------------------------------------------------
 int cuda_runtime_version();                   // cudaRuntimeGetVersion (the statically linked cudart)
 int cuda_compiled_version();                  // CUDART_VERSION the module was compiled against
 int cuda_driver_version(std::string* err);    // 0 and *err set when no driver
 int cuda_device_count(std::string* err);      // 0 and *err set when no driver / no device
 
+// Every kernel entry point below takes its pointers as integers (device pointers, or host pointers
+// for the host mirror; 0 means "none"), and `host`, `device`, `stream`: host = true runs the same
+// __host__ __device__ per-thread bodies over the whole grid in a CPU loop; otherwise the kernels are
+// launched asynchronously on `stream` (a cudaStream_t as an integer) of `device`, no host sync.
+
 // ---- chunk_table.cu -------------------------------------------------------------------------------
-// Device build: two kernels on `stream` (cudaStream_t as an integer), no host synchronisation.
-//   cu [N+1], padded [N+1] or 0 (both int32, or both int64 when index_int64), table [T/C+N, 4] int32,
-//   cu_chunks [N+1] int32, all device pointers on `device`.
-std::string chunk_table_cuda(std::uintptr_t cu, std::uintptr_t padded, bool index_int64, int64_t N,
-                             int64_t T, int64_t C, std::uintptr_t table, std::uintptr_t cu_chunks,
-                             int device, std::uintptr_t stream);
-// Host mirror: the same __host__ __device__ bodies run over the whole grid in a CPU loop.
-std::string chunk_table_host(std::uintptr_t cu, std::uintptr_t padded, bool index_int64, int64_t N,
-                             int64_t T, int64_t C, std::uintptr_t table, std::uintptr_t cu_chunks);
-// Size checks shared by both ("" when the sizes are valid).
-std::string chunk_table_check_sizes(int64_t N, int64_t T, int64_t C);
+struct ChunkTableParams {
+  std::uintptr_t cu_seqlens = 0, cu_seqlens_padded = 0;  // [N+1], both int32 or both int64
+  bool index_int64 = false;
+  int64_t N = 0, T = 0, chunk_size = 0;
+  std::uintptr_t table = 0;      // int32 [T / chunk_size + N, 4]
+  std::uintptr_t cu_chunks = 0;  // int32 [N+1]
+};
+Status chunk_table(const ChunkTableParams& p, bool host, int device, std::uintptr_t stream);
 
 // ---- conv1d_varlen.cu -----------------------------------------------------------------------------
-// Pointers are device pointers (host pointers for the host mirror) as integers; 0 means "none".
 struct ConvParams {
   std::uintptr_t x = 0, weight = 0, bias = 0, initial_state = 0, cu_seqlens = 0, cu_seqlens_padded = 0;
   int64_t N = 0, T = 0, D = 0;
@@ -39,10 +54,8 @@ struct ConvParams {
   std::uintptr_t y = 0, final_state = 0;                                    // forward outputs
   std::uintptr_t dy = 0, dfinal = 0, dx = 0, partial = 0, dweight_bias = 0, dinitial_state = 0;  // backward
 };
-// Forward (bwd = false) or backward (bwd = true); host = true runs the per-thread bodies in a CPU
-// loop instead of launching on `stream` of `device`.
-std::string conv1d_varlen(const ConvParams& p, bool bwd, bool host, int device, std::uintptr_t stream);
-std::string conv1d_varlen_check(const ConvParams& p, bool bwd);
+// Forward (bwd = false) or backward (bwd = true).
+Status conv1d_varlen(const ConvParams& p, bool bwd, bool host, int device, std::uintptr_t stream);
 
 // ---- recurrent_gdr.cu -----------------------------------------------------------------------------
 struct RecurrentParams {
@@ -59,6 +72,6 @@ struct RecurrentParams {
   float scale = 1.f;
   bool l2norm = false;
 };
-std::string recurrent_gdr(const RecurrentParams& p, bool host, int device, std::uintptr_t stream);
+Status recurrent_gdr(const RecurrentParams& p, bool host, int device, std::uintptr_t stream);
 
 }  // namespace gdn

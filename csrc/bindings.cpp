@@ -1,10 +1,17 @@
-// pybind11 module gdn_packed._C. No libtorch: the Python ops pass raw device pointers (Python ints),
-// sizes and the cudaStream_t of torch's current stream (torch.cuda.current_stream().cuda_stream).
-// Errors come back as RuntimeError (CUDA errors, with cudaGetErrorString) or ValueError (sizes).
+// pybind11 module gdn_packed._C. No libtorch: the Python side (gdn_packed/cuda/) passes raw pointers
+// (Python ints, None for "no tensor"), sizes and, for a device launch, `device` and the cudaStream_t of
+// torch's current stream.
+//
+// Every kernel entry point takes keyword arguments only, from a declared list (ARGS below): an
+// unknown name, a missing one, a positional argument or a value of the wrong type is a TypeError that
+// names it, before anything runs. Optional pointers are passed explicitly (None -> null). A kernel's
+// Status maps to one exception: kInvalidValue -> ValueError, kCudaError -> RuntimeError.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "api.h"
 
@@ -16,81 +23,214 @@ namespace py = pybind11;
 
 namespace {
 
-void raise_if(const std::string& err) {
-  if (err.empty()) return;
-  if (err.rfind("chunk_table: ", 0) == 0 || err.find("cudaError") != std::string::npos)
-    throw std::runtime_error(err);
-  throw py::value_error(err);
+void raise_if(const gdn::Status& s) {
+  switch (s.kind) {
+    case gdn::StatusKind::kOk: return;
+    case gdn::StatusKind::kInvalidValue: throw py::value_error(s.message);
+    case gdn::StatusKind::kCudaError: throw std::runtime_error(s.message);
+  }
+  throw std::runtime_error("unknown status kind: " + s.message);
 }
 
-gdn::ConvParams conv_params(py::kwargs kw) {
-  gdn::ConvParams p;
-  auto ptr = [&](const char* name, std::uintptr_t* dst) {
-    if (kw.contains(name)) *dst = kw[name].cast<std::uintptr_t>();
-  };
-  ptr("x", &p.x); ptr("weight", &p.weight); ptr("bias", &p.bias); ptr("initial_state", &p.initial_state);
-  ptr("cu_seqlens", &p.cu_seqlens); ptr("cu_seqlens_padded", &p.cu_seqlens_padded);
-  ptr("y", &p.y); ptr("final_state", &p.final_state); ptr("dy", &p.dy); ptr("dfinal", &p.dfinal);
-  ptr("dx", &p.dx); ptr("partial", &p.partial); ptr("dweight_bias", &p.dweight_bias);
-  ptr("dinitial_state", &p.dinitial_state);
-  p.N = kw["N"].cast<int64_t>();
-  p.T = kw["T"].cast<int64_t>();
-  p.D = kw["D"].cast<int64_t>();
-  p.W = kw["W"].cast<int>();
-  p.dtype = kw["dtype"].cast<int>();
-  p.silu = kw["silu"].cast<bool>();
-  p.tile_rows = kw["tile_rows"].cast<int64_t>();
-  return p;
+// The parsed arguments of one call: the kernel's parameter struct plus where to launch.
+template <typename P>
+struct Call {
+  P p;
+  int device = 0;
+  std::uintptr_t stream = 0;
+};
+
+[[noreturn]] void wrong_type(const std::string& fn, const char* name, const char* want, py::handle h) {
+  throw py::type_error(fn + "(): argument '" + name + "' must be " + want + ", got " +
+                       Py_TYPE(h.ptr())->tp_name);
 }
 
-gdn::RecurrentParams recurrent_params(py::kwargs kw) {
-  gdn::RecurrentParams p;
-  auto ptr = [&](const char* name, std::uintptr_t* dst) {
-    if (kw.contains(name)) *dst = kw[name].cast<std::uintptr_t>();
-  };
-  ptr("q", &p.q); ptr("k", &p.k); ptr("v", &p.v); ptr("g", &p.g); ptr("beta", &p.beta);
-  ptr("cu_seqlens", &p.cu_seqlens); ptr("cu_seqlens_padded", &p.cu_seqlens_padded);
-  ptr("initial_state", &p.initial_state); ptr("final_state", &p.final_state);
-  ptr("state_indices", &p.state_indices); ptr("slot_roles", &p.slot_roles); ptr("o", &p.o);
-  p.N = kw["N"].cast<int64_t>();
-  p.T = kw["T"].cast<int64_t>();
-  p.H = kw["H"].cast<int64_t>();
-  p.HV = kw["HV"].cast<int64_t>();
-  p.K = kw["K"].cast<int64_t>();
-  p.V = kw["V"].cast<int64_t>();
-  p.dtype = kw["dtype"].cast<int>();
-  p.scale = kw["scale"].cast<float>();
-  p.l2norm = kw["l2norm"].cast<bool>();
-  if (kw.contains("pool_size")) p.pool_size = kw["pool_size"].cast<int64_t>();
-  return p;
+bool is_int(py::handle h) { return PyLong_Check(h.ptr()) && !PyBool_Check(h.ptr()); }
+
+// Python value -> C++ field, by the field's type; a pointer (std::uintptr_t) also takes None.
+template <typename T>
+T cast_arg(py::handle h, const std::string& fn, const char* name);
+
+template <>
+std::uintptr_t cast_arg<std::uintptr_t>(py::handle h, const std::string& fn, const char* name) {
+  if (h.is_none()) return 0;
+  if (!is_int(h)) wrong_type(fn, name, "a pointer (int) or None", h);
+  try {
+    return h.cast<std::uintptr_t>();
+  } catch (const py::cast_error&) {
+    throw py::type_error(fn + "(): argument '" + name + "' = " + std::string(py::repr(h)) +
+                         " is not a pointer (an unsigned 64-bit int)");
+  }
 }
 
-// Device launch: the kwargs plus device= and stream=; host mirror: the kwargs only.
-template <typename P, typename F>
-void def_kernel(py::module_& m, const char* name, P (*params)(py::kwargs), F run, const char* doc) {
-  m.def(name, [params, run](py::kwargs kw) {
-          const int device = kw["device"].cast<int>();
-          const auto stream = kw["stream"].cast<std::uintptr_t>();
-          kw.attr("pop")("device");
-          kw.attr("pop")("stream");
-          const P p = params(kw);
-          std::string err;
+template <>
+int64_t cast_arg<int64_t>(py::handle h, const std::string& fn, const char* name) {
+  if (!is_int(h)) wrong_type(fn, name, "an int", h);
+  try {
+    return h.cast<int64_t>();
+  } catch (const py::cast_error&) {
+    throw py::type_error(fn + "(): argument '" + name + "' = " + std::string(py::repr(h)) +
+                         " does not fit int64");
+  }
+}
+
+template <>
+int cast_arg<int>(py::handle h, const std::string& fn, const char* name) {
+  const int64_t v = cast_arg<int64_t>(h, fn, name);
+  if (v < INT32_MIN || v > INT32_MAX)
+    throw py::type_error(fn + "(): argument '" + name + "' = " + std::to_string(v) + " does not fit int32");
+  return static_cast<int>(v);
+}
+
+template <>
+float cast_arg<float>(py::handle h, const std::string& fn, const char* name) {
+  if (!is_int(h) && !PyFloat_Check(h.ptr())) wrong_type(fn, name, "a float", h);
+  return h.cast<float>();
+}
+
+template <>
+bool cast_arg<bool>(py::handle h, const std::string& fn, const char* name) {
+  if (!PyBool_Check(h.ptr())) wrong_type(fn, name, "a bool", h);
+  return h.cast<bool>();
+}
+
+// One declared keyword argument: its name and how it is stored into a Call<P>.
+template <typename P>
+struct Arg {
+  const char* name;
+  std::function<void(Call<P>&, py::handle, const std::string&)> set;
+};
+
+template <typename P, typename M>
+Arg<P> arg(const char* name, M P::*member) {
+  return {name, [name, member](Call<P>& c, py::handle h, const std::string& fn) {
+            c.p.*member = cast_arg<M>(h, fn, name);
+          }};
+}
+
+// The declared list plus `device` and `stream` (the device launch; the host mirror takes neither).
+template <typename P>
+std::vector<Arg<P>> with_stream(std::vector<Arg<P>> args) {
+  args.push_back({"device", [](Call<P>& c, py::handle h, const std::string& fn) {
+                    c.device = cast_arg<int>(h, fn, "device");
+                  }});
+  args.push_back({"stream", [](Call<P>& c, py::handle h, const std::string& fn) {
+                    c.stream = cast_arg<std::uintptr_t>(h, fn, "stream");
+                  }});
+  return args;
+}
+
+std::string quoted_list(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "'" : ", '") + n + "'";
+  return out;
+}
+
+template <typename P>
+Call<P> parse(const std::string& fn, const std::vector<Arg<P>>& args, const py::args& pos,
+              const py::kwargs& kw) {
+  if (pos.size() != 0)
+    throw py::type_error(fn + "() takes keyword arguments only, got " + std::to_string(pos.size()) +
+                         " positional");
+  std::vector<std::string> unknown, missing;
+  for (auto item : kw) {
+    const std::string name = py::str(item.first);
+    bool known = false;
+    for (const auto& a : args) known = known || name == a.name;
+    if (!known) unknown.push_back(name);
+  }
+  if (!unknown.empty())
+    throw py::type_error(fn + "() got unexpected keyword argument" + (unknown.size() > 1 ? "s " : " ") +
+                         quoted_list(unknown));
+  for (const auto& a : args)
+    if (!kw.contains(a.name)) missing.push_back(a.name);
+  if (!missing.empty())
+    throw py::type_error(fn + "() missing required keyword argument" + (missing.size() > 1 ? "s " : " ") +
+                         quoted_list(missing) + " (pass None for an absent optional pointer)");
+  Call<P> c;
+  for (const auto& a : args) a.set(c, kw[a.name], fn);
+  return c;
+}
+
+template <typename P>
+std::string signature(const std::string& fn, const std::vector<Arg<P>>& args) {
+  std::string s = fn + "(*";
+  for (const auto& a : args) s += std::string(", ") + a.name;
+  return s + ")\n\n";
+}
+
+// Binds `name` (device launch on `stream` of `device`) and `name`_host (the host mirror: the same
+// per-thread bodies over the whole grid in a CPU loop, host pointers) from one declared list.
+template <typename P, typename Run>
+void def_kernel(py::module_& m, const std::string& name, const std::vector<Arg<P>>& args, Run run,
+                const std::string& doc) {
+  const std::vector<Arg<P>> dev_args = with_stream(args);
+  m.def(name.c_str(),
+        [name, dev_args, run](py::args pos, py::kwargs kw) {
+          const Call<P> c = parse(name, dev_args, pos, kw);
+          gdn::Status st;
           {
             py::gil_scoped_release nogil;
-            err = run(p, false, device, stream);
+            st = run(c.p, false, c.device, c.stream);
           }
-          raise_if(err);
-        }, doc);
-  m.def((std::string(name) + "_host").c_str(), [params, run](py::kwargs kw) {
-          const P p = params(kw);
-          std::string err;
+          raise_if(st);
+        },
+        (signature(name, dev_args) + doc + " Asynchronous on `stream` of `device`.").c_str());
+  const std::string host_name = name + "_host";
+  m.def(host_name.c_str(),
+        [host_name, args, run](py::args pos, py::kwargs kw) {
+          const Call<P> c = parse(host_name, args, pos, kw);
+          gdn::Status st;
           {
             py::gil_scoped_release nogil;
-            err = run(p, true, 0, 0);
+            st = run(c.p, true, 0, 0);
           }
-          raise_if(err);
-        }, (std::string(doc) + " Host mirror: the same per-thread bodies over the whole grid in a CPU "
-            "loop (host pointers).").c_str());
+          raise_if(st);
+        },
+        (signature(host_name, args) + doc +
+         " Host mirror: the same per-thread bodies over the whole grid in a CPU loop (host pointers).")
+            .c_str());
+}
+
+// ---- the declared argument lists ----------------------------------------------------------------
+using gdn::ChunkTableParams;
+using gdn::ConvParams;
+using gdn::RecurrentParams;
+
+std::vector<Arg<ChunkTableParams>> chunk_table_args() {
+  using P = ChunkTableParams;
+  return {arg("cu_seqlens", &P::cu_seqlens), arg("cu_seqlens_padded", &P::cu_seqlens_padded),
+          arg("index_int64", &P::index_int64), arg("N", &P::N), arg("T", &P::T),
+          arg("chunk_size", &P::chunk_size), arg("table", &P::table), arg("cu_chunks", &P::cu_chunks)};
+}
+
+std::vector<Arg<ConvParams>> conv_args(bool bwd) {
+  using P = ConvParams;
+  std::vector<Arg<P>> a = {
+      arg("x", &P::x), arg("weight", &P::weight), arg("bias", &P::bias),
+      arg("initial_state", &P::initial_state), arg("cu_seqlens", &P::cu_seqlens),
+      arg("cu_seqlens_padded", &P::cu_seqlens_padded), arg("N", &P::N), arg("T", &P::T), arg("D", &P::D),
+      arg("W", &P::W), arg("dtype", &P::dtype), arg("silu", &P::silu), arg("tile_rows", &P::tile_rows)};
+  if (bwd) {
+    for (auto x : {arg("dy", &P::dy), arg("dfinal", &P::dfinal), arg("dx", &P::dx), arg("partial", &P::partial),
+                   arg("dweight_bias", &P::dweight_bias), arg("dinitial_state", &P::dinitial_state)})
+      a.push_back(x);
+  } else {
+    a.push_back(arg("y", &P::y));
+    a.push_back(arg("final_state", &P::final_state));
+  }
+  return a;
+}
+
+std::vector<Arg<RecurrentParams>> recurrent_args() {
+  using P = RecurrentParams;
+  return {arg("q", &P::q), arg("k", &P::k), arg("v", &P::v), arg("g", &P::g), arg("beta", &P::beta),
+          arg("cu_seqlens", &P::cu_seqlens), arg("cu_seqlens_padded", &P::cu_seqlens_padded),
+          arg("initial_state", &P::initial_state), arg("final_state", &P::final_state),
+          arg("state_indices", &P::state_indices), arg("pool_size", &P::pool_size),
+          arg("slot_roles", &P::slot_roles), arg("o", &P::o), arg("N", &P::N), arg("T", &P::T), arg("H", &P::H),
+          arg("HV", &P::HV), arg("K", &P::K), arg("V", &P::V), arg("dtype", &P::dtype), arg("scale", &P::scale),
+          arg("l2norm", &P::l2norm)};
 }
 
 }  // namespace
@@ -120,53 +260,19 @@ PYBIND11_MODULE(_C, m) {
         "error is '' when a device is usable, else the CUDA error (e.g. cudaErrorInsufficientDriver)");
   m.attr("cuda_archs") = std::string(GDN_CUDA_ARCHS);
 
-  m.def("chunk_table",
-        [](std::uintptr_t cu_seqlens, std::uintptr_t cu_seqlens_padded, bool index_int64, int64_t N,
-           int64_t T, int64_t chunk_size, std::uintptr_t table, std::uintptr_t cu_chunks, int device,
-           std::uintptr_t stream) {
-          std::string err;
-          {
-            py::gil_scoped_release nogil;
-            err = gdn::chunk_table_cuda(cu_seqlens, cu_seqlens_padded, index_int64, N, T, chunk_size,
-                                        table, cu_chunks, device, stream);
-          }
-          raise_if(err);
-        },
-        py::arg("cu_seqlens"), py::arg("cu_seqlens_padded"), py::arg("index_int64"), py::arg("N"),
-        py::arg("T"), py::arg("chunk_size"), py::arg("table"), py::arg("cu_chunks"),
-        py::arg("device"), py::arg("stream"),
-        "Build the chunk table on the GPU (device pointers as ints; cu_seqlens_padded=0 means None). "
-        "table: int32 [T//chunk_size+N, 4], cu_chunks: int32 [N+1]. Asynchronous on `stream`.");
-
-  def_kernel(m, "conv1d_varlen_fwd", &conv_params,
-             [](const gdn::ConvParams& p, bool host, int dev, std::uintptr_t s) {
+  def_kernel(m, "chunk_table", chunk_table_args(), &gdn::chunk_table,
+             "Build the chunk table (gdn_packed/torch_ref/chunk_table.py): table int32 "
+             "[T // chunk_size + N, 4], cu_chunks int32 [N+1].");
+  def_kernel(m, "conv1d_varlen_fwd", conv_args(false),
+             [](const ConvParams& p, bool host, int dev, std::uintptr_t s) {
                return gdn::conv1d_varlen(p, false, host, dev, s);
              },
-             "Varlen causal conv1d forward (keyword arguments: see gdn_packed/ops/conv1d.py).");
-  def_kernel(m, "conv1d_varlen_bwd", &conv_params,
-             [](const gdn::ConvParams& p, bool host, int dev, std::uintptr_t s) {
+             "Varlen causal conv1d forward (gdn_packed/cuda/conv1d.py).");
+  def_kernel(m, "conv1d_varlen_bwd", conv_args(true),
+             [](const ConvParams& p, bool host, int dev, std::uintptr_t s) {
                return gdn::conv1d_varlen(p, true, host, dev, s);
              },
-             "Varlen causal conv1d backward (keyword arguments: see gdn_packed/ops/conv1d.py).");
-  def_kernel(m, "recurrent_gdr_fwd", &recurrent_params,
-             [](const gdn::RecurrentParams& p, bool host, int dev, std::uintptr_t s) {
-               return gdn::recurrent_gdr(p, host, dev, s);
-             },
-             "Recurrent gated delta rule forward (keyword arguments: see gdn_packed/ops/recurrent_gdr.py).");
-
-  m.def("chunk_table_host",
-        [](std::uintptr_t cu_seqlens, std::uintptr_t cu_seqlens_padded, bool index_int64, int64_t N,
-           int64_t T, int64_t chunk_size, std::uintptr_t table, std::uintptr_t cu_chunks) {
-          std::string err;
-          {
-            py::gil_scoped_release nogil;
-            err = gdn::chunk_table_host(cu_seqlens, cu_seqlens_padded, index_int64, N, T, chunk_size,
-                                        table, cu_chunks);
-          }
-          raise_if(err);
-        },
-        py::arg("cu_seqlens"), py::arg("cu_seqlens_padded"), py::arg("index_int64"), py::arg("N"),
-        py::arg("T"), py::arg("chunk_size"), py::arg("table"), py::arg("cu_chunks"),
-        "Run the same __host__ __device__ chunk-table bodies over the whole grid on the CPU "
-        "(host pointers as ints).");
+             "Varlen causal conv1d backward (gdn_packed/cuda/conv1d.py).");
+  def_kernel(m, "recurrent_gdr_fwd", recurrent_args(), &gdn::recurrent_gdr,
+             "Recurrent gated delta rule forward (gdn_packed/cuda/recurrent.py).");
 }

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "api.h"
+#include "cuda_status.cuh"
 #include "segments.cuh"
 
 namespace gdn {
@@ -76,21 +77,17 @@ chunk_table_fill_kernel(const I* __restrict__ cu, const I* __restrict__ padded,
   out[3] = row[3];
 }
 
-std::string describe(cudaError_t e) {
-  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
-}
-
 template <typename I>
-cudaError_t launch(const I* cu, const I* padded, int64_t N, int64_t T, int64_t C, int32_t* table,
-                   int32_t* cu_chunks, cudaStream_t stream) {
+Status launch(const I* cu, const I* padded, int64_t N, int64_t T, int64_t C, int32_t* table,
+              int32_t* cu_chunks, cudaStream_t stream) {
   const int64_t nc = T / C + N;
   chunk_count_scan_kernel<I><<<1, kScanThreads, 0, stream>>>(cu, N, C, nc, cu_chunks);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess || nc == 0) return e;
+  Status st = launch_status("chunk_table");
+  if (!st.ok() || nc == 0) return st;
   const int64_t blocks = (nc + kFillThreads - 1) / kFillThreads;
   chunk_table_fill_kernel<I><<<static_cast<unsigned>(blocks), kFillThreads, 0, stream>>>(
       cu, padded, cu_chunks, N, T, C, nc, table);
-  return cudaGetLastError();
+  return launch_status("chunk_table");
 }
 
 template <typename I>
@@ -108,55 +105,43 @@ void host_build(const I* cu, const I* padded, int64_t N, int64_t T, int64_t C, i
   for (int64_t j = 0; j < nc; ++j) chunk_table_slot(cu, padded, cu_chunks, N, T, C, j, table + 4 * j);
 }
 
+// The size checks of both paths.
+Status check_sizes(int64_t N, int64_t T, int64_t C) {
+  if (C <= 0) return Status::invalid("chunk_table: chunk_size must be positive, got " + std::to_string(C));
+  if (N < 0) return Status::invalid("chunk_table: N must be >= 0, got " + std::to_string(N));
+  if (T < 0) return Status::invalid("chunk_table: T must be >= 0, got " + std::to_string(T));
+  if (T / C + N > kInt32Max)
+    return Status::invalid("chunk_table: T // chunk_size + N = " + std::to_string(T / C + N) +
+                           " does not fit int32");
+  return {};
+}
+
+template <typename I>
+Status run(const ChunkTableParams& p, bool host, cudaStream_t stream) {
+  const auto* cu = reinterpret_cast<const I*>(p.cu_seqlens);
+  const auto* padded = reinterpret_cast<const I*>(p.cu_seqlens_padded);
+  auto* table = reinterpret_cast<int32_t*>(p.table);
+  auto* cu_chunks = reinterpret_cast<int32_t*>(p.cu_chunks);
+  if (host) {
+    host_build(cu, padded, p.N, p.T, p.chunk_size, table, cu_chunks);
+    return {};
+  }
+  return launch(cu, padded, p.N, p.T, p.chunk_size, table, cu_chunks, stream);
+}
+
 }  // namespace
 
-std::string chunk_table_check_sizes(int64_t N, int64_t T, int64_t C) {
-  if (C <= 0) return "chunk_size must be positive, got " + std::to_string(C);
-  if (N < 0) return "N must be >= 0, got " + std::to_string(N);
-  if (T < 0) return "T must be >= 0, got " + std::to_string(T);
-  if (T / C + N > kInt32Max)
-    return "T // chunk_size + N = " + std::to_string(T / C + N) + " does not fit int32";
-  return "";
-}
-
-std::string chunk_table_cuda(std::uintptr_t cu, std::uintptr_t padded, bool index_int64, int64_t N,
-                             int64_t T, int64_t C, std::uintptr_t table, std::uintptr_t cu_chunks,
-                             int device, std::uintptr_t stream) {
-  std::string bad = chunk_table_check_sizes(N, T, C);
-  if (!bad.empty()) return bad;
-  // this module has its own (static) cudart, whose current device is independent of torch's
-  int cur = -1;
-  cudaError_t e = cudaGetDevice(&cur);
-  if (e == cudaSuccess && cur != device) e = cudaSetDevice(device);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return "chunk_table: " + describe(e);
+Status chunk_table(const ChunkTableParams& p, bool host, int device, std::uintptr_t stream) {
+  Status st = check_sizes(p.N, p.T, p.chunk_size);
+  if (!st.ok()) return st;
+  if (p.cu_seqlens == 0 || p.cu_chunks == 0 || (p.table == 0 && p.T / p.chunk_size + p.N > 0))
+    return Status::invalid("chunk_table: cu_seqlens, table and cu_chunks are required");
+  if (!host) {
+    st = use_device(device, "chunk_table");
+    if (!st.ok()) return st;
   }
-  auto s = reinterpret_cast<cudaStream_t>(stream);
-  auto* t = reinterpret_cast<int32_t*>(table);
-  auto* cc = reinterpret_cast<int32_t*>(cu_chunks);
-  if (index_int64)
-    e = launch(reinterpret_cast<const int64_t*>(cu), reinterpret_cast<const int64_t*>(padded), N, T, C, t, cc, s);
-  else
-    e = launch(reinterpret_cast<const int32_t*>(cu), reinterpret_cast<const int32_t*>(padded), N, T, C, t, cc, s);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return "chunk_table: " + describe(e);
-  }
-  return "";
-}
-
-std::string chunk_table_host(std::uintptr_t cu, std::uintptr_t padded, bool index_int64, int64_t N,
-                             int64_t T, int64_t C, std::uintptr_t table, std::uintptr_t cu_chunks) {
-  std::string bad = chunk_table_check_sizes(N, T, C);
-  if (!bad.empty()) return bad;
-  auto* t = reinterpret_cast<int32_t*>(table);
-  auto* cc = reinterpret_cast<int32_t*>(cu_chunks);
-  if (index_int64)
-    host_build(reinterpret_cast<const int64_t*>(cu), reinterpret_cast<const int64_t*>(padded), N, T, C, t, cc);
-  else
-    host_build(reinterpret_cast<const int32_t*>(cu), reinterpret_cast<const int32_t*>(padded), N, T, C, t, cc);
-  return "";
+  const auto s = reinterpret_cast<cudaStream_t>(stream);
+  return p.index_int64 ? run<int64_t>(p, host, s) : run<int32_t>(p, host, s);
 }
 
 }  // namespace gdn

@@ -391,7 +391,7 @@ void run_tiles_vec(const ConvArgs<T>& a, bool bwd, bool host, cudaStream_t strea
 }
 
 template <typename T>
-std::string run(const ConvParams& p, bool bwd, bool host, cudaStream_t stream) {
+Status run(const ConvParams& p, bool bwd, bool host, cudaStream_t stream) {
   const ConvArgs<T> a = make_args<T>(p);
   if (a.W <= 4) run_tiles_vec<T, 4>(a, bwd, host, stream);
   else run_tiles_vec<T, 8>(a, bwd, host, stream);
@@ -413,32 +413,35 @@ std::string run(const ConvParams& p, bool bwd, bool host, cudaStream_t stream) {
       conv1d_wgrad_reduce_kernel<<<blocks_for(cols, kThreads), kThreads, 0, stream>>>(a.partial, tiles, cols, a.dwb);
     }
   }
-  return host ? "" : launch_status(bwd ? "conv1d_varlen_bwd" : "conv1d_varlen_fwd");
+  return host ? Status{} : launch_status(bwd ? "conv1d_varlen_bwd" : "conv1d_varlen_fwd");
+}
+
+Status check(const ConvParams& p, bool bwd) {
+  auto bad = [](const std::string& m) { return Status::invalid("conv1d_varlen: " + m); };
+  if (p.W < 1 || p.W > 8) return bad("W must be in 1..8, got " + std::to_string(p.W));
+  if (p.N < 0 || p.T < 0 || p.D < 0) return bad("N, T and D must be >= 0");
+  if (p.tile_rows <= 0) return bad("tile_rows must be positive");
+  if (p.dtype < kF32 || p.dtype > kBF16) return bad("dtype code must be 0, 1 or 2");
+  if (p.x == 0 && p.T * p.D > 0) return bad("x is null");
+  if (p.weight == 0 || p.cu_seqlens == 0) return bad("weight and cu_seqlens are required");
+  // an empty tensor may have a null pointer: rows and states are required only when there are any
+  const bool rows = p.T * p.D > 0, states = p.N * p.D * (p.W - 1) > 0;
+  if (!bwd && ((p.y == 0 && rows) || (p.final_state == 0 && states)))
+    return bad("y and final_state are required");
+  if (bwd && (((p.dy == 0 || p.dx == 0 || p.partial == 0) && rows) || (p.dweight_bias == 0 && p.D > 0) ||
+              (p.dinitial_state == 0 && states)))
+    return bad("dy, dx, partial, dweight_bias and dinitial_state are required");
+  return {};
 }
 
 }  // namespace
 
-std::string conv1d_varlen_check(const ConvParams& p, bool bwd) {
-  if (p.W < 1 || p.W > 8) return "conv1d_varlen: W must be in 1..8, got " + std::to_string(p.W);
-  if (p.N < 0 || p.T < 0 || p.D < 0) return "conv1d_varlen: N, T and D must be >= 0";
-  if (p.tile_rows <= 0) return "conv1d_varlen: tile_rows must be positive";
-  if (p.dtype < kF32 || p.dtype > kBF16) return "conv1d_varlen: dtype code must be 0, 1 or 2";
-  if (p.x == 0 && p.T * p.D > 0) return "conv1d_varlen: x is null";
-  if (p.weight == 0 || p.cu_seqlens == 0) return "conv1d_varlen: weight and cu_seqlens are required";
-  if (!bwd && (p.y == 0 || (p.final_state == 0 && p.N * p.D * (p.W - 1) > 0)))
-    return "conv1d_varlen: y and final_state are required";
-  if (bwd && (p.dy == 0 || p.dx == 0 || p.dweight_bias == 0 || (p.partial == 0 && p.T > 0) ||
-              (p.dinitial_state == 0 && p.N * p.D * (p.W - 1) > 0)))
-    return "conv1d_varlen: dy, dx, partial, dweight_bias and dinitial_state are required";
-  return "";
-}
-
-std::string conv1d_varlen(const ConvParams& p, bool bwd, bool host, int device, std::uintptr_t stream) {
-  std::string err = conv1d_varlen_check(p, bwd);
-  if (!err.empty()) return err;
+Status conv1d_varlen(const ConvParams& p, bool bwd, bool host, int device, std::uintptr_t stream) {
+  Status st = check(p, bwd);
+  if (!st.ok()) return st;
   if (!host) {
-    err = use_device(device, "conv1d_varlen");
-    if (!err.empty()) return err;
+    st = use_device(device, "conv1d_varlen");
+    if (!st.ok()) return st;
   }
   auto s = reinterpret_cast<cudaStream_t>(stream);
   switch (p.dtype) {

@@ -8,8 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
-#include <string>
 
+#include "cuda_status.cuh"
 #include "segments.cuh"
 
 namespace gdn {
@@ -48,27 +48,6 @@ GDN_HD void store_vec(T* p, const float (&in)[VEC]) {
 }
 
 GDN_HD bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
-
-inline std::string describe_cuda(cudaError_t e) {
-  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
-}
-
-// Make `device` current for this module's own (static) cudart; "" or "<what>: cudaError...".
-inline std::string use_device(int device, const char* what) {
-  int cur = -1;
-  cudaError_t e = cudaGetDevice(&cur);
-  if (e == cudaSuccess && cur != device) e = cudaSetDevice(device);
-  if (e == cudaSuccess) return "";
-  (void)cudaGetLastError();
-  return std::string(what) + ": " + describe_cuda(e);
-}
-
-// The launch status as "" or "<what>: cudaError..." (clears a non-sticky error).
-inline std::string launch_status(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess) return "";
-  return std::string(what) + ": " + describe_cuda(e);
-}
 
 inline unsigned blocks_for(int64_t threads, int block) {
   return static_cast<unsigned>((threads + block - 1) / block);

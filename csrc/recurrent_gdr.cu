@@ -158,7 +158,7 @@ void run_k(RecArgs<T> a, bool host, cudaStream_t stream) {
 }
 
 template <typename T>
-std::string run(const RecurrentParams& p, bool host, cudaStream_t stream) {
+Status run(const RecurrentParams& p, bool host, cudaStream_t stream) {
   RecArgs<T> a{};
   a.q = reinterpret_cast<const T*>(p.q);
   a.k = reinterpret_cast<const T*>(p.k);
@@ -184,23 +184,24 @@ std::string run(const RecurrentParams& p, bool host, cudaStream_t stream) {
   if (a.K <= 32) run_k<T, 32>(a, host, stream);
   else if (a.K <= 64) run_k<T, 64>(a, host, stream);
   else run_k<T, 128>(a, host, stream);
-  return host ? "" : launch_status("recurrent_gdr_fwd");
+  return host ? Status{} : launch_status("recurrent_gdr_fwd");
 }
 
 }  // namespace
 
-std::string recurrent_gdr(const RecurrentParams& p, bool host, int device, std::uintptr_t stream) {
-  if (p.K < 1 || p.K > 128) return "recurrent_gdr: K must be in 1..128, got " + std::to_string(p.K);
-  if (p.N < 0 || p.T < 0 || p.V < 0) return "recurrent_gdr: N, T and V must be >= 0";
-  if (p.H < 1 || p.HV < 1 || p.HV % p.H != 0) return "recurrent_gdr: HV must be a positive multiple of H";
-  if (p.dtype < kF32 || p.dtype > kBF16) return "recurrent_gdr: dtype code must be 0, 1 or 2";
-  if (p.cu_seqlens == 0 || (p.o == 0 && p.T > 0)) return "recurrent_gdr: cu_seqlens and o are required";
+Status recurrent_gdr(const RecurrentParams& p, bool host, int device, std::uintptr_t stream) {
+  auto bad = [](const std::string& m) { return Status::invalid("recurrent_gdr: " + m); };
+  if (p.K < 1 || p.K > 128) return bad("K must be in 1..128, got " + std::to_string(p.K));
+  if (p.N < 0 || p.T < 0 || p.V < 0) return bad("N, T and V must be >= 0");
+  if (p.H < 1 || p.HV < 1 || p.HV % p.H != 0) return bad("HV must be a positive multiple of H");
+  if (p.dtype < kF32 || p.dtype > kBF16) return bad("dtype code must be 0, 1 or 2");
+  if (p.cu_seqlens == 0 || (p.o == 0 && p.T > 0)) return bad("cu_seqlens and o are required");
   if (p.state_indices != 0 && (p.initial_state == 0 || p.final_state == 0))
-    return "recurrent_gdr: state_indices needs the state pool as initial_state and final_state";
-  if (p.slot_roles != 0 && p.state_indices == 0) return "recurrent_gdr: slot_roles needs state_indices";
+    return bad("state_indices needs the state pool as initial_state and final_state");
+  if (p.slot_roles != 0 && p.state_indices == 0) return bad("slot_roles needs state_indices");
   if (!host) {
-    std::string err = use_device(device, "recurrent_gdr");
-    if (!err.empty()) return err;
+    Status st = use_device(device, "recurrent_gdr");
+    if (!st.ok()) return st;
   }
   auto s = reinterpret_cast<cudaStream_t>(stream);
   switch (p.dtype) {

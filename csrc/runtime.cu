@@ -4,12 +4,9 @@
 #include <string>
 
 #include "api.h"
+#include "cuda_status.cuh"
 
 namespace gdn {
-
-static std::string describe(cudaError_t e) {
-  return std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
-}
 
 int cuda_runtime_version() {
   int v = 0;

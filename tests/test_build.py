@@ -200,6 +200,7 @@ def test_install_without_nvcc(tmp_path):
     (whl,) = glob.glob(str(tmp_path / "dist" / "*.whl"))
     names = zipfile.ZipFile(whl).namelist()
     assert "gdn_packed/__init__.py" in names and "gdn_packed/ops/chunk_table.py" in names
+    assert "gdn_packed/cuda/launch.py" in names   # the host side of csrc/ ships even without _C
     assert not [n for n in names if "/_C" in n and n.endswith(".so")], names
     assert not [n for n in names if n.startswith(("tests/", "bench/"))], names
     meta = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith("/METADATA"))).decode()

@@ -1,5 +1,7 @@
-"""The chunk table: CUDA arithmetic (run on the host through _C.chunk_table_host), the torch backend
-and a plain-Python transcription of the contract must agree exactly, on sane and corrupt packings."""
+"""The chunk table: one specification test over the backends that run here - torch, the csrc/
+kernels' host mirror (the same __host__ __device__ bodies in a CPU loop through _C.chunk_table_host)
+and, on a GPU, the CUDA kernels - against a plain-Python transcription of the contract, on the shared
+packings (gdn_packed.testing.PACKINGS), the table's own edge cases and corrupt packings."""
 import ast
 import bisect
 import inspect
@@ -9,11 +11,17 @@ import pytest
 import torch
 
 from gdn_packed import _cext
+from gdn_packed.cuda.launch import launch
 from gdn_packed.ops import chunk_table as op_mod
 from gdn_packed.ops.chunk_table import build_chunk_table
+from gdn_packed.testing import PACKINGS, layout
+
+from cuda_backends import backends, gpu_reason, host_reason
 
 INT32_MAX = 2**31 - 1
 SENTINEL = 0x5A5A5A5A
+BACKENDS = backends()
+needs_C = pytest.mark.skipif(bool(host_reason()), reason=host_reason())
 
 
 def chunk_table_torch(*args):
@@ -46,31 +54,32 @@ def ref_chunk_table(cu, padded, T, C):
 
 
 def host_chunk_table(cu, padded, T, C):
-    C_mod = _cext.get_C()
+    """The csrc/ bodies on the host, into outputs filled with a sentinel (a slot nobody writes shows)."""
     N = cu.numel() - 1
     table = torch.full((T // C + N, 4), SENTINEL, dtype=torch.int32)
     cc = torch.full((N + 1,), SENTINEL, dtype=torch.int32)
-    cu = cu.contiguous()
-    padded = padded.contiguous() if padded is not None else None
-    C_mod.chunk_table_host(cu.data_ptr(), padded.data_ptr() if padded is not None else 0,
-                           cu.dtype == torch.int64, N, T, C, table.data_ptr(), cc.data_ptr())
+    launch("chunk_table", cu.device, host=True, reads=dict(cu_seqlens=cu, cu_seqlens_padded=padded),
+           writes=dict(table=table, cu_chunks=cc), index_int64=cu.dtype == torch.int64, N=N, T=T, chunk_size=C)
     return table, cc
 
 
-needs_C = pytest.mark.skipif(not _cext.built(), reason="gdn_packed._C not built (no nvcc at install)")
+def chunk_table(backend, cu, padded, T, C):
+    """(table, cu_chunks) of one backend, on the CPU."""
+    if backend == "torch":
+        return chunk_table_torch(cu, padded, T, C)
+    if backend == "host":
+        return host_chunk_table(cu, padded, T, C)
+    table, cc = build_chunk_table(cu.cuda(), None if padded is None else padded.cuda(), T, C)
+    return table.cpu(), cc.cpu()
 
 
 # ---- packings ------------------------------------------------------------------------------------
+def _lists(cu, pad, rows):
+    return cu.tolist(), None if pad is None else pad.tolist(), rows
+
+
 def _lay(lengths, gaps=None, tail=0):
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    if gaps is None:
-        return cu, None, cu[-1] + tail
-    pad = [0]
-    for n, g in zip(lengths, gaps):
-        pad.append(pad[-1] + n + g)
-    return cu, pad, pad[-1] + tail
+    return _lists(*layout(lengths, gaps=gaps, tail=tail, index_dtype=torch.int64))
 
 
 def _random_packing(seed, n_max=12, padded=False):
@@ -81,12 +90,13 @@ def _random_packing(seed, n_max=12, padded=False):
     return _lay(lengths, gaps, tail=rng.choice([0, 0, 3, 64, 200]))
 
 
-SANE = {
+# the shared packings, then the table's own edge cases
+SANE = {p.name: _lists(*p.layout(torch.int64)) for p in PACKINGS}
+SANE.update({
     "empty_T0": ([0], None, 0),
     "empty_rows": ([0], None, 100),
     "zero_len": ([0, 0], None, 0),
     "zero_len_tail": ([0, 0], None, 10),
-    "one_token": ([0, 1], None, 1),
     "odd_lengths": _lay([63, 64, 65, 127, 300]),
     "odd_lengths_tail": _lay([63, 64, 65, 127, 300], tail=81),
     "zeros_mixed": _lay([0, 5, 0, 0, 65, 0, 1, 0]),
@@ -94,7 +104,7 @@ SANE = {
     "padded_aligned": _lay([63, 64, 65, 127], gaps=[1, 0, 63, 1], tail=0),
     "padded_ones": _lay([1, 1, 1], gaps=[63, 63, 63], tail=5),
     "many_seqs": _lay([1 + (i * 37) % 150 for i in range(700)]),  # > one 512-thread scan tile
-}
+})
 SANE.update({f"random{s}": _random_packing(s) for s in range(12)})
 SANE.update({f"random_padded{s}": _random_packing(100 + s, padded=True) for s in range(12)})
 
@@ -146,57 +156,33 @@ def _check_invariants(table, cc, T, C, N):
 @pytest.mark.parametrize("C", CHUNKS)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
 @pytest.mark.parametrize("cu,pad,T", _cases([SANE, CORRUPT]))
-def test_torch_matches_python_reference(cu, pad, T, dtype, C):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_python_reference(backend, cu, pad, T, dtype, C):
+    table, cc = chunk_table(backend, _t(cu, dtype), _t(pad, dtype), T, C)
     ref_t, ref_cc = ref_chunk_table(cu, pad, T, C)
-    table, cc = chunk_table_torch(_t(cu, dtype), _t(pad, dtype), T, C)
     assert cc.tolist() == ref_cc
     assert table.tolist() == ref_t
     _check_invariants(table, cc, T, C, len(cu) - 1)
 
 
-@needs_C
-@pytest.mark.parametrize("C", CHUNKS)
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
-@pytest.mark.parametrize("cu,pad,T", _cases([SANE, CORRUPT]))
-def test_cuda_body_on_host_matches(cu, pad, T, dtype, C):
-    table, cc = host_chunk_table(_t(cu, dtype), _t(pad, dtype), T, C)
-    ref_t, ref_cc = ref_chunk_table(cu, pad, T, C)
-    assert cc.tolist() == ref_cc
-    assert table.tolist() == ref_t
-    t_table, t_cc = chunk_table_torch(_t(cu, dtype), _t(pad, dtype), T, C)
-    assert torch.equal(table, t_table) and torch.equal(cc, t_cc)
-    _check_invariants(table, cc, T, C, len(cu) - 1)
-
-
-@needs_C
 @pytest.mark.parametrize("cu,pad,T", _cases([HUGE64]))
-def test_cuda_body_on_host_huge_int64(cu, pad, T):
-    C = 64
-    table, cc = host_chunk_table(_t(cu, torch.int64), _t(pad, torch.int64), T, C)
-    ref_t, ref_cc = ref_chunk_table(cu, pad, T, C)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_python_reference_huge_int64(backend, cu, pad, T):
+    table, cc = chunk_table(backend, _t(cu, torch.int64), _t(pad, torch.int64), T, 64)
+    ref_t, ref_cc = ref_chunk_table(cu, pad, T, 64)
     assert cc.tolist() == ref_cc and table.tolist() == ref_t
-    t_table, t_cc = chunk_table_torch(_t(cu, torch.int64), _t(pad, torch.int64), T, C)
-    assert torch.equal(table, t_table) and torch.equal(cc, t_cc)
-    _check_invariants(table, cc, T, C, len(cu) - 1)
+    _check_invariants(table, cc, T, 64, len(cu) - 1)
 
 
 @needs_C
-def test_host_rejects_bad_sizes():
-    C_mod = _cext.get_C()
+@pytest.mark.parametrize("T, C, match", [(4, 0, "chunk_size must be positive"), (2**40, 1, "does not fit int32"),
+                                         (-1, 64, "T must be >= 0")])
+def test_host_rejects_bad_sizes(T, C, match):
     cu = torch.tensor([0, 4], dtype=torch.int32)
     out = torch.empty(8, dtype=torch.int32)
-    with pytest.raises(ValueError, match="chunk_size"):
-        C_mod.chunk_table_host(cu.data_ptr(), 0, False, 1, 4, 0, out.data_ptr(), out.data_ptr())
-    with pytest.raises(ValueError, match="int32"):
-        C_mod.chunk_table_host(cu.data_ptr(), 0, False, 1, 2**40, 1, out.data_ptr(), out.data_ptr())
-
-
-@needs_C
-@pytest.mark.skipif(_cext.cuda_available(), reason="a GPU is usable here")
-def test_device_call_fails_cleanly_without_gpu():
-    C_mod = _cext.get_C()
-    with pytest.raises(RuntimeError, match="cuda"):
-        C_mod.chunk_table(1 << 20, 0, False, 1, 64, 64, 1 << 21, 1 << 22, 0, 0)
+    with pytest.raises(ValueError, match=match):
+        _cext.get_C().chunk_table_host(cu_seqlens=cu.data_ptr(), cu_seqlens_padded=None, index_int64=False, N=1,
+                                       T=T, chunk_size=C, table=out.data_ptr(), cu_chunks=out.data_ptr())
 
 
 # ---- the op --------------------------------------------------------------------------------------
@@ -267,29 +253,7 @@ def test_op_never_syncs(monkeypatch):
 
 
 # ---- GPU (runs only where a CUDA device and _C are usable) --------------------------------------
-gpu = pytest.mark.skipif(not (torch.cuda.is_available() and _cext.cuda_available()),
-                         reason="needs a CUDA GPU and gdn_packed._C: " + (_cext.cuda_unavailable_reason()
-                                                                          or "torch sees no GPU"))
-
-
-@gpu
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
-def test_cuda_kernel_matches(dtype):
-    dev = torch.device("cuda")
-    for group in (SANE, CORRUPT, HUGE64):
-        for name, (cu, pad, T) in group.items():
-            if dtype == torch.int32 and any(abs(x) > INT32_MAX + 1 for x in cu + (pad or [])):
-                continue
-            for C in (64, 16, 1):
-                cu_d = _t(cu, dtype).to(dev)
-                pad_d = None if pad is None else _t(pad, dtype).to(dev)
-                table, cc = build_chunk_table(cu_d, pad_d, T, C)
-                t_table, t_cc = chunk_table_torch(_t(cu, dtype), _t(pad, dtype), T, C)
-                assert torch.equal(cc.cpu(), t_cc), (name, C)
-                assert torch.equal(table.cpu(), t_table), (name, C)
-
-
-@gpu
+@pytest.mark.skipif(bool(gpu_reason()), reason=f"no GPU: {gpu_reason()}")
 def test_cuda_kernel_graph_capture_and_side_stream():
     dev = torch.device("cuda")
     cu, pad, T = SANE["padded_gaps"]

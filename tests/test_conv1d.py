@@ -1,36 +1,28 @@
 """gdn_packed.causal_conv1d_varlen: forward, final state and gradients against F.conv1d run per
-sequence, unpacked, in float64; for the torch backend, the host build of the csrc/ kernels (the same
-per-thread bodies in a CPU loop) and, on a GPU, the CUDA kernels. Plus sequence isolation,
-determinism, the custom ops (opcheck, torch.compile) and input errors."""
+sequence, unpacked, in float64, on every backend that runs here (tests/cuda_backends.py: torch, the
+host mirror of the csrc/ kernels, the CUDA kernels on a GPU), over the shared packings. Plus sequence
+isolation, determinism, the custom ops (opcheck, torch.compile) and input errors."""
 import pytest
 import torch
 
 import gdn_packed
-from gdn_packed import _cext
+from gdn_packed import cuda as gdn_cuda
 from gdn_packed.ops import conv1d as conv_op
 from gdn_packed.ops._common import poisoned_outputs
-from gdn_packed.testing import layout, no_host_sync, real_rows, rel_err
+from gdn_packed.testing import PACKINGS, layout, no_host_sync, real_rows, rel_err
 from gdn_packed.torch_ref.conv1d import causal_conv1d_ref
 
-HAVE_HOST = _cext.built() and hasattr(_cext.get_C(), "conv1d_varlen_fwd_host")
-GPU_REASON = _cext.cuda_unavailable_reason() or ("" if torch.cuda.is_available() else "torch has no CUDA")
-BACKENDS = [
-    "torch",
-    pytest.param("host", marks=pytest.mark.skipif(not HAVE_HOST, reason="gdn_packed._C without conv kernels")),
-    pytest.param("cuda", marks=pytest.mark.skipif(bool(GPU_REASON), reason=f"no GPU: {GPU_REASON}")),
-]
+from cuda_backends import backends
 
-# (lengths, gaps after each sequence or None, tail rows, D)
-PACKINGS = [
-    ([0, 1, 63, 64, 65, 127, 300, 5], None, 0, 16),
-    ([65, 0, 1, 0, 2], [3, 0, 7, 1, 0], 5, 13),       # D not a multiple of any vector width
-    ([127, 1, 63], [1, 64, 0], 9, 8),
-]
+BACKENDS = backends()
+# the op's own dimensions, crossed with every packing: (W, D, bias, initial_state, activation);
+# D = 13 is not a multiple of any vector width
+DIMS = [(2, 16, False, True, "silu"), (3, 13, True, False, "silu"), (4, 8, True, True, None)]
 
 
-def pid(p):
-    lens, gaps, tail, D = p
-    return f"N{len(lens)}-T{sum(lens)}-D{D}" + ("-pad" if gaps or tail else "")
+def dims_id(d):
+    W, D, bias, h0, act = d
+    return f"W{W}-D{D}" + ("-bias" if bias else "") + ("-h0" if h0 else "") + (f"-{act}" if act else "")
 
 
 def conv(backend, x, w, b, act, cu, pad, h0, dy, df):
@@ -39,7 +31,7 @@ def conv(backend, x, w, b, act, cu, pad, h0, dy, df):
         xs = [t.detach().double().requires_grad_() if t is not None else None for t in (x, w, b, h0)]
         y, f = causal_conv1d_ref(xs[0], xs[1], xs[2], act, cu, pad, xs[3])
         loss = (y * dy.double()).sum() + (f * df.double()).sum()
-        grads = torch.autograd.grad(loss, [t for t in xs if t is not None])
+        grads = torch.autograd.grad(loss, [t for t in xs if t is not None], materialize_grads=True)
         it = iter(grads)
         return (y, f) + tuple(next(it) if t is not None else None for t in xs)
     if backend == "host":   # the csrc/ per-thread bodies run over the whole grid on the CPU
@@ -52,7 +44,7 @@ def conv(backend, x, w, b, act, cu, pad, h0, dy, df):
                                                cu_seqlens_padded=None if pad is None else pad.to(dev),
                                                initial_state=xs[3], output_final_state=True, backend=backend)
         loss = (y.float() * dy.to(dev)).sum() + (f.float() * df.to(dev)).sum()
-        grads = torch.autograd.grad(loss, [t for t in xs if t is not None])
+        grads = torch.autograd.grad(loss, [t for t in xs if t is not None], materialize_grads=True)
     it = iter(grads)
     return tuple(t.cpu() for t in (y, f)) + tuple(next(it).cpu() if t is not None else None for t in xs)
 
@@ -62,9 +54,9 @@ def conv_host(x, w, b, act, cu, pad, h0, dy, df):
     W, N = w.shape[1], (B if cu is None else cu.numel() - 1)
     full = lambda *s, dt=x.dtype: torch.full(s, float("nan"), dtype=dt)  # noqa: E731
     y, f = full(B, L, D), full(N, D, W - 1)
-    conv_op.conv1d_fwd_cuda(x, w, b, h0, cu, pad, act is not None, y, f, host=True)
+    gdn_cuda.conv1d_fwd_cuda(x, w, b, h0, cu, pad, act is not None, y, f, host=True)
     dx, dw, db, dh0 = full(B, L, D), full(D, W, dt=w.dtype), full(D, dt=w.dtype), full(N, D, W - 1)
-    conv_op.conv1d_bwd_cuda(x, w, b, h0, cu, pad, act is not None, dy.to(x.dtype), df.to(x.dtype),
+    gdn_cuda.conv1d_bwd_cuda(x, w, b, h0, cu, pad, act is not None, dy.to(x.dtype), df.to(x.dtype),
                             dx, dw, db, dh0, host=True)
     return y, f, dx, dw, (db if b is not None else None), (dh0 if h0 is not None else None)
 
@@ -84,24 +76,36 @@ def make(rows, D, W, dtype=torch.float32, N=1, batch=1, bias=True, h0=True, seed
 NAMES = ("y", "final_state", "dx", "dweight", "dbias", "dinitial_state")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("W", [2, 3, 4])
-@pytest.mark.parametrize("packing", PACKINGS, ids=pid)
-def test_matches_per_sequence_conv1d(backend, W, packing):
-    lens, gaps, tail, D = packing
-    cu, pad, rows = layout(lens, gaps=gaps, tail=tail)
-    h0 = W != 3
-    x, w, b, s0, dy, df = make(rows, D, W, N=len(lens), h0=h0, bias=W != 2, seed=W)
-    act = "silu" if W != 4 else None
+def check_against_reference(backend, x, w, b, act, cu, pad, s0, dy, df, budget=1e-5):
+    """Every output and gradient of `backend` within `budget` (relative error) of the float64
+    reference, None exactly where the reference has None; returns the backend's values."""
     got = conv(backend, x, w, b, act, cu, pad, s0, dy, df)
     ref = conv("ref", x, w, b, act, cu, pad, s0, dy, df)
     for name, a, r in zip(NAMES, got, ref):
         assert (a is None) == (r is None), name
         if a is not None:
-            assert rel_err(a, r) <= 1e-5, f"{name}: {rel_err(a, r):.3g}"
+            assert rel_err(a, r) <= budget, f"{name}: {rel_err(a, r):.3g}"
+    return got
+
+
+def test_packings_include_padding():
+    """The padding assertions below are not vacuous: some shared packings have padding rows."""
+    assert any(p.has_padding for p in PACKINGS) and any(not p.has_padding for p in PACKINGS)
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=dims_id)
+@pytest.mark.parametrize("packing", PACKINGS, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_per_sequence_conv1d(backend, packing, dims):
+    W, D, bias, with_h0, act = dims
+    cu, pad, rows = packing.layout()
+    x, w, b, s0, dy, df = make(rows, D, W, N=len(packing.lengths), h0=with_h0, bias=bias, seed=W)
+    got = check_against_reference(backend, x, w, b, act, cu, pad, s0, dy, df)
     pad_rows = ~real_rows(cu, pad, rows)
-    assert torch.equal(got[0][0, pad_rows], torch.zeros_like(got[0][0, pad_rows]))   # y exactly 0
-    assert torch.equal(got[2][0, pad_rows], torch.zeros_like(got[2][0, pad_rows]))   # dx exactly 0
+    assert bool(pad_rows.any()) == packing.has_padding
+    if packing.has_padding:   # y and dx exactly 0 on every padding row
+        assert torch.equal(got[0][0, pad_rows], torch.zeros_like(got[0][0, pad_rows]))
+        assert torch.equal(got[2][0, pad_rows], torch.zeros_like(got[2][0, pad_rows]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -111,10 +115,7 @@ def test_other_widths_on_a_noncontiguous_view(backend, W):
     x, w, b, s0, dy, df = make(rows, 8, W, N=4, seed=W)
     x = torch.cat([x, x.flip(-1)], -1)[..., 8:]
     assert not x.is_contiguous()
-    got = conv(backend, x, w, b, "silu", cu, pad, s0, dy, df)
-    ref = conv("ref", x, w, b, "silu", cu, pad, s0, dy, df)
-    for name, a, r in zip(NAMES, got, ref):
-        assert rel_err(a, r) <= 1e-5, f"{name}: {rel_err(a, r):.3g}"
+    check_against_reference(backend, x, w, b, "silu", cu, pad, s0, dy, df)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -122,19 +123,13 @@ def test_other_widths_on_a_noncontiguous_view(backend, W):
 def test_low_precision(backend, dtype):
     cu, pad, rows = layout([37, 0, 5, 70], gaps=[2, 1, 0, 0], tail=3)
     x, w, b, s0, dy, df = make(rows, 24, 4, dtype, N=4)
-    got = conv(backend, x, w, b, "silu", cu, pad, s0, dy, df)
-    ref = conv("ref", x, w, b, "silu", cu, pad, s0, dy, df)
-    for name, a, r in zip(NAMES, got, ref):
-        assert rel_err(a, r) <= 1e-2, f"{name}: {rel_err(a, r):.3g}"
+    check_against_reference(backend, x, w, b, "silu", cu, pad, s0, dy, df, budget=1e-2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_batched_without_cu_seqlens(backend):
     x, w, b, s0, dy, df = make(33, 12, 4, batch=3, N=3)
-    got = conv(backend, x, w, b, "silu", None, None, s0, dy, df)
-    ref = conv("ref", x, w, b, "silu", None, None, s0, dy, df)
-    for name, a, r in zip(NAMES, got, ref):
-        assert rel_err(a, r) <= 1e-5, f"{name}: {rel_err(a, r):.3g}"
+    check_against_reference(backend, x, w, b, "silu", None, None, s0, dy, df)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -258,16 +253,14 @@ def test_cuda_backend_on_cpu_tensors_is_refused():
         gdn_packed.causal_conv1d_varlen(**_good(), backend="cuda")
 
 
-@pytest.mark.parametrize("rows, cu", [(0, [0]), (5, [0]), (5, [0, 0, 0])], ids=["T0-N0", "T5-N0", "T5-N2-empty"])
-def test_degenerate_packings(rows, cu):
+@pytest.mark.parametrize("rows, cu", [(0, [0]), (5, [0]), (5, [0, 0, 0]), (0, [0, 0])],
+                         ids=["T0-N0", "T5-N0", "T5-N2-empty", "T0-N1-empty"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_degenerate_packings(backend, rows, cu):
     """No sequence, or only empty ones: y and dx are all padding (0), the final state is the initial
-    state and its gradient passes through."""
+    state and its gradient passes through; dweight is 0."""
     c = torch.tensor(cu, dtype=torch.int32)
-    x = torch.randn(1, rows, 12, requires_grad=True)
-    w = torch.randn(12, 4, requires_grad=True)
-    h0 = torch.randn(len(cu) - 1, 12, 3, requires_grad=True)
-    y, st = gdn_packed.causal_conv1d_varlen(x, w, cu_seqlens=c, initial_state=h0, output_final_state=True,
-                                            backend="torch")
-    dst = torch.randn_like(st)
-    (y.sum() + (st * dst).sum()).backward()
-    assert (y == 0).all() and torch.equal(st, h0) and (x.grad == 0).all() and torch.equal(h0.grad, dst)
+    x, w, _, h0, dy, df = make(rows, 12, 4, N=len(cu) - 1, bias=False)
+    y, st, dx, dw, _, dh0 = conv(backend, x, w, None, "silu", c, None, h0, dy, df)
+    assert (y == 0).all() and (dx == 0).all() and (dw == 0).all()
+    assert torch.equal(st, h0) and torch.equal(dh0, df)

@@ -19,8 +19,7 @@ import torch
 import gdn_packed
 from gdn_packed import _cext
 from gdn_packed.layers import GatedAttention, GatedDeltaNet, GDNState, HybridConfig, HybridLM, HybridStack
-from gdn_packed.ops import conv1d as conv_op
-from gdn_packed.ops import recurrent_gdr as rec_op
+from gdn_packed import cuda as gdn_cuda
 from gdn_packed.ops._common import triton_usable
 from gdn_packed.testing import gdr_inputs, layout, poisoned_outputs, reference_gdr, rel_err
 
@@ -300,8 +299,8 @@ def run_recurrent(backend, layout_name, ins):
         o = torch.full(ins["v"].shape, float("nan"))
         fs = torch.full(ins["initial_state"].shape, float("nan"))
         rows = lambda x: x[0]  # noqa: E731
-        rec_op.recurrent_fwd_cuda(*map(rows, args), cu, pad, ins["initial_state"], None, 16 ** -0.5, True,
-                                  o[0], fs, host=True)
+        gdn_cuda.recurrent_fwd_cuda(*map(rows, args), cu, pad, ins["initial_state"], None, 16 ** -0.5, True,
+                                    o[0], fs, host=True)
     else:
         with poisoned_outputs():
             o, fs = gdn_packed.fused_recurrent_gated_delta_rule(
@@ -327,8 +326,8 @@ def test_recurrent_repeated_state_indices(backend):
     pool = pool0.clone()
     if backend == "host":
         o = torch.full(v.shape, float("nan"))
-        rec_op.recurrent_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], cu, None, pool, idx, 16 ** -0.5, False, o[0],
-                                  pool, host=True)
+        gdn_cuda.recurrent_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], cu, None, pool, idx, 16 ** -0.5, False, o[0],
+                                    pool, host=True)
     else:
         dev_pool = on(backend, pool)
         with poisoned_outputs():
@@ -366,8 +365,8 @@ def run_conv(backend, layout_name, ins):
     if backend == "host":
         nan = lambda *s: torch.full(s, float("nan"))  # noqa: E731
         y, fs, dx, dw, db, dh0 = nan(*x.shape), nan(*h0.shape), nan(*x.shape), nan(*w.shape), nan(12), nan(*h0.shape)
-        conv_op.conv1d_fwd_cuda(x, w, b, h0, cu, pad, True, y, fs, host=True)
-        conv_op.conv1d_bwd_cuda(x, w, b, h0, cu, pad, True, dy, df, dx, dw, db, dh0, host=True)
+        gdn_cuda.conv1d_fwd_cuda(x, w, b, h0, cu, pad, True, y, fs, host=True)
+        gdn_cuda.conv1d_bwd_cuda(x, w, b, h0, cu, pad, True, dy, df, dx, dw, db, dh0, host=True)
     else:
         ts = {n: t.clone().requires_grad_() for n, t in dict(x=x, w=w, b=b, h0=h0).items()}
         with poisoned_outputs():

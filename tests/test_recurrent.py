@@ -1,36 +1,32 @@
-"""gdn_packed.fused_recurrent_gated_delta_rule: the torch backend, the host build of the csrc/ kernel
-(its per-thread body in a CPU loop) and, on a GPU, the CUDA kernel, against the float64 per-token
-reference and the chunked op; state pools; the custom ops; input errors."""
+"""gdn_packed.fused_recurrent_gated_delta_rule on every backend that runs here (tests/cuda_backends.py:
+torch, the host mirror of the csrc/ kernel, the CUDA kernel on a GPU) against the float64 per-token
+reference, over the shared packings (plus a decode step), and against the chunked op; state pools;
+the custom ops; input errors."""
+import functools
+
 import pytest
 import torch
 
 import gdn_packed
-from gdn_packed import _cext
+from gdn_packed import cuda as gdn_cuda
 from gdn_packed.ops import recurrent_gdr as rec_op
 from gdn_packed.ops._common import poisoned_outputs
-from gdn_packed.testing import gdr_inputs, layout, no_host_sync, real_rows, reference_gdr, rel_err
+from gdn_packed.testing import (PACKING_BY_NAME, PACKINGS, Packing, gdr_inputs, layout, no_host_sync, real_rows,
+                                reference_gdr, rel_err)
 
-HAVE_HOST = _cext.built() and hasattr(_cext.get_C(), "recurrent_gdr_fwd_host")
-GPU_REASON = _cext.cuda_unavailable_reason() or ("" if torch.cuda.is_available() else "torch has no CUDA")
-BACKENDS = [
-    "torch",
-    pytest.param("host", marks=pytest.mark.skipif(not HAVE_HOST, reason="gdn_packed._C without recurrent kernel")),
-    pytest.param("cuda", marks=pytest.mark.skipif(bool(GPU_REASON), reason=f"no GPU: {GPU_REASON}")),
-]
+from cuda_backends import backends
 
-# (lengths, gaps or None, tail, H, HV, K, V, initial_state, l2norm)
-CASES = [
-    ([0, 1, 63, 64, 65, 127, 300, 5], None, 0, 2, 4, 32, 16, True, True),
-    ([65, 0, 1, 0], [3, 0, 7, 1], 5, 1, 2, 48, 8, True, False),
-    ([127, 1, 63], [1, 4, 0], 9, 2, 2, 16, 24, False, True),
-    ([1, 1, 1, 1, 1, 1], None, 0, 2, 8, 128, 8, True, True),      # decode step, K = 128
-]
+BACKENDS = backends()
+# the shared packings and the decode step (one token per sequence), crossed with the op's own
+# dimensions: (H, HV, K, V, initial_state, l2norm); K = 128 is the cuda kernel's largest
+DECODE_STEP = Packing("decode-step", [1, 1, 1, 1, 1, 1])
+DIMS = [(2, 4, 32, 16, True, True), (1, 2, 48, 8, True, False), (2, 2, 16, 24, False, True),
+        (2, 8, 128, 8, True, True)]
 
 
-def case_id(c):
-    lens, gaps, tail, H, HV, K, V, h0, l2 = c
-    return (f"N{len(lens)}-T{sum(lens)}-H{H}x{HV}-K{K}-V{V}" + ("-pad" if gaps or tail else "")
-            + ("-h0" if h0 else "") + ("-l2" if l2 else ""))
+def dims_id(d):
+    H, HV, K, V, h0, l2 = d
+    return f"H{H}x{HV}-K{K}-V{V}" + ("-h0" if h0 else "") + ("-l2" if l2 else "")
 
 
 def recurrent(backend, q, k, v, g, beta, h0=None, cu=None, pad=None, l2=False, idx=None, final=True, scale=None):
@@ -43,7 +39,7 @@ def recurrent(backend, q, k, v, g, beta, h0=None, cu=None, pad=None, l2=False, i
         sc = q.shape[-1] ** -0.5 if scale is None else scale
         rows = lambda x: x.reshape(B * L, *x.shape[2:])  # noqa: E731
         cus = torch.arange(B + 1) * L if cu is None else cu
-        rec_op.recurrent_fwd_cuda(rows(q), rows(k), rows(v), rows(g), rows(beta), cus, pad, h0, idx, sc, l2,
+        gdn_cuda.recurrent_fwd_cuda(rows(q), rows(k), rows(v), rows(g), rows(beta), cus, pad, h0, idx, sc, l2,
                                   rows(o), fs, host=True)
         return o, (h0 if idx is not None else fs)
     dev = "cuda" if backend == "cuda" else "cpu"
@@ -59,28 +55,43 @@ def recurrent(backend, q, k, v, g, beta, h0=None, cu=None, pad=None, l2=False, i
     return o.cpu(), (None if fs is None else fs.cpu())
 
 
-def make_case(case, dtype=torch.float32, seed=0):
-    lens, gaps, tail, H, HV, K, V, with_h0, l2 = case
-    cu, pad, rows = layout(lens, gaps=gaps, tail=tail)
-    q, k, v, g, beta, h0 = gdr_inputs(rows, H, HV, K, V, dtype, N=len(lens), seed=seed, initial_state=with_h0,
-                                      unit_k=not l2)
+def make_case(packing, dims, dtype=torch.float32, seed=0):
+    H, HV, K, V, with_h0, l2 = dims
+    cu, pad, rows = packing.layout()
+    q, k, v, g, beta, h0 = gdr_inputs(rows, H, HV, K, V, dtype, N=len(packing.lengths), seed=seed,
+                                      initial_state=with_h0, unit_k=not l2)
     return (q, k, v, g, beta, h0, cu, pad, l2), real_rows(cu, pad, rows)
 
 
+def test_packings_include_padding():
+    """The padding assertion below is not vacuous: some shared packings have padding rows."""
+    assert any(p.has_padding for p in PACKINGS) and any(not p.has_padding for p in PACKINGS)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(packing, dims):
+    """The float64 reference of make_case(packing, dims), computed once for all backends."""
+    (q, k, v, g, beta, h0, cu, pad, l2), _ = make_case(packing, dims)
+    return reference_gdr(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, cu_seqlens_padded=pad,
+                         use_qk_l2norm_in_kernel=l2)
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=dims_id)
+@pytest.mark.parametrize("packing", PACKINGS + [DECODE_STEP], ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_matches_float64_reference(backend, case):
-    (q, k, v, g, beta, h0, cu, pad, l2), real = make_case(case)
+def test_matches_float64_reference(backend, packing, dims):
+    (q, k, v, g, beta, h0, cu, pad, l2), real = make_case(packing, dims)
     o, fs = recurrent(backend, q, k, v, g, beta, h0, cu, pad, l2)
-    ro, rfs = reference_gdr(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, cu_seqlens_padded=pad,
-                            use_qk_l2norm_in_kernel=l2)
+    ro, rfs = reference(packing, dims)
     assert rel_err(o, ro) <= 1e-5 and rel_err(fs, rfs) <= 1e-5, (rel_err(o, ro), rel_err(fs, rfs))
-    assert torch.equal(o[0, ~real], torch.zeros_like(o[0, ~real]))
+    assert bool((~real).any()) == packing.has_padding
+    if packing.has_padding:   # o exactly 0 on every padding row
+        assert torch.equal(o[0, ~real], torch.zeros_like(o[0, ~real]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_matches_chunked_op(backend):
-    (q, k, v, g, beta, h0, cu, pad, l2), _ = make_case(CASES[1])
+    (q, k, v, g, beta, h0, cu, pad, l2), _ = make_case(PACKING_BY_NAME["gaps-and-empties"], DIMS[1])
     o, fs = recurrent(backend, q, k, v, g, beta, h0, cu, pad, l2)
     co, cfs = gdn_packed.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                 cu_seqlens=cu, cu_seqlens_padded=pad, use_qk_l2norm_in_kernel=l2,
@@ -91,7 +102,7 @@ def test_matches_chunked_op(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_low_precision(backend, dtype):
-    (q, k, v, g, beta, h0, cu, pad, l2), _ = make_case(CASES[2], dtype)
+    (q, k, v, g, beta, h0, cu, pad, l2), _ = make_case(PACKING_BY_NAME["around-chunk-gaps"], DIMS[2], dtype)
     o, fs = recurrent(backend, q, k, v, g, beta, h0, cu, pad, l2, scale=0.3)
     ro, rfs = reference_gdr(q, k, v, g, beta, scale=0.3, initial_state=h0, cu_seqlens=cu, cu_seqlens_padded=pad,
                             use_qk_l2norm_in_kernel=l2)

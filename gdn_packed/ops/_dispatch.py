@@ -28,13 +28,13 @@ TABLE = {
         },
     },
     "fused_recurrent_gated_delta_rule": {
-        "cuda": {"fwd": "gdn_packed.ops.recurrent_gdr:recurrent_fwd_cuda"},
+        "cuda": {"fwd": "gdn_packed.cuda.recurrent:recurrent_fwd_cuda"},
         "torch": {"fwd": "gdn_packed.torch_ref.recurrent:recurrent_gdr_fwd_torch"},
     },
     "causal_conv1d_varlen": {
         "cuda": {
-            "fwd": "gdn_packed.ops.conv1d:conv1d_fwd_cuda",
-            "bwd": "gdn_packed.ops.conv1d:conv1d_bwd_cuda",
+            "fwd": "gdn_packed.cuda.conv1d:conv1d_fwd_cuda",
+            "bwd": "gdn_packed.cuda.conv1d:conv1d_bwd_cuda",
         },
         "torch": {
             "fwd": "gdn_packed.torch_ref.conv1d:conv1d_varlen_fwd_torch",

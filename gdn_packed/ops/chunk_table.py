@@ -41,33 +41,17 @@ def _check(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int, chun
     return chunk_slots(T, chunk_size, cu_seqlens.shape[0] - 1)
 
 
-def _chunk_table_cuda(C_mod, cu_seqlens, cu_seqlens_padded, T, chunk_size, nc):
-    dev = cu_seqlens.device
-    n = cu_seqlens.shape[0] - 1
-    cu = cu_seqlens.contiguous()
-    padded = cu_seqlens_padded.contiguous() if cu_seqlens_padded is not None else None
-    table = torch.empty((nc, 4), dtype=torch.int32, device=dev)
-    cu_chunks = torch.empty((n + 1,), dtype=torch.int32, device=dev)
-    with torch.cuda.device(dev):
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        C_mod.chunk_table(cu.data_ptr(), padded.data_ptr() if padded is not None else 0,
-                          cu.dtype == torch.int64, n, T, chunk_size, table.data_ptr(),
-                          cu_chunks.data_ptr(), dev.index if dev.index is not None else
-                          torch.cuda.current_device(), stream)
-    return table, cu_chunks
-
-
 def make_chunk_table(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int,
                      chunk_size: int) -> tuple[Tensor, Tensor]:
     """The chunk table, trusting its inputs (the caller checked them: the registered op below, or a
     public op such as chunk_gated_delta_rule, which calls this inside its own custom op). CUDA
     tensors use the csrc/ kernel when gdn_packed._C can run, everything else the torch one."""
     if cu_seqlens.device.type == "cuda":
-        from gdn_packed._cext import cuda_available, get_C
+        from gdn_packed._cext import cuda_available
 
         if cuda_available():
-            nc = T // chunk_size + cu_seqlens.shape[0] - 1
-            return _chunk_table_cuda(get_C(), cu_seqlens, cu_seqlens_padded, T, chunk_size, nc)
+            from gdn_packed.cuda import chunk_table_cuda
+            return chunk_table_cuda(cu_seqlens, cu_seqlens_padded, T, chunk_size)
     from gdn_packed.torch_ref.chunk_table import chunk_table_torch
 
     return chunk_table_torch(cu_seqlens, cu_seqlens_padded, T, chunk_size)

@@ -28,63 +28,6 @@ CUDA_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BACKENDS_IMPLEMENTED = BACKENDS[OP]
 
 
-SLOT_OWN, SLOT_READ_ONLY, SLOT_LAST_WRITER = 0, 1, 2     # kSlot* in csrc/recurrent_gdr.cu
-
-
-def slot_roles(state_indices, P):
-    """int32 [N]: the role of each sequence on its pool slot (csrc/recurrent_gdr.cu), built on the
-    device without a host sync: SLOT_OWN when no other sequence has its index (or the index is outside
-    [0, P)), SLOT_LAST_WRITER for the highest-numbered of several sequences on one slot, SLOT_READ_ONLY
-    for the others. Every sequence reads the slot's state from before the call; the last writer wins."""
-    idx = state_indices.to(torch.int64)
-    n = torch.arange(idx.numel(), device=idx.device)
-    key = torch.where((idx >= 0) & (idx < P), idx, torch.full_like(idx, P))    # P: no slot
-    last = torch.full((P + 1,), -1, dtype=torch.int64, device=idx.device).scatter_reduce(
-        0, key, n, "amax")
-    count = torch.zeros(P + 1, dtype=torch.int64, device=idx.device).scatter_add(0, key, torch.ones_like(n))
-    shared = (key < P) & (count[key] > 1)
-    role = torch.where(last[key] == n, SLOT_LAST_WRITER, SLOT_READ_ONLY)
-    return torch.where(shared, role, SLOT_OWN).to(torch.int32)
-
-
-def recurrent_fwd_cuda(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, initial_state, state_indices, scale,
-                       use_qk_l2norm, o, final_state, *, host=False):
-    """The csrc/ kernel on rows q, k [T, H, K], v [T, HV, V]; host=True runs the same per-thread body
-    in a CPU loop (CPU tensors). Pool mode: state_indices given, initial_state = final_state = pool."""
-    from gdn_packed._cext import get_C
-
-    T, H, K = q.shape
-    HV, Vd = v.shape[1], v.shape[2]
-    keep = [x.contiguous() for x in (q, k, v)] + [x.to(torch.float32).contiguous() for x in (g, beta)]
-    cu = cu_seqlens.to(torch.int64).contiguous()
-    pad = None if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64).contiguous()
-    idx = None if state_indices is None else state_indices.to(torch.int64).contiguous()
-    roles = None if idx is None else slot_roles(idx, initial_state.shape[0])
-    h0 = None if initial_state is None else initial_state.contiguous()
-    keep += [cu, pad, idx, roles, h0]
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    if state_indices is not None and h0 is not initial_state:
-        raise ValueError("the state pool must be contiguous")
-    args = dict(q=ptr(keep[0]), k=ptr(keep[1]), v=ptr(keep[2]), g=ptr(keep[3]), beta=ptr(keep[4]),
-                cu_seqlens=ptr(cu), cu_seqlens_padded=ptr(pad), initial_state=ptr(h0),
-                final_state=ptr(h0 if state_indices is not None else final_state), state_indices=ptr(idx),
-                slot_roles=ptr(roles),
-                pool_size=0 if state_indices is None else initial_state.shape[0], o=o.data_ptr(), N=cu.shape[0] - 1, T=T, H=H, HV=HV, K=K, V=Vd,
-                dtype={torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[q.dtype], scale=float(scale),
-                l2norm=bool(use_qk_l2norm))
-    if cu.shape[0] == 1:   # no sequence: every row is padding
-        o.zero_()
-    C = get_C()
-    if host:
-        C.recurrent_gdr_fwd_host(**args)
-    else:
-        dev = q.device
-        with torch.cuda.device(dev):
-            C.recurrent_gdr_fwd(**args, device=dev.index if dev.index is not None else torch.cuda.current_device(),
-                                stream=torch.cuda.current_stream(dev).cuda_stream)
-    del keep
-
-
 def _rows(x):
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 

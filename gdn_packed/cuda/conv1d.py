@@ -1,0 +1,51 @@
+"""Host side of csrc/conv1d_varlen.cu: the varlen causal conv1d forward and backward.
+
+x [B, L, D] (B = 1 when packed; cu_seqlens None: each row one sequence), weight [D, W] with W <= 8;
+the outputs are allocated by the caller (gdn_packed/ops/conv1d.py) and written in full here.
+dweight/dbias are reduced from per-tile partial sums in a fixed order (deterministic)."""
+import torch
+
+from gdn_packed.cuda.launch import launch
+from gdn_packed.segments import segments_or_rows
+
+FWD_TILE_ROWS = 16    # rows per thread in the CUDA forward (sliding window along the rows)
+BWD_TILE_ROWS = 64    # rows per thread (and per dweight/dbias partial sum) in the CUDA backward
+
+
+def _common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded):
+    """(reads, scalars) shared by the forward and the backward."""
+    cu = segments_or_rows(x, cu_seqlens)[0].to(torch.int64)
+    reads = dict(x=x, weight=weight.to(torch.float32), bias=None if bias is None else bias.to(torch.float32),
+                 initial_state=None if initial_state is None else initial_state.to(x.dtype), cu_seqlens=cu,
+                 cu_seqlens_padded=None if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64))
+    scalars = dict(N=cu.shape[0] - 1, T=x.shape[0] * x.shape[1], D=x.shape[2], W=weight.shape[1], dtype=x.dtype)
+    return reads, scalars
+
+
+def conv1d_fwd_cuda(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, y, final_state,
+                    *, host=False):
+    """The csrc/ forward into y (x's shape) and final_state [N, D, W-1]; host=True runs the same
+    per-thread bodies in a CPU loop (CPU tensors)."""
+    reads, scalars = _common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded)
+    launch("conv1d_varlen_fwd", x.device, host=host, reads=reads, writes=dict(y=y, final_state=final_state),
+           silu=bool(silu), tile_rows=FWD_TILE_ROWS, **scalars)
+
+
+def conv1d_bwd_cuda(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, dy, dfinal,
+                    dx, dweight, dbias, dinitial_state, *, host=False):
+    """The csrc/ backward: dx, dinitial_state (x's dtype) directly; dweight/dbias [D, W]/[D] float32
+    through per-tile partial sums [ceil(T / BWD_TILE_ROWS), D, W+1] and a fixed-order reduction."""
+    reads, scalars = _common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded)
+    T, D, W = scalars["T"], scalars["D"], scalars["W"]
+    tiles = (T + BWD_TILE_ROWS - 1) // BWD_TILE_ROWS
+    partial = torch.empty((tiles, D, W + 1), dtype=torch.float32, device=x.device)
+    dw32 = torch.empty((D, W + 1), dtype=torch.float32, device=x.device)
+    dh0 = dinitial_state if dinitial_state.dtype == x.dtype else torch.empty_like(dinitial_state, dtype=x.dtype)
+    reads.update(dy=dy.to(x.dtype), dfinal=None if dfinal is None else dfinal.to(x.dtype))
+    launch("conv1d_varlen_bwd", x.device, host=host, reads=reads,
+           writes=dict(dx=dx, partial=partial, dweight_bias=dw32, dinitial_state=dh0),
+           silu=bool(silu), tile_rows=BWD_TILE_ROWS, **scalars)
+    dweight.copy_(dw32[:, :W])
+    dbias.copy_(dw32[:, W])
+    if dh0 is not dinitial_state:
+        dinitial_state.copy_(dh0)

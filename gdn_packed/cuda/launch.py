@@ -1,0 +1,55 @@
+"""The one launcher of gdn_packed._C's kernel entry points (csrc/bindings.cpp).
+
+    launch(entry, device, host=False, reads={...}, writes={...}, **scalars)
+
+`reads` are the tensors a kernel reads: each is made contiguous here and the copy is held until the
+call returns (it runs asynchronously on the stream, which orders it before any later free). `writes`
+are the outputs it fills in place: they must be contiguous already. None is a null pointer. A
+torch.dtype among the scalars becomes its dtype code. host=False launches on the current stream of
+`device` (a CUDA device); host=True calls the `<entry>_host` mirror on CPU tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+# dtype codes of csrc/dtypes.cuh (enum DType)
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    if dtype not in DTYPE_CODES:
+        raise TypeError(f"the cuda backend takes float32, float16 or bfloat16, got {dtype}")
+    return DTYPE_CODES[dtype]
+
+
+def _pointer(name, t, device, *, output):
+    if t is None:
+        return None
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} for this launch, got a tensor on {t.device}")
+    if output and not t.is_contiguous():
+        raise ValueError(f"{name} is written in place by the kernel and must be contiguous")
+    return t.data_ptr()
+
+
+def launch(entry: str, device: torch.device, *, host: bool = False, reads: dict, writes: dict, **scalars):
+    """Call gdn_packed._C.<entry> (or <entry>_host when host) with keyword arguments."""
+    from gdn_packed import _cext   # loads _C on the first launch, not at import
+
+    C = _cext.get_C()
+    if C is None:
+        raise RuntimeError(f"gdn_packed._C is needed for {entry}: {_cext.cuda_unavailable_reason()}")
+    device = torch.device("cpu") if host else torch.device(device)
+    if not host:
+        if device.type != "cuda":
+            raise ValueError(f"{entry} launches on a CUDA device, got {device} (host=True runs the host mirror)")
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    copies = {name: None if t is None else t.contiguous() for name, t in reads.items()}   # alive until return
+    args = {name: _pointer(name, t, device, output=False) for name, t in copies.items()}
+    args.update({name: _pointer(name, t, device, output=True) for name, t in writes.items()})
+    args.update({k: dtype_code(v) if isinstance(v, torch.dtype) else v for k, v in scalars.items()})
+    if host:
+        getattr(C, entry + "_host")(**args)
+    else:
+        with torch.cuda.device(device):
+            getattr(C, entry)(**args, device=device.index, stream=torch.cuda.current_stream(device).cuda_stream)
