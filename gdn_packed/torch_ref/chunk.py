@@ -70,6 +70,34 @@ def compute_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def host_chunk(C):
+    """The chunk size of the host schedule for the op's chunk size C."""
+    return HOST_CHUNK if C % HOST_CHUNK == 0 else C
+
+
+def kept_shape(T, N, HV, K, V, C, device):
+    """The shape of `kept`, what the forward keeps for the backward, from shapes only (the op's fake
+    kernel calls this): on the host schedule [T // c + N, HV, K + c, V] with c = host_chunk(C), a
+    bound on the number of chunks (sum over sequences of ceil(len / c)); per chunk and value head
+    the state entering the chunk [K, V] and the chunk's Vnew [c, V]. Elsewhere [0] (nothing kept)."""
+    if not host_schedule(device):
+        return (0,)
+    c = host_chunk(C)
+    return (T // c + N, HV, K + c, V)
+
+
+def _kept_blocks(kept, sc, H, K):
+    """kept as [NC, H, G, K + C, V] chunk blocks in schedule order, or None when nothing is kept (other
+    schedules, or more chunks than kept_shape's bound, which only corrupt cu_seqlens can give). The
+    forward and the backward decide alike from the same inputs."""
+    if kept is None or kept.numel() == 0 or sc.steps is None or sc.NC > kept.shape[0]:
+        return None
+    NC, HV, KC, V = sc.NC, kept.shape[1], kept.shape[2], kept.shape[3]
+    if KC != K + sc.C:
+        raise ValueError(f"kept must be [T // {sc.C} + N, HV, K + {sc.C}, V], got {tuple(kept.shape)}")
+    return kept[:NC].view(NC, H, HV // H, KC, V)
+
+
 def _l2norm_bwd(x, dy, eps: float = 1e-6):
     """Gradient of y = x / sqrt(|x|^2 + eps) given dy."""
     inv = torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -104,8 +132,8 @@ class Schedule:
         self.safe_rows = self.rows.clamp_max(max(T - 1, 0))
 
     def _plan_host(self, table, C):
-        sub = C // HOST_CHUNK if C % HOST_CHUNK == 0 else 1
-        self.C = C // sub
+        self.C = host_chunk(C)
+        sub = C // self.C
         seq, idx, start, length = (x[:, None] for x in table.long().unbind(1))
         p = torch.arange(sub)
         seq, idx = seq.expand(-1, sub), idx * sub + p
@@ -253,10 +281,11 @@ class Forward:
 
 
 def chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=False, output=True,
-                  intra=True):
+                  intra=True, kept=None):
     """The per-chunk quantities of chunks [lo, hi) and `step`, their part of the state pass (which
     fills Vnew, QS and, with keep_states, S_in). Without `output` no QS; without `intra` no QK, M
-    (then only what the state pass needs)."""
+    (then only what the state pass needs). kept [hi - lo, H, G, K + C, V]: S_in and Vnew are its
+    two parts, [..., :K, :] and [..., K:, :] (the backward reads them there instead of a state pass)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     G, C, NC = HV // H, sc.C, hi - lo
@@ -284,9 +313,12 @@ def chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=F
         QK = qc @ _tr(kc)
         M = QK * E
     WQ = torch.cat([W, eg[..., None] * qc], -2) if output else W   # W S and e^gamma Q S in one product
-    Vnew = torch.empty_like(U)
     QS = torch.empty_like(U) if output else None
-    S_in = U.new_empty(NC, H, G, K, V) if keep_states else None
+    if kept is not None:
+        S_in, Vnew = kept[..., :K, :], kept[..., K:, :]
+    else:
+        Vnew = torch.empty_like(U)
+        S_in = U.new_empty(NC, H, G, K, V) if keep_states else None
 
     def step(sl, S):
         if S_in is not None:
@@ -306,15 +338,20 @@ def _states(x, dt, N, H, G, K, V, device):
 
 
 def chunk_gdr_fwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
-                        o, final_state):
-    """Writes o [T, HV, V] (every row) and final_state [N, HV, K, V] float32."""
+                        o, final_state, kept=None):
+    """Writes o [T, HV, V] (every row), final_state [N, HV, K, V] float32 and, when given, kept
+    (kept_shape; every element: chunks past the last are zeros)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     sc = Schedule(table, cu_chunks, T, C)
     sp = StatePass(sc, _states(initial_state, compute_dtype(q.dtype), sc.N, H, HV // H, K, V, q.device))
     buf = sc.rows_buffer(o)
+    keep = _kept_blocks(kept, sc, H, K)
+    if kept is not None:
+        kept[0 if keep is None else sc.NC:].zero_()
     for lo, hi, steps in sc.blocks(HV):
-        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm)
+        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm,
+                          kept=None if keep is None else keep[lo:hi])
         sp.run(steps, f.step, lo)
         sc.scatter((f.M @ f.Vnew).add_(f.QS), buf, lo)
     sc.write(buf, o)
@@ -322,20 +359,23 @@ def chunk_gdr_fwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
 
 
 def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
-                        do, dht, dq, dk, dv, dg, dbeta, dh0):
+                        do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None):
     """Writes dq, dk [T, H, K], dv [T, HV, V], dg, dbeta [T, HV] (every row) and dh0 [N, HV, K, V].
 
-    Block by block in reverse (`Schedule.blocks`): the block's forward is recomputed from the state
-    entering it (kept by a first forward pass when there is more than one block), then its part of
-    the reverse state pass and its gradients."""
+    Block by block in reverse (`Schedule.blocks`): the block's per-chunk quantities are recomputed;
+    the states entering its chunks and Vnew are read from `kept` (the forward's) when it holds them,
+    else recomputed by the block's forward state pass from the state entering the block (kept by a
+    first forward pass when there is more than one block); then its part of the reverse state pass
+    and its gradients."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     G, dt = HV // H, compute_dtype(q.dtype)
     sc = Schedule(table, cu_chunks, T, C)
     blocks = sc.blocks(HV)
+    keep = _kept_blocks(kept, sc, H, K)
     fp = StatePass(sc, _states(initial_state, dt, sc.N, H, G, K, V, q.device))
     entering = [None] * len(blocks)
-    if len(blocks) > 1:
+    if keep is None and len(blocks) > 1:
         for b, (lo, hi, steps) in enumerate(blocks):
             entering[b] = fp.checkpoint(steps)
             f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, output=False, intra=False)
@@ -344,8 +384,10 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
     outs = (dq, dk, dv, dg, dbeta)
     bufs = [sc.rows_buffer(x) for x in outs]
     for (lo, hi, steps), S_enter in reversed(list(zip(blocks, entering))):
-        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=True, output=False)
-        (fp if S_enter is None else fp.resume(S_enter)).run(steps, f.step, lo)
+        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=True, output=False,
+                          kept=None if keep is None else keep[lo:hi])
+        if keep is None:
+            (fp if S_enter is None else fp.resume(S_enter)).run(steps, f.step, lo)
         grads = chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm)
         for vals, buf in zip(grads, bufs):
             sc.scatter(vals, buf, lo)
