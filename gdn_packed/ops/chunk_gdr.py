@@ -174,6 +174,7 @@ def _setup_context(ctx, inputs, output):
     A_log, dt_bias = (more + [None, None])[:2]
     kept = output[2]
     ctx.mark_non_differentiable(kept)
+    ctx.set_materialize_grads(False)        # no zero gradient for kept (as large as 5 v's), nor do, dht
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, A_log, dt_bias,
                           kept)
     ctx.scale, ctx.l2, ctx.backend = scale, l2, backend

@@ -109,6 +109,11 @@ def _tr(x):
     return x.transpose(-1, -2)
 
 
+def _add_product(out, a, b):
+    """out += a @ b in place, over any batch dims (one GEMM accumulating into out: no temporary)."""
+    out.view(-1, *out.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+
+
 class Schedule:
     """The chunks (rows [NC * C], `T` for "no row", and `mask` [NC, C] of the real ones) in the order
     the state pass visits them, and the gather/scatter between packed rows and chunk blocks.
@@ -327,7 +332,7 @@ def chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=F
         torch.sub(U[sl], ws[..., :C, :], out=Vnew[sl])
         if QS is not None:
             QS[sl] = ws[..., C:, :]
-        S.mul_(eG[sl][..., None, None]).add_(_tr(Kd[sl]) @ Vnew[sl])
+        _add_product(S.mul_(eG[sl][..., None, None]), _tr(Kd[sl]), Vnew[sl])
 
     return Forward(qc, kc, vc, bc, E, KK, QK, Tinv, W, U, eg, eGg, eG, Kd, M, QS, S_in, Vnew, step)
 
@@ -403,24 +408,26 @@ def chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm):
     dt = f.q.dtype
     dO = sc.gather(do, H, dt, lo, hi)
 
-    # reverse state pass: dS_next of every chunk (dSn) and dVnew
-    dVnew = _tr(f.M) @ dO                                      # completed with Kd dS_next below
-    dOe = f.eg[..., None] * dO
-    dS_loc = _tr(f.q) @ dOe
+    # reverse state pass: dS_next of every chunk (dSn) and dVnew, with
+    #   dS <- e^Gamma dS + q^T dOe - W^T dVnew = e^Gamma dS + [q; -W]^T [dOe; dVnew]   (one product)
+    C = sc.C
+    R = torch.cat([f.eg[..., None] * dO, _tr(f.M) @ dO], -2)   # [n, H, G, 2C, V]: [dOe; dVnew]
+    dVnew = R[..., C:, :]                                      # completed with Kd dS_next below
+    QW = torch.cat([f.q.expand_as(f.W), -f.W], -2)             # [n, H, G, 2C, K]
     dSn = torch.empty_like(f.S_in)
 
     def step(sl, dS):
         dSn[sl] = dS
-        dVnew[sl] += f.Kd[sl] @ dS
-        dS.mul_(f.eG[sl][..., None, None]).add_(dS_loc[sl]).sub_(_tr(f.W[sl]) @ dVnew[sl])
+        _add_product(dVnew[sl], f.Kd[sl], dS)
+        _add_product(dS.mul_(f.eG[sl][..., None, None]), _tr(QW[sl]), R[sl])
 
     bp.run(steps, step, lo)
 
     # every per-chunk gradient, batched over chunks and heads (q is scale * q here)
     S, Vn, E, bc, eg = f.S_in, f.Vnew, f.E, f.beta, f.eg
-    TdU = _tr(f.Tinv) @ dVnew                                 # T^T dU
-    dQi = dOe @ _tr(S)                                         # inter-chunk part of dq
-    TdW = (TdU @ _tr(S)).neg_()                                # T^T dW'
+    dVnew.copy_(_tr(f.Tinv) @ dVnew)                           # now T^T dU
+    dQi, TdW = (R @ _tr(S)).split(C, -2)                       # inter-chunk part of dq; -T^T dW'
+    TdU, TdW = dVnew, TdW.neg_()                                # T^T dU, T^T dW'
     dP = (dO @ _tr(Vn)).mul_(E)
     dAE = (TdW @ _tr(f.W)).add_(TdU @ _tr(f.U)).neg_().tril_(-1).mul_(E)      # dA * E
     dKK = dAE * bc[..., :, None]
