@@ -408,30 +408,31 @@ def chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm):
     dt = f.q.dtype
     dO = sc.gather(do, H, dt, lo, hi)
 
-    # reverse state pass: dS_next of every chunk (dSn) and dVnew, with
+    # reverse state pass: dVnew and what each chunk needs of its dS_next (VdS, SdS), with
     #   dS <- e^Gamma dS + q^T dOe - W^T dVnew = e^Gamma dS + [q; -W]^T [dOe; dVnew]   (one product)
     C = sc.C
-    R = torch.cat([f.eg[..., None] * dO, _tr(f.M) @ dO], -2)   # [n, H, G, 2C, V]: [dOe; dVnew]
+    S, Vn, E, bc, eg = f.S_in, f.Vnew, f.E, f.beta, f.eg
+    R = torch.cat([eg[..., None] * dO, _tr(f.M) @ dO], -2)     # [n, H, G, 2C, V]: [dOe; dVnew]
     dVnew = R[..., C:, :]                                      # completed with Kd dS_next below
     QW = torch.cat([f.q.expand_as(f.W), -f.W], -2)             # [n, H, G, 2C, K]
-    dSn = torch.empty_like(f.S_in)
+    VdS = torch.empty_like(f.W)                                # row r: dS_next Vnew_r
+    SdS = torch.empty_like(f.eG)                               # sum(S_in * dS_next)
 
     def step(sl, dS):
-        dSn[sl] = dS
+        torch.matmul(Vn[sl], _tr(dS), out=VdS[sl])
+        SdS[sl] = (S[sl] * dS).sum((-2, -1))
         _add_product(dVnew[sl], f.Kd[sl], dS)
         _add_product(dS.mul_(f.eG[sl][..., None, None]), _tr(QW[sl]), R[sl])
 
     bp.run(steps, step, lo)
 
     # every per-chunk gradient, batched over chunks and heads (q is scale * q here)
-    S, Vn, E, bc, eg = f.S_in, f.Vnew, f.E, f.beta, f.eg
     dVnew.copy_(_tr(f.Tinv) @ dVnew)                           # now T^T dU
     dQi, TdW = (R @ _tr(S)).split(C, -2)                       # inter-chunk part of dq; -T^T dW'
     TdU, TdW = dVnew, TdW.neg_()                                # T^T dU, T^T dW'
     dP = (dO @ _tr(Vn)).mul_(E)
     dAE = (TdW @ _tr(f.W)).add_(TdU @ _tr(f.U)).neg_().tril_(-1).mul_(E)      # dA * E
     dKK = dAE * bc[..., :, None]
-    VdS = Vn @ _tr(dSn)                                        # row r: dS_next Vnew_r
     kTdW = (TdW * f.k).sum(-1)
     # GVA: the qk-head's gradients sum over its value heads (summed before the products with q, k)
     dPs, dKKs = dP.sum(2, keepdim=True), (dKK + _tr(dKK)).sum(2, keepdim=True)
@@ -447,11 +448,10 @@ def chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm):
     X = (dP * f.QK).add_(dKK * f.KK)
     tau = f.eGg * (f.k * VdS).sum(-1)
     local = (f.q * dQi).sum(-1) + bc * eg * kTdW
-    X_below = X.flip(-2).cumsum(-2).flip(-2)                    # [r, s] = sum_{t >= r} X[t, s]
-    strict = torch.ones(sc.C, sc.C, dtype=torch.bool, device=q.device).tril(-1)
-    dG = (local.flip(-1).cumsum(-1).flip(-1) + torch.where(strict, X_below, 0).sum(-1)
-          + torch.nn.functional.pad(tau.cumsum(-1)[..., :-1], (1, 0))
-          + (f.eG * (S * dSn).sum((-2, -1)))[..., None])
+    ones = torch.ones(C, C, dtype=dt, device=q.device)
+    X_below = ones.triu() @ X                                  # [r, s] = sum_{t >= r} X[t, s]
+    dG = (local.flip(-1).cumsum(-1).flip(-1) + torch.where(ones.tril(-1) > 0, X_below, 0).sum(-1)
+          + torch.nn.functional.pad(tau.cumsum(-1)[..., :-1], (1, 0)) + (f.eG * SdS)[..., None])
 
     dQ = dQ * scale
     if use_l2norm:
