@@ -77,25 +77,31 @@ def host_chunk(C):
 
 def kept_shape(T, N, HV, K, V, C, device):
     """The shape of `kept`, what the forward keeps for the backward, from shapes only (the op's fake
-    kernel calls this): on the host schedule [T // c + N, HV, K + c, V] with c = host_chunk(C), a
-    bound on the number of chunks (sum over sequences of ceil(len / c)); per chunk and value head
-    the state entering the chunk [K, V] and the chunk's Vnew [c, V]. Elsewhere [0] (nothing kept)."""
+    kernel calls this): on the host schedule [m HV (K + c) V] with c = host_chunk(C) and
+    m = T // c + N, a bound on the number of chunks (sum over sequences of ceil(len / c)): the state
+    entering each chunk, [m, HV, K, V], then each chunk's Vnew, [m, HV, c, V], in schedule order.
+    Elsewhere [0] (nothing kept)."""
     if not host_schedule(device):
         return (0,)
     c = host_chunk(C)
-    return (T // c + N, HV, K + c, V)
+    return ((T // c + N) * HV * (K + c) * V,)
 
 
-def _kept_blocks(kept, sc, H, K):
-    """kept as [NC, H, G, K + C, V] chunk blocks in schedule order, or None when nothing is kept (other
-    schedules, or more chunks than kept_shape's bound, which only corrupt cu_seqlens can give). The
-    forward and the backward decide alike from the same inputs."""
-    if kept is None or kept.numel() == 0 or sc.steps is None or sc.NC > kept.shape[0]:
+def _kept_blocks(kept, sc, H, HV, K, V):
+    """(S_in [NC, H, G, K, V], Vnew [NC, H, G, C, V]): kept's two parts as chunk blocks, or None when
+    nothing is kept (other schedules, or more chunks than kept_shape's bound, which only corrupt
+    cu_seqlens give). The forward and the backward decide alike from the same inputs. The forward
+    zeros what it will not write (chunks past the last, or all of kept when it is not used)."""
+    if kept is None or kept.numel() == 0:
         return None
-    NC, HV, KC, V = sc.NC, kept.shape[1], kept.shape[2], kept.shape[3]
-    if KC != K + sc.C:
-        raise ValueError(f"kept must be [T // {sc.C} + N, HV, K + {sc.C}, V], got {tuple(kept.shape)}")
-    return kept[:NC].view(NC, H, HV // H, KC, V)
+    m = kept.numel() // (HV * (K + sc.C) * V)
+    if kept.numel() != m * HV * (K + sc.C) * V:
+        raise ValueError(f"kept must hold (T // {sc.C} + N) HV (K + {sc.C}) V elements, got {kept.numel()}")
+    if sc.steps is None or sc.NC > m:
+        return None
+    S_in = kept[: m * HV * K * V].view(m, H, HV // H, K, V)
+    Vnew = kept[m * HV * K * V:].view(m, H, HV // H, sc.C, V)
+    return S_in[: sc.NC], Vnew[: sc.NC], S_in[sc.NC:], Vnew[sc.NC:]
 
 
 def _l2norm_bwd(x, dy, eps: float = 1e-6):
@@ -109,9 +115,11 @@ def _tr(x):
     return x.transpose(-1, -2)
 
 
-def _add_product(out, a, b):
-    """out += a @ b in place, over any batch dims (one GEMM accumulating into out: no temporary)."""
-    out.view(-1, *out.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+def _add_product(out, a, b, alpha=1):
+    """out += alpha a @ b in place, over any batch dims (one GEMM accumulating into out: no
+    temporary); out contiguous."""
+    out.view(-1, *out.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]),
+                                           alpha=alpha)
 
 
 class Schedule:
@@ -289,8 +297,8 @@ def chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=F
                   intra=True, kept=None):
     """The per-chunk quantities of chunks [lo, hi) and `step`, their part of the state pass (which
     fills Vnew, QS and, with keep_states, S_in). Without `output` no QS; without `intra` no QK, M
-    (then only what the state pass needs). kept [hi - lo, H, G, K + C, V]: S_in and Vnew are its
-    two parts, [..., :K, :] and [..., K:, :] (the backward reads them there instead of a state pass)."""
+    (then only what the state pass needs). kept: (S_in, Vnew) of chunks [lo, hi) to fill (the
+    forward's) or to read (the backward's, instead of a state pass)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     G, C, NC = HV // H, sc.C, hi - lo
@@ -317,10 +325,10 @@ def chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=F
     if intra:
         QK = qc @ _tr(kc)
         M = QK * E
-    WQ = torch.cat([W, eg[..., None] * qc], -2) if output else W   # W S and e^gamma Q S in one product
+    eQ = eg[..., None] * qc if output else None
     QS = torch.empty_like(U) if output else None
     if kept is not None:
-        S_in, Vnew = kept[..., :K, :], kept[..., K:, :]
+        S_in, Vnew = kept
     else:
         Vnew = torch.empty_like(U)
         S_in = U.new_empty(NC, H, G, K, V) if keep_states else None
@@ -328,10 +336,10 @@ def chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=F
     def step(sl, S):
         if S_in is not None:
             S_in[sl] = S
-        ws = WQ[sl] @ S
-        torch.sub(U[sl], ws[..., :C, :], out=Vnew[sl])
+        Vnew[sl] = U[sl]
+        _add_product(Vnew[sl], W[sl], S, alpha=-1)
         if QS is not None:
-            QS[sl] = ws[..., C:, :]
+            torch.matmul(eQ[sl], S, out=QS[sl])
         _add_product(S.mul_(eG[sl][..., None, None]), _tr(Kd[sl]), Vnew[sl])
 
     return Forward(qc, kc, vc, bc, E, KK, QK, Tinv, W, U, eg, eGg, eG, Kd, M, QS, S_in, Vnew, step)
@@ -351,12 +359,14 @@ def chunk_gdr_fwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
     sc = Schedule(table, cu_chunks, T, C)
     sp = StatePass(sc, _states(initial_state, compute_dtype(q.dtype), sc.N, H, HV // H, K, V, q.device))
     buf = sc.rows_buffer(o)
-    keep = _kept_blocks(kept, sc, H, K)
-    if kept is not None:
-        kept[0 if keep is None else sc.NC:].zero_()
+    keep = _kept_blocks(kept, sc, H, HV, K, V)
+    if keep is None and kept is not None:
+        kept.zero_()
+    elif keep is not None:
+        keep[2].zero_(), keep[3].zero_()
     for lo, hi, steps in sc.blocks(HV):
         f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm,
-                          kept=None if keep is None else keep[lo:hi])
+                          kept=None if keep is None else (keep[0][lo:hi], keep[1][lo:hi]))
         sp.run(steps, f.step, lo)
         sc.scatter((f.M @ f.Vnew).add_(f.QS), buf, lo)
     sc.write(buf, o)
@@ -377,7 +387,7 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
     G, dt = HV // H, compute_dtype(q.dtype)
     sc = Schedule(table, cu_chunks, T, C)
     blocks = sc.blocks(HV)
-    keep = _kept_blocks(kept, sc, H, K)
+    keep = _kept_blocks(kept, sc, H, HV, K, V)
     fp = StatePass(sc, _states(initial_state, dt, sc.N, H, G, K, V, q.device))
     entering = [None] * len(blocks)
     if keep is None and len(blocks) > 1:
@@ -390,7 +400,7 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
     bufs = [sc.rows_buffer(x) for x in outs]
     for (lo, hi, steps), S_enter in reversed(list(zip(blocks, entering))):
         f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=True, output=False,
-                          kept=None if keep is None else keep[lo:hi])
+                          kept=None if keep is None else (keep[0][lo:hi], keep[1][lo:hi]))
         if keep is None:
             (fp if S_enter is None else fp.resume(S_enter)).run(steps, f.step, lo)
         grads = chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm)
@@ -409,27 +419,29 @@ def chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm):
     dO = sc.gather(do, H, dt, lo, hi)
 
     # reverse state pass: dVnew and what each chunk needs of its dS_next (VdS, SdS), with
-    #   dS <- e^Gamma dS + q^T dOe - W^T dVnew = e^Gamma dS + [q; -W]^T [dOe; dVnew]   (one product)
+    #   dS <- e^Gamma dS + q^T dOe - W^T dVnew   (accumulated in place)
     C = sc.C
     S, Vn, E, bc, eg = f.S_in, f.Vnew, f.E, f.beta, f.eg
-    R = torch.cat([eg[..., None] * dO, _tr(f.M) @ dO], -2)     # [n, H, G, 2C, V]: [dOe; dVnew]
-    dVnew = R[..., C:, :]                                      # completed with Kd dS_next below
-    QW = torch.cat([f.q.expand_as(f.W), -f.W], -2)             # [n, H, G, 2C, K]
+    dOe = eg[..., None] * dO
+    dVnew = _tr(f.M) @ dO                                      # completed with Kd dS_next below
+    qG = f.q.expand_as(f.W).contiguous()
     VdS = torch.empty_like(f.W)                                # row r: dS_next Vnew_r
     SdS = torch.empty_like(f.eG)                               # sum(S_in * dS_next)
+    prod = S.new_empty(max((a for _, a in steps), default=0), *S.shape[1:])
 
     def step(sl, dS):
         torch.matmul(Vn[sl], _tr(dS), out=VdS[sl])
-        SdS[sl] = (S[sl] * dS).sum((-2, -1))
+        SdS[sl] = torch.mul(S[sl], dS, out=prod[: dS.shape[0]]).sum((-2, -1))
         _add_product(dVnew[sl], f.Kd[sl], dS)
-        _add_product(dS.mul_(f.eG[sl][..., None, None]), _tr(QW[sl]), R[sl])
+        _add_product(dS.mul_(f.eG[sl][..., None, None]), _tr(qG[sl]), dOe[sl])
+        _add_product(dS, _tr(f.W[sl]), dVnew[sl], alpha=-1)
 
     bp.run(steps, step, lo)
 
     # every per-chunk gradient, batched over chunks and heads (q is scale * q here)
-    dVnew.copy_(_tr(f.Tinv) @ dVnew)                           # now T^T dU
-    dQi, TdW = (R @ _tr(S)).split(C, -2)                       # inter-chunk part of dq; -T^T dW'
-    TdU, TdW = dVnew, TdW.neg_()                                # T^T dU, T^T dW'
+    TdU = _tr(f.Tinv) @ dVnew                                  # T^T dU
+    dQi = dOe @ _tr(S)                                         # inter-chunk part of dq
+    TdW = (TdU @ _tr(S)).neg_()                                # T^T dW'
     dP = (dO @ _tr(Vn)).mul_(E)
     dAE = (TdW @ _tr(f.W)).add_(TdU @ _tr(f.U)).neg_().tril_(-1).mul_(E)      # dA * E
     dKK = dAE * bc[..., :, None]
