@@ -77,31 +77,68 @@ def host_chunk(C):
 
 def kept_shape(T, N, HV, K, V, C, device):
     """The shape of `kept`, what the forward keeps for the backward, from shapes only (the op's fake
-    kernel calls this): on the host schedule [m HV (K + c) V] with c = host_chunk(C) and
-    m = T // c + N, a bound on the number of chunks (sum over sequences of ceil(len / c)): the state
-    entering each chunk, [m, HV, K, V], then each chunk's Vnew, [m, HV, c, V], in schedule order.
-    Elsewhere [0] (nothing kept)."""
+    kernel calls this). On the host schedule, with c = host_chunk(C): the state entering every chunk
+    of an even step (its index in its sequence is even: one per 2c rows), [T // 2c + N, HV, K, V],
+    then every chunk's Vnew, [T // c + N, HV, c, V], flat; the counts bound those of any packing
+    (sum over sequences of ceil(len / c), of ceil(len / 2c)). Elsewhere [0] (nothing kept)."""
     if not host_schedule(device):
         return (0,)
     c = host_chunk(C)
-    return ((T // c + N) * HV * (K + c) * V,)
+    return ((T // (2 * c) + N) * HV * K * V + (T // c + N) * HV * c * V,)
 
 
-def _kept_blocks(kept, sc, H, HV, K, V):
-    """(S_in [NC, H, G, K, V], Vnew [NC, H, G, C, V]): kept's two parts as chunk blocks, or None when
-    nothing is kept (other schedules, or more chunks than kept_shape's bound, which only corrupt
-    cu_seqlens give). The forward and the backward decide alike from the same inputs. The forward
-    zeros what it will not write (chunks past the last, or all of kept when it is not used)."""
-    if kept is None or kept.numel() == 0:
-        return None
-    m = kept.numel() // (HV * (K + sc.C) * V)
-    if kept.numel() != m * HV * (K + sc.C) * V:
-        raise ValueError(f"kept must hold (T // {sc.C} + N) HV (K + {sc.C}) V elements, got {kept.numel()}")
-    if sc.steps is None or sc.NC > m:
-        return None
-    S_in = kept[: m * HV * K * V].view(m, H, HV // H, K, V)
-    Vnew = kept[m * HV * K * V:].view(m, H, HV // H, sc.C, V)
-    return S_in[: sc.NC], Vnew[: sc.NC], S_in[sc.NC:], Vnew[sc.NC:]
+class Kept:
+    """The forward's `kept` (kept_shape) as blocks: `states` [m2, H, G, K, V] (slot[off]: the first
+    of the states of the even step whose chunks start at off), `Vnew` [m, H, G, C, V]. The state
+    entering a chunk of an odd step is one product from the previous chunk's:
+    e^Gamma S + Kd^T Vnew (`fill`); blocks start at even steps (`Schedule.blocks`), so that chunk is
+    in the same block."""
+
+    @staticmethod
+    def of(kept, sc, H, HV, K, V):
+        """A Kept over kept, or None when nothing is kept: other schedules, or more chunks than
+        kept_shape's bound, which only corrupt cu_seqlens give. The forward and the backward decide
+        alike from the same inputs."""
+        if kept is None or kept.numel() == 0:
+            return None
+        m2, m, C = sc.T // (2 * sc.C) + sc.N, sc.T // sc.C + sc.N, sc.C
+        if kept.numel() != m2 * HV * K * V + m * HV * C * V:
+            raise ValueError(f"kept must hold (T // {2 * C} + N) HV K V + (T // {C} + N) HV {C} V = "
+                             f"{m2 * HV * K * V + m * HV * C * V} elements, got {kept.numel()}")
+        if sc.steps is None:
+            return None
+        self = Kept()
+        self.slot, n = {}, 0
+        for i, (off, a) in enumerate(sc.steps):
+            if i % 2 == 0:
+                self.slot[off], n = n, n + a
+        if sc.NC > m or n > m2:
+            return None
+        self.states = kept[: m2 * HV * K * V].view(m2, H, HV // H, K, V)
+        self.Vnew = kept[m2 * HV * K * V:].view(m, H, HV // H, C, V)
+        self.unused = (self.states[n:], self.Vnew[sc.NC:])
+        return self
+
+    def storing(self, step, lo):
+        """step (of chunk_forward, for chunks from lo), also storing the states of even steps."""
+        def store(sl, S):
+            j = self.slot.get(lo + sl.start)
+            if j is not None:
+                self.states[j: j + S.shape[0]] = S
+            step(sl, S)
+        return store
+
+    def fill(self, f, lo, steps):
+        """f.S_in (chunks from lo, of these steps) from the states kept and f's Kd, eG, Vnew."""
+        for i, (off, a) in enumerate(steps):
+            o = slice(off - lo, off - lo + a)
+            j = self.slot.get(off)
+            if j is not None:
+                f.S_in[o] = self.states[j: j + a]
+                continue
+            p = slice(steps[i - 1][0] - lo, steps[i - 1][0] - lo + a)   # same sequences: a prefix
+            torch.mul(f.S_in[p], f.eG[p][..., None, None], out=f.S_in[o])
+            _add_product(f.S_in[o], _tr(f.Kd[p]), f.Vnew[p])
 
 
 def _l2norm_bwd(x, dy, eps: float = 1e-6):
@@ -177,14 +214,14 @@ class Schedule:
 
     def blocks(self, heads):
         """(lo, hi, steps): consecutive steps grouped so that each group's chunks [lo, hi) hold about
-        BLOCK_CHUNK_HEADS chunk x head pairs; a group's blocks then stay in cache. One group on the
-        device schedule (its steps are the NC slots)."""
+        BLOCK_CHUNK_HEADS chunk x head pairs; a group's blocks then stay in cache. Groups start at
+        even steps (see Kept). One group on the device schedule (its steps are the NC slots)."""
         if self.steps is None:
             return [(0, self.NC, [(j, 1) for j in range(self.NC)])]
         out, cur = [], []
-        for off, a in self.steps:
+        for i, (off, a) in enumerate(self.steps):
             cur.append((off, a))
-            if sum(n for _, n in cur) * heads >= BLOCK_CHUNK_HEADS:
+            if i % 2 and sum(n for _, n in cur) * heads >= BLOCK_CHUNK_HEADS:
                 out.append((cur[0][0], off + a, cur))
                 cur = []
         if cur:
@@ -359,15 +396,13 @@ def chunk_gdr_fwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
     sc = Schedule(table, cu_chunks, T, C)
     sp = StatePass(sc, _states(initial_state, compute_dtype(q.dtype), sc.N, H, HV // H, K, V, q.device))
     buf = sc.rows_buffer(o)
-    keep = _kept_blocks(kept, sc, H, HV, K, V)
-    if keep is None and kept is not None:
-        kept.zero_()
-    elif keep is not None:
-        keep[2].zero_(), keep[3].zero_()
+    keep = Kept.of(kept, sc, H, HV, K, V)
+    for x in (() if kept is None else (kept,) if keep is None else keep.unused):
+        x.zero_()
     for lo, hi, steps in sc.blocks(HV):
         f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm,
-                          kept=None if keep is None else (keep[0][lo:hi], keep[1][lo:hi]))
-        sp.run(steps, f.step, lo)
+                          kept=None if keep is None else (None, keep.Vnew[lo:hi]))
+        sp.run(steps, f.step if keep is None else keep.storing(f.step, lo), lo)
         sc.scatter((f.M @ f.Vnew).add_(f.QS), buf, lo)
     sc.write(buf, o)
     final_state.copy_(sp.result().reshape(final_state.shape))
@@ -387,7 +422,7 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
     G, dt = HV // H, compute_dtype(q.dtype)
     sc = Schedule(table, cu_chunks, T, C)
     blocks = sc.blocks(HV)
-    keep = _kept_blocks(kept, sc, H, HV, K, V)
+    keep = Kept.of(kept, sc, H, HV, K, V)
     fp = StatePass(sc, _states(initial_state, dt, sc.N, H, G, K, V, q.device))
     entering = [None] * len(blocks)
     if keep is None and len(blocks) > 1:
@@ -399,10 +434,13 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
     outs = (dq, dk, dv, dg, dbeta)
     bufs = [sc.rows_buffer(x) for x in outs]
     for (lo, hi, steps), S_enter in reversed(list(zip(blocks, entering))):
+        S_in = None if keep is None else keep.states.new_empty(hi - lo, *keep.states.shape[1:])
         f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=True, output=False,
-                          kept=None if keep is None else (keep[0][lo:hi], keep[1][lo:hi]))
+                          kept=None if keep is None else (S_in, keep.Vnew[lo:hi]))
         if keep is None:
             (fp if S_enter is None else fp.resume(S_enter)).run(steps, f.step, lo)
+        else:
+            keep.fill(f, lo, steps)
         grads = chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm)
         for vals, buf in zip(grads, bufs):
             sc.scatter(vals, buf, lo)
