@@ -14,8 +14,9 @@ first (`_gate_impl`), and its backward returns da, db in g's / beta's slots plus
 `kept` is what the forward keeps for its backward beyond the inputs: with keep on the torch backend's
 host schedule (CPU tensors) the state entering each chunk and its Vnew (torch_ref/chunk.py, kept_shape:
 its size follows from the shapes alone); elsewhere, or with keep=False, an empty tensor and the backward
-recomputes from the inputs (the Triton backward would not gain from it: its recompute is one fused pass).
-The public function asks for it only when autograd will need it and drops it from what it returns.
+recomputes from the inputs. Not done for Triton: its forward kernel would have to write the states to
+HBM to spare the backward its recompute kernel, a trade not measured on a GPU. The public function
+asks for kept only when autograd will need it and drops it from what it returns.
 Both ops build the chunk table on the device (no host sync), flatten the packed rows and hand them to
 one backend implementation (`_impl`), which writes every row of the outputs it is given.
 Input checks live in `chunk_gated_delta_rule`, the public function, and run before any launch.

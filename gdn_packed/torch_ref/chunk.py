@@ -43,14 +43,18 @@ chunk x head pairs, and the forward runs block by block (gather, per-chunk quant
 steps, output), so a block's intermediates stay in cache instead of streaming [NC, ...] tensors of
 the whole batch through memory (measured: ~1.5x on the packing scenario's forward, 1 thread).
 
-Memory of the backward: the op saves only its inputs (docs/DESIGN.md section 5), so the backward
-recomputes. A first forward pass (skipped when there is one block) keeps the states entering each
-block: K V floats per block, sequence and value head, at most K V / HOST_CHUNK = 512 floats (2 KiB)
-per token and value head at K = V = 128, 256 on the dense benchmark shape. Then block by block in
-reverse: the block's forward again from its entering state (keeping the state entering each chunk),
-its steps of the reverse state pass, its gradients. Keeping more of the forward (W, U, T: ~3C + K + V
-floats per token and head) would save the recompute's ~20% of the backward's FLOPs but needs the op to
-return tensors whose size depends on the host schedule, which its fake (meta) kernel cannot know.
+Memory of the backward. On the host schedule the forward keeps `kept` (kept_shape; the op returns
+it, non-differentiable, when autograd will need it): the state entering each chunk of an even step
+(one per 2 x HOST_CHUNK = 64 rows) and Vnew of every row, K V / 64 + V floats per token and value
+head, 384 floats (1.5 KiB in float32, 3 KiB in float64) at K = V = 128. The backward then runs no
+forward state pass: block by block in reverse, the block's per-chunk quantities again (W, U, T, E,
+...: batched, no loop), the states of its odd steps from the even ones (one product each), its steps
+of the reverse state pass, its gradients. Measured on the dense benchmark shape (1 thread): the
+backward's FLOPs drop by ~35% and forward+backward runs ~1.3-1.4x faster than recomputing. Other
+schedules (CUDA tensors) keep nothing (the op saves only its inputs there); the backward then
+recomputes: a first forward pass (skipped when there is one block) keeps the states entering each
+block (at most K V / HOST_CHUNK floats per token and value head), then block by block in reverse
+the block's forward again from its entering state, keeping the state entering each chunk.
 
 Numerics: everything is computed in float32 (float64 for float64 inputs); o is rounded to v's dtype
 at the end, states are float32.
