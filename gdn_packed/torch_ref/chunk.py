@@ -49,8 +49,9 @@ it, non-differentiable, when autograd will need it): the state entering each chu
 head, 384 floats (1.5 KiB in float32, 3 KiB in float64) at K = V = 128. The backward then runs no
 forward state pass: block by block in reverse, the block's per-chunk quantities again (W, U, T, E,
 ...: batched, no loop), the states of its odd steps from the even ones (one product each), its steps
-of the reverse state pass, its gradients. Measured on the dense benchmark shape (1 thread): the
-backward's FLOPs drop by ~35% and forward+backward runs ~1.3-1.4x faster than recomputing. Other
+of the reverse state pass, its gradients. That spares the backward ~30% of its FLOPs (two forward
+state passes); with the in-place updates of the state passes, forward+backward on the dense benchmark
+shape ran 1.2-1.5x faster than before (bench/NOTES.md, issue 16). Other
 schedules (CUDA tensors) keep nothing (the op saves only its inputs there); the backward then
 recomputes: a first forward pass (skipped when there is one block) keeps the states entering each
 block (at most K V / HOST_CHUNK floats per token and value head), then block by block in reverse
@@ -98,8 +99,8 @@ class Kept:
     e^Gamma S + Kd^T Vnew (`fill`); blocks start at even steps (`Schedule.blocks`), so that chunk is
     in the same block."""
 
-    @staticmethod
-    def of(kept, sc, H, HV, K, V):
+    @classmethod
+    def of(cls, kept, sc, H, HV, K, V):
         """A Kept over kept, or None when nothing is kept: other schedules, or more chunks than
         kept_shape's bound, which only corrupt cu_seqlens give. The forward and the backward decide
         alike from the same inputs."""
@@ -111,17 +112,17 @@ class Kept:
                              f"{m2 * HV * K * V + m * HV * C * V} elements, got {kept.numel()}")
         if sc.steps is None:
             return None
-        self = Kept()
-        self.slot, n = {}, 0
+        out = cls()
+        out.slot, n = {}, 0
         for i, (off, a) in enumerate(sc.steps):
             if i % 2 == 0:
-                self.slot[off], n = n, n + a
+                out.slot[off], n = n, n + a
         if sc.NC > m or n > m2:
             return None
-        self.states = kept[: m2 * HV * K * V].view(m2, H, HV // H, K, V)
-        self.Vnew = kept[m2 * HV * K * V:].view(m, H, HV // H, C, V)
-        self.unused = (self.states[n:], self.Vnew[sc.NC:])
-        return self
+        out.states = kept[: m2 * HV * K * V].view(m2, H, HV // H, K, V)
+        out.Vnew = kept[m2 * HV * K * V:].view(m, H, HV // H, C, V)
+        out.unused = (out.states[n:], out.Vnew[sc.NC:])
+        return out
 
     def storing(self, step, lo):
         """step (of chunk_forward, for chunks from lo), also storing the states of even steps."""
