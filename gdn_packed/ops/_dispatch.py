@@ -6,7 +6,8 @@ gdn_packed.ops.BACKENDS (the public table) is derived from this one, and `kernel
 registered ops find the function for the backend they were given (resolved by
 gdn_packed.ops._common.resolve_backend in the public function).
 
-The parts of an op ("fwd", "bwd", "gate_fwd", ...) take the arguments documented in the module of
+The parts of an op ("fwd", "bwd", "gate_fwd", ...; "kept_shape" where the forward keeps
+something for its backward) take the arguments documented in the module of
 its torch implementation (gdn_packed/torch_ref/*.py).
 """
 from functools import lru_cache
@@ -25,6 +26,7 @@ TABLE = {
             "bwd": "gdn_packed.torch_ref.chunk:chunk_gdr_bwd_torch",
             "gate_fwd": "gdn_packed.torch_ref.chunk:gate_fwd_torch",
             "gate_bwd": "gdn_packed.torch_ref.chunk:gate_bwd_torch",
+            "kept_shape": "gdn_packed.torch_ref.chunk:kept_shape",
         },
     },
     "fused_recurrent_gated_delta_rule": {

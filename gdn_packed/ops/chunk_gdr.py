@@ -1,8 +1,9 @@
 """The chunked gated delta rule as torch custom ops: the one registration site.
 
     gdn_packed::chunk_gdr_fwd  (q, k, v, g, beta, initial_state?, cu_seqlens?, cu_seqlens_padded?,
-                                scale, use_qk_l2norm, backend, A_log?, dt_bias?) -> (o, final_state)
-    gdn_packed::chunk_gdr_bwd  (... same inputs ..., do, dht?, ...)
+                                scale, use_qk_l2norm, backend, A_log?, dt_bias?, keep=True)
+                                -> (o, final_state, kept)
+    gdn_packed::chunk_gdr_bwd  (... same inputs ..., do, dht?, ..., kept?)
                                 -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
 
 With A_log and dt_bias [HV] (the gating of Qwen3-Next / Megatron), `g` and `beta` hold the raw a and b
@@ -10,7 +11,12 @@ With A_log and dt_bias [HV] (the gating of Qwen3-Next / Megatron), `g` and `beta
 first (the "gate_fwd" kernel), and its backward returns da, db in g's / beta's slots plus dA_log, ddt_bias
 (token sums of fixed order); without them dA_log and ddt_bias are empty.
 
-The forward saves only its inputs for the backward; the backward recomputes the per-chunk quantities.
+`kept` is what the forward keeps for its backward beyond the inputs: with keep on the torch backend's
+host schedule (CPU tensors) the state entering each chunk and its Vnew (torch_ref/chunk.py, kept_shape:
+its size follows from the shapes alone); elsewhere, or with keep=False, an empty tensor and the backward
+recomputes from the inputs. Not done for Triton: its forward kernel would have to write the states to
+HBM to spare the backward its recompute kernel, a trade not measured on a GPU. The public function
+asks for kept only when autograd will need it and drops it from what it returns.
 Both ops build the chunk table on the device (no host sync), flatten the packed rows and hand them to
 one backend implementation (gdn_packed.ops._dispatch.kernel), which writes every row of the outputs
 it is given. Input checks live in `chunk_gated_delta_rule`, the public function, and run once, before
@@ -24,8 +30,8 @@ from torch import Tensor
 from gdn_packed import _validate as V
 from gdn_packed import segments
 from gdn_packed.ops import BACKENDS
-from gdn_packed.ops._common import new_output, refuse_float64, resolve_backend
-from gdn_packed.ops._dispatch import kernel
+from gdn_packed.ops._common import compute_dtype, new_output, refuse_float64, resolve_backend
+from gdn_packed.ops._dispatch import TABLE, kernel
 from gdn_packed.ops.chunk_table import chunk_slots, make_chunk_table
 
 OP = "chunk_gated_delta_rule"
@@ -63,26 +69,40 @@ def chunk_gdr_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
                   cu_seqlens_padded: Optional[Tensor], scale: float, use_qk_l2norm: bool,
                   backend: str, A_log: Optional[Tensor] = None,
-                  dt_bias: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                  dt_bias: Optional[Tensor] = None, keep: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     T, N, table, cu_chunks = _segments(q, cu_seqlens, cu_seqlens_padded)
     HV, K, V_ = v.shape[2], q.shape[3], v.shape[3]
     o = new_output(v.shape, v.dtype, v.device)
     final_state = new_output((N, HV, K, V_), torch.float32, v.device)
+    kept = new_output(*_kept_spec(q, v, N, backend, keep), v.device)
     g_rows, beta_rows = _rows(g, T), _rows(beta, T)
     if A_log is not None:
         a_rows, b_rows = _raw_gate_rows(g, beta, cu_seqlens, cu_seqlens_padded, T)
         g_rows, beta_rows = kernel(OP, backend, "gate_fwd")(a_rows, b_rows, A_log, dt_bias)
+    more = {"kept": kept} if kept.numel() else {}
     kernel(OP, backend, "fwd")(_rows(q, T), _rows(k, T), _rows(v, T), g_rows, beta_rows, table, cu_chunks,
-        initial_state, scale, CHUNK_SIZE, use_qk_l2norm, _rows(o, T), final_state)
-    return o, final_state
+        initial_state, scale, CHUNK_SIZE, use_qk_l2norm, _rows(o, T), final_state, **more)
+    return o, final_state, kept
+
+
+def _kept_spec(q, v, N, backend, keep):
+    """(shape, dtype) of the forward's `kept` output: the backend's kept_shape (torch_ref/chunk.py) in
+    the compute dtype where the backend keeps something and keep is set; else empty."""
+    if not (keep and "kept_shape" in TABLE[OP][backend]):
+        return (0,), torch.float32
+    shape = kernel(OP, backend, "kept_shape")(q.shape[0] * q.shape[1], N, v.shape[2], q.shape[3], v.shape[3],
+                                              CHUNK_SIZE, q.device)
+    return shape, compute_dtype(q.dtype)
 
 
 @chunk_gdr_fwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, use_qk_l2norm, backend,
-      A_log=None, dt_bias=None):
+      A_log=None, dt_bias=None, keep=True):
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    kept_shape, kept_dtype = _kept_spec(q, v, N, backend, keep)
     return (v.new_empty(v.shape),
-            v.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32))
+            v.new_empty((N, v.shape[2], q.shape[3], v.shape[3]), dtype=torch.float32),
+            v.new_empty(kept_shape, dtype=kept_dtype))
 
 
 @torch.library.custom_op("gdn_packed::chunk_gdr_bwd", mutates_args=())
@@ -90,7 +110,7 @@ def chunk_gdr_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
                   cu_seqlens_padded: Optional[Tensor], do: Tensor, dht: Optional[Tensor],
                   scale: float, use_qk_l2norm: bool, backend: str, A_log: Optional[Tensor] = None,
-                  dt_bias: Optional[Tensor] = None
+                  dt_bias: Optional[Tensor] = None, kept: Optional[Tensor] = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     T, N, table, cu_chunks = _segments(q, cu_seqlens, cu_seqlens_padded)
     HV, K, V_ = v.shape[2], q.shape[3], v.shape[3]
@@ -105,9 +125,10 @@ def chunk_gdr_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         g_rows, beta_rows = gate_fwd(a_rows, b_rows, A_log, dt_bias)
         dg_rows = new_output(g_rows.shape, torch.float32, g.device)
         dbeta_rows = new_output(g_rows.shape, torch.float32, g.device)
+    more = {"kept": kept} if kept is not None and kept.numel() else {}
     kernel(OP, backend, "bwd")(_rows(q, T), _rows(k, T), _rows(v, T), g_rows, beta_rows, table, cu_chunks,
         initial_state, scale, CHUNK_SIZE, use_qk_l2norm, _rows(do, T), dht,
-        _rows(dq, T), _rows(dk, T), _rows(dv, T), dg_rows, dbeta_rows, dh0)
+        _rows(dq, T), _rows(dk, T), _rows(dv, T), dg_rows, dbeta_rows, dh0, **more)
     if gating:
         da, db, dA_log, ddt_bias = gate_bwd(a_rows, b_rows, A_log, dt_bias, dg_rows, dbeta_rows)
         _rows(dg, T).copy_(da)
@@ -120,7 +141,7 @@ def chunk_gdr_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
 @chunk_gdr_bwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, do, dht, scale, use_qk_l2norm,
-      backend, A_log=None, dt_bias=None):
+      backend, A_log=None, dt_bias=None, kept=None):
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if A_log is None:
         dA_log, ddt_bias = (q.new_empty(0, dtype=torch.float32) for _ in range(2))
@@ -132,23 +153,27 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, do, dht, s
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, l2, backend, *gates = inputs
-    A_log, dt_bias = (gates + [None, None])[:2]
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, A_log, dt_bias)
+    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, l2, backend, *more = inputs
+    A_log, dt_bias = (more + [None, None])[:2]
+    kept = output[2]
+    ctx.mark_non_differentiable(kept)
+    ctx.set_materialize_grads(False)        # no zero gradient for kept (as large as 5 v's), nor do, dht
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, A_log, dt_bias,
+                          kept)
     ctx.scale, ctx.l2, ctx.backend = scale, l2, backend
 
 
-def _backward(ctx, do, dht):
-    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, A_log, dt_bias = ctx.saved_tensors
+def _backward(ctx, do, dht, _dkept):
+    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, A_log, dt_bias, kept = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = chunk_gdr_bwd(
         q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, do, dht, ctx.scale, ctx.l2,
-        ctx.backend, A_log, dt_bias)
+        ctx.backend, A_log, dt_bias, kept)
     dh0 = None if initial_state is None else dh0.to(initial_state.dtype)
     if A_log is None:
         dA_log = ddt_bias = None
-    return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, dA_log, ddt_bias
+    return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, dA_log, ddt_bias, None
 
 
 chunk_gdr_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -212,8 +237,10 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         segments.validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, total_rows=q.shape[1])
     backend = resolve_backend(backend, q.device, have=BACKENDS_IMPLEMENTED, refuse=refuse_float64(q))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    o, final_state = chunk_gdr_fwd(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded,
-                                   scale, bool(use_qk_l2norm_in_kernel), backend, A_log, dt_bias)
+    grads = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
+    o, final_state, _ = chunk_gdr_fwd(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded,
+                                      scale, bool(use_qk_l2norm_in_kernel), backend, A_log, dt_bias, grads)
     return o, (final_state if output_final_state else None)
 
 

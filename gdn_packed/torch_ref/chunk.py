@@ -43,14 +43,19 @@ chunk x head pairs, and the forward runs block by block (gather, per-chunk quant
 steps, output), so a block's intermediates stay in cache instead of streaming [NC, ...] tensors of
 the whole batch through memory (measured: ~1.5x on the packing scenario's forward, 1 thread).
 
-Memory of the backward: the op saves only its inputs (docs/DESIGN.md section 5), so the backward
-recomputes. A first forward pass (skipped when there is one block) keeps the states entering each
-block: K V floats per block, sequence and value head, at most K V / HOST_CHUNK = 512 floats (2 KiB)
-per token and value head at K = V = 128, 256 on the dense benchmark shape. Then block by block in
-reverse: the block's forward again from its entering state (keeping the state entering each chunk),
-its steps of the reverse state pass, its gradients. Keeping more of the forward (W, U, T: ~3C + K + V
-floats per token and head) would save the recompute's ~20% of the backward's FLOPs but needs the op to
-return tensors whose size depends on the host schedule, which its fake (meta) kernel cannot know.
+Memory of the backward. On the host schedule the forward keeps `kept` (kept_shape; the op returns
+it, non-differentiable, when autograd will need it): the state entering each chunk of an even step
+(one per 2 x HOST_CHUNK = 64 rows) and Vnew of every row, K V / 64 + V floats per token and value
+head, 384 floats (1.5 KiB in float32, 3 KiB in float64) at K = V = 128. The backward then runs no
+forward state pass: block by block in reverse, the block's per-chunk quantities again (W, U, T, E,
+...: batched, no loop), the states of its odd steps from the even ones (one product each), its steps
+of the reverse state pass, its gradients. That spares the backward ~30% of its FLOPs (two forward
+state passes); with the in-place updates of the state passes, forward+backward on the dense benchmark
+shape ran 1.2-1.5x faster than before (bench/NOTES.md, issue 16). Other
+schedules (CUDA tensors) keep nothing (the op saves only its inputs there); the backward then
+recomputes: a first forward pass (skipped when there is one block) keeps the states entering each
+block (at most K V / HOST_CHUNK floats per token and value head), then block by block in reverse
+the block's forward again from its entering state, keeping the state entering each chunk.
 
 Numerics: everything is computed in float32 (float64 for float64 inputs); o is rounded to v's dtype
 at the end, states are float32.
@@ -66,6 +71,77 @@ HOST_CHUNK = 32
 BLOCK_CHUNK_HEADS = 64
 
 
+def host_chunk(C):
+    """The chunk size of the host schedule for the op's chunk size C."""
+    return HOST_CHUNK if C % HOST_CHUNK == 0 else C
+
+
+def kept_shape(T, N, HV, K, V, C, device):
+    """The shape of `kept`, what the forward keeps for the backward, from shapes only (the op's fake
+    kernel calls this). On the host schedule, with c = host_chunk(C): the state entering every chunk
+    of an even step (its index in its sequence is even: one per 2c rows), [T // 2c + N, HV, K, V],
+    then every chunk's Vnew, [T // c + N, HV, c, V], flat; the counts bound those of any packing
+    (sum over sequences of ceil(len / c), of ceil(len / 2c)). Elsewhere [0] (nothing kept)."""
+    if not host_schedule(device):
+        return (0,)
+    c = host_chunk(C)
+    return ((T // (2 * c) + N) * HV * K * V + (T // c + N) * HV * c * V,)
+
+
+class Kept:
+    """The forward's `kept` (kept_shape) as blocks: `states` [m2, H, G, K, V] (slot[off]: the first
+    of the states of the even step whose chunks start at off), `Vnew` [m, H, G, C, V]. The state
+    entering a chunk of an odd step is one product from the previous chunk's:
+    e^Gamma S + Kd^T Vnew (`fill`); blocks start at even steps (`Schedule.blocks`), so that chunk is
+    in the same block."""
+
+    @classmethod
+    def of(cls, kept, sc, H, HV, K, V):
+        """A Kept over kept, or None when nothing is kept: other schedules, or more chunks than
+        kept_shape's bound, which only corrupt cu_seqlens give. The forward and the backward decide
+        alike from the same inputs."""
+        if kept is None or kept.numel() == 0:
+            return None
+        m2, m, C = sc.T // (2 * sc.C) + sc.N, sc.T // sc.C + sc.N, sc.C
+        if kept.numel() != m2 * HV * K * V + m * HV * C * V:
+            raise ValueError(f"kept must hold (T // {2 * C} + N) HV K V + (T // {C} + N) HV {C} V = "
+                             f"{m2 * HV * K * V + m * HV * C * V} elements, got {kept.numel()}")
+        if sc.steps is None:
+            return None
+        out = cls()
+        out.slot, n = {}, 0
+        for i, (off, a) in enumerate(sc.steps):
+            if i % 2 == 0:
+                out.slot[off], n = n, n + a
+        if sc.NC > m or n > m2:
+            return None
+        out.states = kept[: m2 * HV * K * V].view(m2, H, HV // H, K, V)
+        out.Vnew = kept[m2 * HV * K * V:].view(m, H, HV // H, C, V)
+        out.unused = (out.states[n:], out.Vnew[sc.NC:])
+        return out
+
+    def storing(self, step, lo):
+        """step (of chunk_forward, for chunks from lo), also storing the states of even steps."""
+        def store(sl, S):
+            j = self.slot.get(lo + sl.start)
+            if j is not None:
+                self.states[j: j + S.shape[0]] = S
+            step(sl, S)
+        return store
+
+    def fill(self, f, lo, steps):
+        """f.S_in (chunks from lo, of these steps) from the states kept and f's Kd, eG, Vnew."""
+        for i, (off, a) in enumerate(steps):
+            o = slice(off - lo, off - lo + a)
+            j = self.slot.get(off)
+            if j is not None:
+                f.S_in[o] = self.states[j: j + a]
+                continue
+            p = slice(steps[i - 1][0] - lo, steps[i - 1][0] - lo + a)   # same sequences: a prefix
+            torch.mul(f.S_in[p], f.eG[p][..., None, None], out=f.S_in[o])
+            _add_product(f.S_in[o], _tr(f.Kd[p]), f.Vnew[p])
+
+
 def _l2norm_bwd(x, dy, eps: float = 1e-6):
     """Gradient of y = x / sqrt(|x|^2 + eps) given dy."""
     inv = torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
@@ -75,6 +151,13 @@ def _l2norm_bwd(x, dy, eps: float = 1e-6):
 
 def _tr(x):
     return x.transpose(-1, -2)
+
+
+def _add_product(out, a, b, alpha=1):
+    """out += alpha a @ b in place, over any batch dims (one GEMM accumulating into out: no
+    temporary); out contiguous."""
+    out.view(-1, *out.shape[-2:]).baddbmm_(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]),
+                                           alpha=alpha)
 
 
 class Schedule:
@@ -100,8 +183,8 @@ class Schedule:
         self.safe_rows = self.rows.clamp_max(max(T - 1, 0))
 
     def _plan_host(self, table, C):
-        sub = C // HOST_CHUNK if C % HOST_CHUNK == 0 else 1
-        self.C = C // sub
+        self.C = host_chunk(C)
+        sub = C // self.C
         seq, idx, start, length = (x[:, None] for x in table.long().unbind(1))
         p = torch.arange(sub)
         seq, idx = seq.expand(-1, sub), idx * sub + p
@@ -132,14 +215,14 @@ class Schedule:
 
     def blocks(self, heads):
         """(lo, hi, steps): consecutive steps grouped so that each group's chunks [lo, hi) hold about
-        BLOCK_CHUNK_HEADS chunk x head pairs; a group's blocks then stay in cache. One group on the
-        device schedule (its steps are the NC slots)."""
+        BLOCK_CHUNK_HEADS chunk x head pairs; a group's blocks then stay in cache. Groups start at
+        even steps (see Kept). One group on the device schedule (its steps are the NC slots)."""
         if self.steps is None:
             return [(0, self.NC, [(j, 1) for j in range(self.NC)])]
         out, cur = [], []
-        for off, a in self.steps:
+        for i, (off, a) in enumerate(self.steps):
             cur.append((off, a))
-            if sum(n for _, n in cur) * heads >= BLOCK_CHUNK_HEADS:
+            if i % 2 and sum(n for _, n in cur) * heads >= BLOCK_CHUNK_HEADS:
                 out.append((cur[0][0], off + a, cur))
                 cur = []
         if cur:
@@ -249,10 +332,11 @@ class Forward:
 
 
 def chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=False, output=True,
-                  intra=True):
+                  intra=True, kept=None):
     """The per-chunk quantities of chunks [lo, hi) and `step`, their part of the state pass (which
     fills Vnew, QS and, with keep_states, S_in). Without `output` no QS; without `intra` no QK, M
-    (then only what the state pass needs)."""
+    (then only what the state pass needs). kept: (S_in, Vnew) of chunks [lo, hi) to fill (the
+    forward's) or to read (the backward's, instead of a state pass)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     G, C, NC = HV // H, sc.C, hi - lo
@@ -279,19 +363,22 @@ def chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=F
     if intra:
         QK = qc @ _tr(kc)
         M = QK * E
-    WQ = torch.cat([W, eg[..., None] * qc], -2) if output else W   # W S and e^gamma Q S in one product
-    Vnew = torch.empty_like(U)
+    eQ = eg[..., None] * qc if output else None
     QS = torch.empty_like(U) if output else None
-    S_in = U.new_empty(NC, H, G, K, V) if keep_states else None
+    if kept is not None:
+        S_in, Vnew = kept
+    else:
+        Vnew = torch.empty_like(U)
+        S_in = U.new_empty(NC, H, G, K, V) if keep_states else None
 
     def step(sl, S):
         if S_in is not None:
             S_in[sl] = S
-        ws = WQ[sl] @ S
-        torch.sub(U[sl], ws[..., :C, :], out=Vnew[sl])
+        Vnew[sl] = U[sl]
+        _add_product(Vnew[sl], W[sl], S, alpha=-1)
         if QS is not None:
-            QS[sl] = ws[..., C:, :]
-        S.mul_(eG[sl][..., None, None]).add_(_tr(Kd[sl]) @ Vnew[sl])
+            torch.matmul(eQ[sl], S, out=QS[sl])
+        _add_product(S.mul_(eG[sl][..., None, None]), _tr(Kd[sl]), Vnew[sl])
 
     return Forward(qc, kc, vc, bc, E, KK, QK, Tinv, W, U, eg, eGg, eG, Kd, M, QS, S_in, Vnew, step)
 
@@ -302,36 +389,44 @@ def _states(x, dt, N, H, G, K, V, device):
 
 
 def chunk_gdr_fwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
-                        o, final_state):
-    """Writes o [T, HV, V] (every row) and final_state [N, HV, K, V] float32."""
+                        o, final_state, kept=None):
+    """Writes o [T, HV, V] (every row), final_state [N, HV, K, V] float32 and, when given, kept
+    (kept_shape; every element: chunks past the last are zeros)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     sc = Schedule(table, cu_chunks, T, C)
     sp = StatePass(sc, _states(initial_state, compute_dtype(q.dtype), sc.N, H, HV // H, K, V, q.device))
     buf = sc.rows_buffer(o)
+    keep = Kept.of(kept, sc, H, HV, K, V)
+    for x in (() if kept is None else (kept,) if keep is None else keep.unused):
+        x.zero_()
     for lo, hi, steps in sc.blocks(HV):
-        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm)
-        sp.run(steps, f.step, lo)
+        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm,
+                          kept=None if keep is None else (None, keep.Vnew[lo:hi]))
+        sp.run(steps, f.step if keep is None else keep.storing(f.step, lo), lo)
         sc.scatter((f.M @ f.Vnew).add_(f.QS), buf, lo)
     sc.write(buf, o)
     final_state.copy_(sp.result().reshape(final_state.shape))
 
 
 def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
-                        do, dht, dq, dk, dv, dg, dbeta, dh0):
+                        do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None):
     """Writes dq, dk [T, H, K], dv [T, HV, V], dg, dbeta [T, HV] (every row) and dh0 [N, HV, K, V].
 
-    Block by block in reverse (`Schedule.blocks`): the block's forward is recomputed from the state
-    entering it (kept by a first forward pass when there is more than one block), then its part of
-    the reverse state pass and its gradients."""
+    Block by block in reverse (`Schedule.blocks`): the block's per-chunk quantities are recomputed;
+    the states entering its chunks and Vnew are read from `kept` (the forward's) when it holds them,
+    else recomputed by the block's forward state pass from the state entering the block (kept by a
+    first forward pass when there is more than one block); then its part of the reverse state pass
+    and its gradients."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     G, dt = HV // H, compute_dtype(q.dtype)
     sc = Schedule(table, cu_chunks, T, C)
     blocks = sc.blocks(HV)
+    keep = Kept.of(kept, sc, H, HV, K, V)
     fp = StatePass(sc, _states(initial_state, dt, sc.N, H, G, K, V, q.device))
     entering = [None] * len(blocks)
-    if len(blocks) > 1:
+    if keep is None and len(blocks) > 1:
         for b, (lo, hi, steps) in enumerate(blocks):
             entering[b] = fp.checkpoint(steps)
             f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, output=False, intra=False)
@@ -340,8 +435,13 @@ def chunk_gdr_bwd_torch(q, k, v, g, beta, table, cu_chunks, initial_state, scale
     outs = (dq, dk, dv, dg, dbeta)
     bufs = [sc.rows_buffer(x) for x in outs]
     for (lo, hi, steps), S_enter in reversed(list(zip(blocks, entering))):
-        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=True, output=False)
-        (fp if S_enter is None else fp.resume(S_enter)).run(steps, f.step, lo)
+        S_in = None if keep is None else keep.states.new_empty(hi - lo, *keep.states.shape[1:])
+        f = chunk_forward(sc, lo, hi, q, k, v, g, beta, scale, use_l2norm, keep_states=True, output=False,
+                          kept=None if keep is None else (S_in, keep.Vnew[lo:hi]))
+        if keep is None:
+            (fp if S_enter is None else fp.resume(S_enter)).run(steps, f.step, lo)
+        else:
+            keep.fill(f, lo, steps)
         grads = chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm)
         for vals, buf in zip(grads, bufs):
             sc.scatter(vals, buf, lo)
@@ -357,28 +457,33 @@ def chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm):
     dt = f.q.dtype
     dO = sc.gather(do, H, dt, lo, hi)
 
-    # reverse state pass: dS_next of every chunk (dSn) and dVnew
+    # reverse state pass: dVnew and what each chunk needs of its dS_next (VdS, SdS), with
+    #   dS <- e^Gamma dS + q^T dOe - W^T dVnew   (accumulated in place)
+    C = sc.C
+    S, Vn, E, bc, eg = f.S_in, f.Vnew, f.E, f.beta, f.eg
+    dOe = eg[..., None] * dO
     dVnew = _tr(f.M) @ dO                                      # completed with Kd dS_next below
-    dOe = f.eg[..., None] * dO
-    dS_loc = _tr(f.q) @ dOe
-    dSn = torch.empty_like(f.S_in)
+    qG = f.q.expand_as(f.W).contiguous()
+    VdS = torch.empty_like(f.W)                                # row r: dS_next Vnew_r
+    SdS = torch.empty_like(f.eG)                               # sum(S_in * dS_next)
+    prod = S.new_empty(max((a for _, a in steps), default=0), *S.shape[1:])
 
     def step(sl, dS):
-        dSn[sl] = dS
-        dVnew[sl] += f.Kd[sl] @ dS
-        dS.mul_(f.eG[sl][..., None, None]).add_(dS_loc[sl]).sub_(_tr(f.W[sl]) @ dVnew[sl])
+        torch.matmul(Vn[sl], _tr(dS), out=VdS[sl])
+        SdS[sl] = torch.mul(S[sl], dS, out=prod[: dS.shape[0]]).sum((-2, -1))
+        _add_product(dVnew[sl], f.Kd[sl], dS)
+        _add_product(dS.mul_(f.eG[sl][..., None, None]), _tr(qG[sl]), dOe[sl])
+        _add_product(dS, _tr(f.W[sl]), dVnew[sl], alpha=-1)
 
     bp.run(steps, step, lo)
 
     # every per-chunk gradient, batched over chunks and heads (q is scale * q here)
-    S, Vn, E, bc, eg = f.S_in, f.Vnew, f.E, f.beta, f.eg
-    TdU = _tr(f.Tinv) @ dVnew                                 # T^T dU
+    TdU = _tr(f.Tinv) @ dVnew                                  # T^T dU
     dQi = dOe @ _tr(S)                                         # inter-chunk part of dq
     TdW = (TdU @ _tr(S)).neg_()                                # T^T dW'
     dP = (dO @ _tr(Vn)).mul_(E)
     dAE = (TdW @ _tr(f.W)).add_(TdU @ _tr(f.U)).neg_().tril_(-1).mul_(E)      # dA * E
     dKK = dAE * bc[..., :, None]
-    VdS = Vn @ _tr(dSn)                                        # row r: dS_next Vnew_r
     kTdW = (TdW * f.k).sum(-1)
     # GVA: the qk-head's gradients sum over its value heads (summed before the products with q, k)
     dPs, dKKs = dP.sum(2, keepdim=True), (dKK + _tr(dKK)).sum(2, keepdim=True)
@@ -394,11 +499,10 @@ def chunk_backward(sc, lo, hi, f, steps, bp, q, k, do, scale, use_l2norm):
     X = (dP * f.QK).add_(dKK * f.KK)
     tau = f.eGg * (f.k * VdS).sum(-1)
     local = (f.q * dQi).sum(-1) + bc * eg * kTdW
-    X_below = X.flip(-2).cumsum(-2).flip(-2)                    # [r, s] = sum_{t >= r} X[t, s]
-    strict = torch.ones(sc.C, sc.C, dtype=torch.bool, device=q.device).tril(-1)
-    dG = (local.flip(-1).cumsum(-1).flip(-1) + torch.where(strict, X_below, 0).sum(-1)
-          + torch.nn.functional.pad(tau.cumsum(-1)[..., :-1], (1, 0))
-          + (f.eG * (S * dSn).sum((-2, -1)))[..., None])
+    ones = torch.ones(C, C, dtype=dt, device=q.device)
+    X_below = ones.triu() @ X                                  # [r, s] = sum_{t >= r} X[t, s]
+    dG = (local.flip(-1).cumsum(-1).flip(-1) + torch.where(ones.tril(-1) > 0, X_below, 0).sum(-1)
+          + torch.nn.functional.pad(tau.cumsum(-1)[..., :-1], (1, 0)) + (f.eG * SdS)[..., None])
 
     dQ = dQ * scale
     if use_l2norm:
