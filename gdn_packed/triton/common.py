@@ -22,7 +22,8 @@ def chunk_rows(table, j, C: tl.constexpr):
 @triton.jit
 def padding_after(table, cu_chunks, n, N, T_rows):
     """Padding rows [a, b) that follow sequence n's last real row, up to the first real row of the next
-    sequence that has one (or T_rows). Empty (a == b) when sequence n has no chunks."""
+    sequence that has one (or T_rows). Empty (a == b) when sequence n has no chunks. Clamped to
+    [0, T_rows]: a corrupt cu_seqlens gives zero-length chunks whose start_row may lie outside the rows."""
     c0 = tl.load(cu_chunks + n)
     c1 = tl.load(cu_chunks + n + 1)
     total = tl.load(cu_chunks + N)
@@ -31,6 +32,8 @@ def padding_after(table, cu_chunks, n, N, T_rows):
     nxt = tl.maximum(tl.minimum(c1, total - 1), 0).to(tl.int64)
     b = tl.where(c1 < total, tl.load(table + nxt * 4 + 2).to(tl.int64), T_rows.to(tl.int64))
     a = tl.where(c1 > c0, end, b)
+    b = tl.minimum(tl.maximum(b, 0), T_rows.to(tl.int64))
+    a = tl.minimum(tl.maximum(a, 0), b)
     return a, b
 
 
@@ -38,7 +41,8 @@ def padding_after(table, cu_chunks, n, N, T_rows):
 def padding_before_first(table, cu_chunks, N, T_rows):
     """Padding rows [0, b) before the first real row of the whole packed tensor (b = T_rows if none)."""
     total = tl.load(cu_chunks + N)
-    return tl.where(total > 0, tl.load(table + 2).to(tl.int64), T_rows.to(tl.int64))
+    b = tl.where(total > 0, tl.load(table + 2).to(tl.int64), T_rows.to(tl.int64))
+    return tl.minimum(tl.maximum(b, 0), T_rows.to(tl.int64))
 
 
 @triton.jit
