@@ -23,6 +23,10 @@ BUDGETS = {
 GPU_FP32_BUDGETS = dict(o=2e-3, state=2e-3, grad=3e-3, gate_grad=5e-3)
 
 
+# short test ids of the input dtypes
+DTYPE_ID = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def budgets(dtype, device="cpu"):
     """Error budgets {o, state, grad, gate_grad} for outputs of `dtype` inputs computed on `device`."""
     if dtype == torch.float32 and torch.device(device).type == "cuda":
@@ -151,6 +155,17 @@ def op_backends(op, device):
     ok = {"torch": lambda: True, "triton": lambda: not triton_usable(device),
           "cuda": lambda: device.type == "cuda" and _cuda_ok()}
     return [b for b in BACKENDS[op] if ok[b]()]
+
+
+def backend_params(op, device):
+    """pytest parameters, one per backend of gdn_packed.ops.BACKENDS[op]: those that cannot run on
+    `device` tensors here (op_backends) are skipped with the reason, so a missing backend shows."""
+    import pytest
+    from gdn_packed.ops import BACKENDS
+    here = op_backends(op, device)
+    return [pytest.param(b, marks=pytest.mark.skipif(b not in here, reason=f"backend {b!r} cannot run on "
+                                                     f"{torch.device(device).type} tensors here"))
+            for b in BACKENDS[op]]
 
 
 def gdr_inputs(rows, H, HV, K, V, dtype=torch.float32, *, N=None, batch=1, seed=0, device="cpu",

@@ -18,19 +18,15 @@ import pytest
 import torch
 
 import gdn_packed
-from gdn_packed.ops import BACKENDS as OP_BACKENDS
 from gdn_packed.ops.chunk_gdr import chunk_gdr_fwd
-from gdn_packed.testing import (GDR_CASES, budgets, gdr_case_id, gdr_inputs, layout, no_host_sync, op_backends,
-                                poisoned_outputs, real_rows, reference_gdr, rel_err)
+from gdn_packed.testing import (DTYPE_ID, GDR_CASES, backend_params, budgets, gdr_case_id, gdr_inputs, layout,
+                                no_host_sync, poisoned_outputs, real_rows, reference_gdr, rel_err)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 OP = "chunk_gated_delta_rule"
-HERE = op_backends(OP, DEV)
-BACKENDS = [pytest.param(b, marks=pytest.mark.skipif(b not in HERE, reason=f"backend {b!r} cannot run on {DEV} "
-                                                     "tensors here")) for b in OP_BACKENDS[OP]]
+BACKENDS = backend_params(OP, DEV)
 OTHER_BACKENDS = [p for p in BACKENDS if p.values[0] != "torch"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_ID = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 CASE_IDS = [gdr_case_id(c) for c in GDR_CASES]
 PADDED = [i for i, c in enumerate(GDR_CASES) if c.packing.has_padding]

@@ -1,10 +1,14 @@
 """The chunked gated delta rule as a custom op: opcheck, torch.compile, no host sync, bad input."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import gdn_packed
 from gdn_packed.ops.chunk_gdr import chunk_gdr_bwd, chunk_gdr_fwd
-from gdn_packed.testing import gdr_inputs, layout, no_host_sync, rel_err
+from gdn_packed.testing import backend_params, gdr_inputs, layout, no_host_sync, poisoned_outputs, rel_err
 
 LENS, GAPS, TAIL = [5, 0, 70, 1], [2, 1, 0, 3], 4
 
@@ -131,12 +135,62 @@ def test_value_errors_with_validate(cu, pad, match):
         gdn_packed.chunk_gated_delta_rule(**kw, validate=True)
 
 
-@pytest.mark.parametrize("cu", [[0, 5, 3], [0, 3, 40], [0, -7, 10], [5, 2, 2**30]])
-def test_corrupt_cu_seqlens_without_validate_stays_in_bounds(cu):
+def embedded(t, pad=64):
+    """t copied into the middle of a larger buffer of NaN sentinels: (the view, the buffer)."""
+    buf = torch.full((t.numel() + 2 * pad,), float("nan"), dtype=t.dtype, device=t.device)
+    view = buf[pad:pad + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view, buf
+
+
+def check_corrupt_cu_seqlens(cu, backend):
+    """The op on corrupt cu_seqlens (validate off) with every input a view inside a NaN-filled buffer and
+    outputs NaN-poisoned: no error, the sentinels around the inputs untouched, o and the final state
+    finite (a read outside an input brings NaN in; a row nobody wrote stays NaN), and the rows that
+    no sequence covers exactly 0."""
     kw = _good()
+    views = {}
+    for name in ("q", "k", "v", "g", "beta", "initial_state"):
+        kw[name], views[name] = embedded(kw[name])
     kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
-    o, fs = gdn_packed.chunk_gated_delta_rule(**kw, output_final_state=True)
+    with poisoned_outputs():
+        o, fs = gdn_packed.chunk_gated_delta_rule(**kw, output_final_state=True, backend=backend)
     assert o.shape == kw["v"].shape and fs.shape == kw["initial_state"].shape
+    for name, buf in views.items():
+        pad = buf.numel() - kw[name].numel()
+        assert buf[:pad // 2].isnan().all() and buf[-(pad // 2):].isnan().all(), f"sentinels around {name} changed"
+    assert torch.isfinite(o).all() and torch.isfinite(fs).all()
+    T = o.shape[1]
+    covered = torch.zeros(T, dtype=torch.bool)
+    for a, b in zip(cu[:-1], cu[1:]):
+        covered[max(0, min(a, T)):max(0, min(b, T))] = True
+    assert (o[0, ~covered] == 0).all(), "rows outside every sequence are not 0"
+
+
+CORRUPT = [[0, 5, 3], [0, 3, 40], [0, -7, 10], [5, 2, 2**30]]
+KNOWN_OOB = pytest.mark.xfail(reason="backend='triton' writes out of bounds for cu_seqlens [0, -7, 10] (the "
+                                     "interpreter's heap is corrupted: the process aborts with 'free(): invalid "
+                                     "pointer'); found 2026-12-03", strict=False)
+
+
+@pytest.mark.parametrize("backend", backend_params("chunk_gated_delta_rule", "cpu"))
+@pytest.mark.parametrize("cu", CORRUPT, ids=lambda c: ",".join(map(str, c)))
+def test_corrupt_cu_seqlens_without_validate_stays_in_bounds(cu, backend, request):
+    """In this process, except the known out-of-bounds case of the triton backend (raw pointers: a write
+    out of bounds corrupts the process rather than raising), which runs in a subprocess so that its
+    crash fails this test and not the session."""
+    if not (backend == "triton" and cu == [0, -7, 10]):
+        check_corrupt_cu_seqlens(cu, backend)
+        return
+    request.applymarker(KNOWN_OOB)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import os, sys; os.environ['TRITON_INTERPRET'] = '1'; sys.path[:0] = ['tests', '.']; "
+            "import triton_shim, test_chunk_gdr_op as t; "
+            f"t.check_corrupt_cu_seqlens({cu!r}, 'triton'); print('ok')")
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.returncode, proc.stderr[-2000:])
 
 
 def test_unimplemented_backend_is_clear():
