@@ -1,5 +1,25 @@
-"""Test helpers shared by tests/ and bench/: the float64 per-sequence reference on packed inputs,
-the relative-error metric of docs/DESIGN.md section 7, NaN-poisoned outputs and a host-sync detector."""
+"""Test helpers shared by tests/ and bench/ (docs/DESIGN.md section 7). Not needed at run time.
+
+Numerics
+    BUDGETS, GPU_FP32_BUDGETS, budgets(dtype, device): the error budgets {o, state, grad, gate_grad}.
+    rel_err(x, ref): ||x - ref|| / ||ref|| in float64 (inf when x has NaN/Inf).
+    reference_gdr(...): the float64 per-token recurrence run per sequence, unpacked (differentiable).
+Packed layouts and cases
+    layout(lengths, gaps=, tail=): cu_seqlens, cu_seqlens_padded (or None) and the row count.
+    real_rows(cu_seqlens, cu_seqlens_padded, rows): bool mask of the rows holding a real token.
+    Packing, PACKINGS, PACKING_BY_NAME: the one list of packed layouts every op's specification test runs.
+    GdrCase, GDR_CASES: the chunked op's cases (PACKINGS x heads, head sizes, initial state, l2norm).
+    case_id(packing, *parts, flags=), gdr_case_id(case), DTYPE_ID: test ids.
+    gdr_inputs(rows, H, HV, K, V, dtype, ...): random q, k, v, g, beta (and h0) in the packed layout.
+Backends
+    op_backends(op, device): the backends of gdn_packed.ops.BACKENDS[op] that can run here.
+    backend_params(op, device): one pytest parameter per backend of the op, a skip with the reason
+    for those that cannot run here.
+Guards
+    poisoned_outputs(): ops allocate their outputs filled with NaN inside (a row nobody writes shows).
+    no_host_sync(): raises on any read-back of a tensor to the host inside (CPU stand-in for CUDA's
+    sync debug mode).
+"""
 from contextlib import contextmanager
 from typing import NamedTuple
 
