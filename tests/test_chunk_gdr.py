@@ -285,6 +285,8 @@ FAST_DECAY_TRITON = pytest.mark.xfail(DEV == "cpu", strict=True, reason="triton 
 def test_fast_decay_fp32(seed, backend, request):
     """Megatron's gate init (A in [1, 16]) drives g to about -20 per token: gamma reaches -1e3 within a
     chunk, where exponents formed as differences of two cumulative sums lose ~1e-5 in fp32."""
+    if backend == "triton" and seed == 1:
+        pytest.skip("triton: seed 2 only (interpreter time; it has the larger error, see FAST_DECAY_TRITON)")
     if backend == "triton":
         request.applymarker(FAST_DECAY_TRITON)
     cu, _, rows = layout([300, 65, 1, 127])
