@@ -1,6 +1,27 @@
-"""Test helpers shared by tests/ and bench/: the float64 per-sequence reference on packed inputs,
-the relative-error metric of docs/DESIGN.md section 7, NaN-poisoned outputs and a host-sync detector."""
+"""Test helpers shared by tests/ and bench/ (docs/DESIGN.md section 7). Not needed at run time.
+
+Numerics
+    BUDGETS, GPU_FP32_BUDGETS, budgets(dtype, device): the error budgets {o, state, grad, gate_grad}.
+    rel_err(x, ref): ||x - ref|| / ||ref|| in float64 (inf when x has NaN/Inf).
+    reference_gdr(...): the float64 per-token recurrence run per sequence, unpacked (differentiable).
+Packed layouts and cases
+    layout(lengths, gaps=, tail=): cu_seqlens, cu_seqlens_padded (or None) and the row count.
+    real_rows(cu_seqlens, cu_seqlens_padded, rows): bool mask of the rows holding a real token.
+    Packing, PACKINGS, PACKING_BY_NAME: the one list of packed layouts every op's specification test runs.
+    GdrCase, GDR_CASES: the chunked op's cases (PACKINGS x heads, head sizes, initial state, l2norm).
+    case_id(packing, *parts, flags=), gdr_case_id(case), DTYPE_ID: test ids.
+    gdr_inputs(rows, H, HV, K, V, dtype, ...): random q, k, v, g, beta (and h0) in the packed layout.
+Backends
+    op_backends(op, device): the backends of gdn_packed.ops.BACKENDS[op] that can run here.
+    backend_params(op, device): one pytest parameter per backend of the op, a skip with the reason
+    for those that cannot run here.
+Guards
+    poisoned_outputs(): ops allocate their outputs filled with NaN inside (a row nobody writes shows).
+    no_host_sync(): raises on any read-back of a tensor to the host inside (CPU stand-in for CUDA's
+    sync debug mode).
+"""
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +41,10 @@ BUDGETS = {
 # fp32 inputs on a GPU: the Triton kernels run every fp32 dot at tf32 (gdn_packed/triton/configs.py,
 # dot_precision), so outputs of fp32 inputs on CUDA are held to these (docs/DESIGN.md section 7)
 GPU_FP32_BUDGETS = dict(o=2e-3, state=2e-3, grad=3e-3, gate_grad=5e-3)
+
+
+# short test ids of the input dtypes
+DTYPE_ID = {torch.float32: "fp32", torch.float64: "fp64", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 def budgets(dtype, device="cpu"):
@@ -96,12 +121,71 @@ PACKINGS = [
 PACKING_BY_NAME = {p.name: p for p in PACKINGS}
 
 
+class GdrCase(NamedTuple):
+    """One case of the chunked op's specification test: a packing from PACKINGS crossed with head
+    counts (H qk-heads, HV v-heads), head sizes K, V and the flags (initial state, l2norm in kernel)."""
+    packing: Packing
+    H: int
+    HV: int
+    K: int
+    V: int
+    h0: bool
+    l2: bool
+
+
+def _gdr(name, H, HV, K, V, h0=False, l2=False):
+    return GdrCase(PACKING_BY_NAME[name], H, HV, K, V, h0, l2)
+
+
+# The chunked op's cases (tests/test_chunk_gdr.py runs each on every backend available): every packing,
+# GVA ratios 1/2/4/8, K != V, with and without initial state and l2norm, and K > 128 (192 is not a power
+# of 2: the state's upper K block is masked) on a packing whose 65-token sequence spans two chunks.
+GDR_CASES = [
+    _gdr("one-long", 2, 2, 32, 16),
+    _gdr("mixed", 1, 4, 16, 32, h0=True, l2=True),
+    _gdr("gaps-and-empties", 2, 4, 16, 32, h0=True),
+    _gdr("around-chunk-gaps", 1, 2, 32, 48, l2=True),
+    _gdr("one-token", 1, 8, 16, 16, h0=True, l2=True),
+    _gdr("chunk-multiples", 1, 1, 64, 32, h0=True, l2=True),
+    _gdr("only-padding", 1, 2, 16, 16, h0=True),
+    _gdr("gaps-and-empties", 1, 2, 192, 16, h0=True, l2=True),
+    _gdr("gaps-and-empties", 1, 1, 256, 16),
+]
+
+
+def case_id(packing, *parts, flags=()):
+    """Test id of a case: packing name, N sequences, T real tokens, then `parts` and the names of the
+    true `flags` ((name, bool) pairs), e.g. gaps-and-empties-N4-T66-H2x4-K16-V32-h0."""
+    head = f"{packing.name}-N{len(packing.lengths)}-T{sum(packing.lengths)}"
+    return "-".join([head, *map(str, parts), *(name for name, on in flags if on)])
+
+
 def gdr_case_id(case):
-    """Test id of a packing case (lengths, gaps, tail, H, HV, K, V, initial_state, l2norm), e.g.
-    N3-T254-H1x2-K32-V48-pad-l2."""
-    lens, gaps, tail, H, HV, K, V, h0, l2 = case
-    return (f"N{len(lens)}-T{sum(lens)}-H{H}x{HV}-K{K}-V{V}" + ("-pad" if gaps or tail else "")
-            + ("-h0" if h0 else "") + ("-l2" if l2 else ""))
+    """Test id of a GdrCase, e.g. gaps-and-empties-N4-T66-H2x4-K16-V32-h0-l2."""
+    return case_id(case.packing, f"H{case.H}x{case.HV}", f"K{case.K}", f"V{case.V}",
+                   flags=(("h0", case.h0), ("l2", case.l2)))
+
+
+def op_backends(op, device):
+    """The backends of gdn_packed.ops.BACKENDS[op] that can run on tensors of `device` on this machine
+    (triton on CPU needs the interpreter, cuda needs the built extension and CUDA tensors)."""
+    from gdn_packed.ops import BACKENDS
+    from gdn_packed.ops._common import _cuda_ok, triton_usable
+    device = torch.device(device)
+    ok = {"torch": lambda: True, "triton": lambda: not triton_usable(device),
+          "cuda": lambda: device.type == "cuda" and _cuda_ok()}
+    return [b for b in BACKENDS[op] if ok[b]()]
+
+
+def backend_params(op, device):
+    """pytest parameters, one per backend of gdn_packed.ops.BACKENDS[op]: those that cannot run on
+    `device` tensors here (op_backends) are skipped with the reason, so a missing backend shows."""
+    import pytest
+    from gdn_packed.ops import BACKENDS
+    here = op_backends(op, device)
+    return [pytest.param(b, marks=pytest.mark.skipif(b not in here, reason=f"backend {b!r} cannot run on "
+                                                     f"{torch.device(device).type} tensors here"))
+            for b in BACKENDS[op]]
 
 
 def gdr_inputs(rows, H, HV, K, V, dtype=torch.float32, *, N=None, batch=1, seed=0, device="cpu",

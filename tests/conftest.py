@@ -1,6 +1,7 @@
 """Test session setup. Without a GPU the Triton kernels run under the Triton interpreter: the
 environment variable must be set before anything imports triton, and tests/triton_shim.py then makes
 the interpreter compute like compiled Triton (bf16 math, loop variables, single autotune config)."""
+import importlib.util
 import os
 
 import torch
@@ -17,6 +18,20 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         import triton_shim  # noqa: F401  (tests/ is on sys.path under pytest's rootdir conftest)
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture
+def sm90_toolchain():
+    """For the sm_90 compile tests: skips, with the reason, where triton or its CUDA tools (ptxas,
+    cuobjdump) are absent; fails where triton is installed but its CUDA backend cannot be imported, so
+    that an ImportError never turns those tests into a silent skip."""
+    from bench.sm90 import toolchain_missing
+    why = toolchain_missing()
+    if why and importlib.util.find_spec("triton") is not None and why.startswith("triton is not installed"):
+        pytest.fail(f"triton is installed, yet: {why}")
+    if why:
+        pytest.skip(why)
+
 
 _TABLES = {}
 TABLES_ENV = "GDN_PACKED_TABLES"

@@ -11,38 +11,34 @@ import torch.nn.functional as F
 
 import gdn_packed
 from gdn_packed.ops.chunk_gdr import chunk_gdr_bwd, chunk_gdr_fwd
-from gdn_packed.testing import (BUDGETS, gdr_inputs, layout, poisoned_outputs, real_rows,
-                                reference_gdr, rel_err)
+from gdn_packed.testing import (BUDGETS, PACKING_BY_NAME, GdrCase, backend_params, gdr_case_id, gdr_inputs, layout,
+                                poisoned_outputs, real_rows, reference_gdr, rel_err)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 NAMES = ("o", "state", "dq", "dk", "dv", "da", "db", "dh0", "dA_log", "ddt_bias")
 
-# (lengths, gaps after each sequence, tail rows, H, HV, K, V, l2norm): both with padding
+# packings of gdn_packed.testing.PACKINGS, both with padding, with an initial state
 CASES = [
-    ([65, 0, 1, 0], [3, 0, 7, 1], 5, 2, 4, 16, 32, False),
-    ([127, 64, 63], [1, 64, 0], 9, 1, 2, 32, 16, True),
+    GdrCase(PACKING_BY_NAME["gaps-and-empties"], 2, 4, 16, 32, h0=True, l2=False),
+    GdrCase(PACKING_BY_NAME["around-chunk-gaps"], 1, 2, 32, 16, h0=True, l2=True),
 ]
-
-
-def case_id(c):
-    lens, gaps, tail, H, HV, K, V, l2 = c
-    return f"N{len(lens)}-T{sum(lens)}-H{H}x{HV}-K{K}-V{V}-pad" + ("-l2" if l2 else "")
+CASE_IDS = [gdr_case_id(c) for c in CASES]
 
 
 @functools.lru_cache(maxsize=None)
 def inputs(ci, dtype):
     """(q, k, v, a, b, h0, A_log, dt_bias), cu_seqlens, cu_seqlens_padded, rows, do, dht."""
-    lens, gaps, tail, H, HV, K, V, l2 = CASES[ci]
-    cu, cu_pad, rows = layout(lens, gaps=gaps, tail=tail)
-    q, k, v, _, _, h0 = gdr_inputs(rows, H, HV, K, V, dtype, N=len(lens), initial_state=True,
-                                   unit_k=not l2, seed=ci)
+    c = CASES[ci]
+    cu, cu_pad, rows = c.packing.layout()
+    HV, K, V, N = c.HV, c.K, c.V, len(c.packing.lengths)
+    q, k, v, _, _, h0 = gdr_inputs(rows, c.H, HV, K, V, dtype, N=N, initial_state=c.h0, unit_k=not c.l2, seed=ci)
     gen = torch.Generator().manual_seed(200 + ci)
     a = (torch.randn(1, rows, HV, generator=gen) - 1.0).to(dtype)
     b = torch.randn(1, rows, HV, generator=gen).to(dtype)
     A_log = torch.rand(HV, generator=gen) * 0.5 - 1.0       # decay rates exp(A_log) in [0.37, 0.61]
     dt_bias = torch.randn(HV, generator=gen) * 0.5
     do = torch.randn(1, rows, HV, V, generator=gen).to(dtype)
-    dht = torch.randn(len(lens), HV, K, V, generator=gen)
+    dht = torch.randn(N, HV, K, V, generator=gen)
     to = lambda t: t.to(DEV)  # noqa: E731
     return (tuple(map(to, (q, k, v, a, b, h0, A_log, dt_bias))), to(cu), to(cu_pad), rows, to(do),
             to(dht))
@@ -55,7 +51,7 @@ def run(ci, dtype, backend):
     with poisoned_outputs():
         o, fs = gdn_packed.chunk_gated_delta_rule(
             q, k, v, a, b, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-            cu_seqlens_padded=cu_pad, use_qk_l2norm_in_kernel=CASES[ci][7], A_log=A_log,
+            cu_seqlens_padded=cu_pad, use_qk_l2norm_in_kernel=CASES[ci].l2, A_log=A_log,
             dt_bias=dt_bias, backend=backend)
         grads = torch.autograd.grad((o, fs), (q, k, v, a, b, h0, A_log, dt_bias), (do, dht))
     return dict(zip(NAMES, (o, fs) + grads))
@@ -69,7 +65,7 @@ def reference(ci, dtype):
     g = -torch.exp(A_log) * F.softplus(a + dt_bias)
     beta = torch.sigmoid(b)
     o, fs = reference_gdr(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu.cpu(),
-                          cu_seqlens_padded=cu_pad.cpu(), use_qk_l2norm_in_kernel=CASES[ci][7])
+                          cu_seqlens_padded=cu_pad.cpu(), use_qk_l2norm_in_kernel=CASES[ci].l2)
     grads = torch.autograd.grad((o, fs), (q, k, v, a, b, h0, A_log, dt_bias),
                                 (do.cpu().double(), dht.cpu().double()))
     return dict(zip(NAMES, (o, fs) + grads))
@@ -85,11 +81,11 @@ def errors(ci, dtype, backend):
     return {n: rel_err(got[n].cpu(), ref[n]) for n in NAMES}
 
 
-BACKENDS = ["torch", "triton"]
+BACKENDS = backend_params("chunk_gated_delta_rule", DEV)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("ci", range(len(CASES)), ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("ci", range(len(CASES)), ids=CASE_IDS)
 def test_fp32_matches_float64_reference(ci, backend):
     err = errors(ci, torch.float32, backend)
     assert all(e <= 1e-5 for e in err.values()), {n: f"{e:.2e}" for n, e in err.items()}
@@ -104,7 +100,7 @@ def test_bf16_within_budget(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("ci", range(len(CASES)), ids=[case_id(c) for c in CASES])
+@pytest.mark.parametrize("ci", range(len(CASES)), ids=CASE_IDS)
 def test_padding_rows_of_a_and_b_get_zero_gradient(ci, backend):
     got = cached_run(ci, torch.float32, backend)
     _, cu, cu_pad, rows, _, _ = inputs(ci, torch.float32)
@@ -122,8 +118,9 @@ def test_bit_identical_reruns(backend):
         assert torch.equal(first[n], second[n]), n
 
 
-def test_torch_and_triton_agree():
-    got, ref = cached_run(0, torch.float32, "triton"), cached_run(0, torch.float32, "torch")
+@pytest.mark.parametrize("backend", [p for p in BACKENDS if p.values[0] != "torch"])
+def test_agrees_with_torch_backend(backend):
+    got, ref = cached_run(0, torch.float32, backend), cached_run(0, torch.float32, "torch")
     err = {n: rel_err(got[n], ref[n]) for n in NAMES}
     assert all(e <= 1e-5 for e in err.values()), {n: f"{e:.2e}" for n, e in err.items()}
 

@@ -90,11 +90,8 @@ def declared_fp32_precision():
 
 @functools.lru_cache(maxsize=None)
 def compiled():
-    """{case id: [row per launch]}, from one subprocess that compiles every case."""
-    from bench.sm90 import toolchain_missing
-    why = toolchain_missing()
-    if why:
-        pytest.skip(why)
+    """{case id: [row per launch]}, from one subprocess that compiles every case (the tests ask for the
+    sm90_toolchain fixture of tests/conftest.py first: a skip with the reason where it is absent)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -129,7 +126,7 @@ def _variant_param(c):
 
 
 @pytest.mark.parametrize("case", [_variant_param(c) for c in cases()])
-def test_variant_compiles_for_sm90_without_spills(case, report_table):
+def test_variant_compiles_for_sm90_without_spills(case, report_table, sm90_toolchain):
     rows = compiled()[_case_id(*case)]
     assert rows, "the launchers recorded no launch"
     bad = []
@@ -153,7 +150,7 @@ def test_variant_compiles_for_sm90_without_spills(case, report_table):
     assert not bad, "\n".join(bad)
 
 
-def test_fp32_dots_use_the_declared_precision(report_table):
+def test_fp32_dots_use_the_declared_precision(report_table, sm90_toolchain):
     """Every fp32-operand dot of the fp32 kernels uses the precision the launcher declares (docs/DESIGN.md
     section 7: either tf32x3/ieee with the 1e-5 budget, or tf32 with the GPU budgets)."""
     found = fp32_dot_precisions([r for rows in compiled().values() for r in rows])

@@ -36,10 +36,7 @@ def _run_cli(*args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_small_shape_report_lists_every_launch(tmp_path):
-    why = sm90.toolchain_missing()
-    if why:
-        pytest.skip(why)
+def test_small_shape_report_lists_every_launch(tmp_path, sm90_toolchain):
     out = tmp_path / "r.json"
     proc = _run_cli("--shape", "1,128,2,4,64,64", "--dtype", "bf16", "--no-fla", "--json", str(out),
                     "--csv", str(tmp_path / "r.csv"))
