@@ -388,6 +388,16 @@ def _token_targets(cu_seqlens: Tensor, cu_seqlens_padded: Tensor, num_tokens: in
     return row, ok
 
 
+def _check_layout_args(name, x, shape, cu_seqlens, cu_seqlens_padded):
+    """Metadata checks of the padded-layout converters: x a batch-1 tensor, a cu_seqlens pair."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 2 or x.shape[0] != 1:
+        raise ValueError(f"{name} must be {shape}, got shape {tuple(x.shape)}")
+    _check_cu_meta(cu_seqlens, "cu_seqlens")
+    _check_padded_meta(cu_seqlens, cu_seqlens_padded, "cu_seqlens", "cu_seqlens_padded")
+
+
 def to_padded_layout(packed: Tensor, cu_seqlens: Tensor, cu_seqlens_padded: Tensor,
                      total_rows: int) -> Tensor:
     """Scatter ``packed [1, T, ...]`` into padded storage ``[1, total_rows, ...]``; padding rows 0.
@@ -396,12 +406,7 @@ def to_padded_layout(packed: Tensor, cu_seqlens: Tensor, cu_seqlens_padded: Tens
     Tokens that would land outside their slot or outside ``[0, total_rows)``, and rows of ``packed``
     at or after ``cu_seqlens[-1]``, are dropped. Differentiable w.r.t. ``packed``. **[no sync]**
     """
-    if not isinstance(packed, Tensor):
-        raise TypeError(f"packed must be a torch.Tensor, got {type(packed).__name__}")
-    if packed.dim() < 2 or packed.shape[0] != 1:
-        raise ValueError(f"packed must be [1, T, ...], got shape {tuple(packed.shape)}")
-    _check_cu_meta(cu_seqlens, "cu_seqlens")
-    _check_padded_meta(cu_seqlens, cu_seqlens_padded, "cu_seqlens", "cu_seqlens_padded")
+    _check_layout_args("packed", packed, "[1, T, ...]", cu_seqlens, cu_seqlens_padded)
     total_rows = _check_int(total_rows, "total_rows")
     cu = cu_seqlens.to(packed.device)
     padded = cu_seqlens_padded.to(packed.device)
@@ -422,12 +427,7 @@ def from_padded_layout(x: Tensor, cu_seqlens: Tensor, cu_seqlens_padded: Tensor,
     **[sync]** ``T = cu_seqlens[-1]`` is read from the device unless ``total`` is given (with a
     larger hint the extra rows are 0). Rows whose source lies outside ``x`` are 0.
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() < 2 or x.shape[0] != 1:
-        raise ValueError(f"x must be [1, R, ...], got shape {tuple(x.shape)}")
-    _check_cu_meta(cu_seqlens, "cu_seqlens")
-    _check_padded_meta(cu_seqlens, cu_seqlens_padded, "cu_seqlens", "cu_seqlens_padded")
+    _check_layout_args("x", x, "[1, R, ...]", cu_seqlens, cu_seqlens_padded)
     t = int(cu_seqlens[-1]) if total is None else _check_int(total, "total")  # sync without hint
     r = x.shape[1]
     feat = x.shape[2:]
