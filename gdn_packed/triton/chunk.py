@@ -90,7 +90,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 
     Scratch per token x value head (K = V = 128, bf16, G = HV // H = 2): S^T 512 B and X'^T 256 B in
     the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 1024 B and
-    dX'^T 512 B fp32 (dstate); dgam / dbeta partials 8 B per K-block (64 B at NK = 8): ~2.7 kB; with
+    dX'^T 512 B fp32 (dstate); dg / dbeta partials 8 B per K-block (64 B at NK = 8): ~2.7 kB; with
     l2norm the fp32 dq, dk before the l2norm backward (1 kB per token x qk head)."""
     _check_chunk(C)
     T, H, K = q.shape

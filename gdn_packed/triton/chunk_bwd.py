@@ -13,9 +13,10 @@ and in parallel, with dM = dO U^T, dA = -dX' U^T, Pm = scale dM E (j <= i), DA =
     dQ^ = scale eg dO S^T + Pm K^
     dK^ = Pm^T Q^ - beta eg dX' S^T + w U dSn^T + beta DA K^ + DA^T (beta K^)
     dbeta = dX'.v - eg k^.(dX' S^T) + k^.(DA K^)                 (row dots: no C x C Gram matrix)
-    dgam  = q^.dQ^ - k^.(Pm^T Q^) + beta k^.(DA K^) - k^.(DA^T beta K^) - beta eg k^.(dX' S^T) - tau,
-            tau_i = w_i k^_i.(U dSn^T)_i; the last real row also gets sum(tau) + egL <S, dSn>
-    dg  = reverse cumsum of dgam within the chunk;  l2norm: dq = rq (dQ^ - q^ (q^.dQ^)) (same for k).
+    dgam  = q^.dQ^ - k^.(Pm^T Q^) + beta k^.(DA K^) - k^.(DA^T beta K^) - beta eg k^.(dX' S^T),
+            tau_i = w_i k^_i.(U dSn^T)_i
+    dg_i = sum_{i' >= i} dgam_i' + sum_{i' < i} tau_i' + egL <S, dSn>   (in-chunk; Pm's diagonal,
+            E_ii = 1, cancels between the q^.dQ^ and k^.(Pm^T Q^) terms and is left out of both);  l2norm: dq = rq (dQ^ - q^ (q^.dQ^)) (same for k).
 (Checked against autograd of the float64 recurrence to 1e-15 by a torch prototype of these formulas.)
 
 Launches (grids depend only on T, N and the shapes; unused chunk slots exit at once; fastest grid axis
@@ -30,8 +31,9 @@ first):
   chunk_bwd_grads_kernel   grid (cdiv(K, BK), H, NC): one program per K-block, qk head and chunk slot;
       loops the G value heads of the qk head and the V-blocks; dq, dk of the group summed in registers
       (no GVA partials); writes dq, dk (input dtype; fp32 pre-l2norm values with l2norm) and the
-      dgam / dbeta partials of its K-block [NK, T, HV] fp32.
-  chunk_bwd_finalize_kernel grid (H, NC): dg = reverse cumsum of the summed dgam partials, dbeta, and
+      dg / dbeta partials of its K-block [NK, T, HV] fp32 (dg's cumsums are linear: each K-block's share
+      is summed already).
+  chunk_bwd_finalize_kernel grid (H, NC): dg, dbeta = the sums of their K-block partials, and
       the l2norm backward of dq, dk.
 Deterministic: no atomics; every scratch element has one writer; every sum runs in a fixed order.
 
@@ -145,7 +147,7 @@ def _rowdot(a, b):
 
 
 @triton.jit
-def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, dxp, dq, dk, dgam_part,
+def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, dxp, dq, dk, dg_part,
                            dbeta_part, table, scale, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr,
                            C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
@@ -169,7 +171,8 @@ def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, 
     p_rn = (j * HV + i_qh * G) * (2 * C)
     b_rq = tl.load(rn + p_rn + o_c)                                   # (the group shares rq, rk)
     b_rk = tl.load(rn + p_rn + C + o_c)
-    causal = o_c[:, None] >= o_c[None, :]
+    lower = o_c[:, None] > o_c[None, :]
+    diag = o_c[:, None] == o_c[None, :]
     len_v = tl.where(i_k == 0, length, 0)                             # dX'.v: K-block 0 only
     b_dq = tl.zeros([C, BK], dtype=tl.float32)                        # rq dQ^ of the group
     b_dk = tl.zeros([C, BK], dtype=tl.float32)                        # rk dK^ of the group
@@ -219,16 +222,21 @@ def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, 
             b_dk += b_g3[:, None] * b_f
         b_E = segment_decay(g, rows, length, HV, i_h, C)
         b_beta = _gate_row(gates, j, i_h, HV, 0, C)
-        b_pm = tl.where(causal, scale * b_dM * b_E, 0.)                  # Pm
-        b_da = tl.where(o_c[:, None] > o_c[None, :], -b_dA * b_E, 0.)     # DA
+        # Pm split into its strict lower part and its diagonal: the diagonal (E_ii = 1) has no gate
+        # gradient, and left in the two dots below it would enter dgam as row sum - column sum of
+        # the same value from two roundings, noise the reverse cumsum accumulates (fast decay: the
+        # true dgam is tiny there, the noise is not)
+        b_pm = tl.where(lower, scale * b_dM * b_E, 0.)                    # Pm, strictly lower
+        b_pd = tl.sum(tl.where(diag, scale * b_dM * b_E, 0.), 1)          # Pm_ii
+        b_da = tl.where(lower, -b_dA * b_E, 0.)                           # DA
         zero = tl.zeros([C, BK], dtype=tl.float32)
         b_kf, b_qf = b_k.to(tl.float32), b_q.to(tl.float32)
         b_t = tl.dot(b_pm * b_rk[None, :], b_kf, zero, input_precision=PREC)                 # Pm K^
         b_qM = b_rq * _rowdot(b_q, b_t)
-        b_dq += b_rq[:, None] * b_t
+        b_dq += b_rq[:, None] * (b_t + (b_pd * b_rk)[:, None] * b_kf)
         b_t = tl.dot(tl.trans(b_pm * b_rq[:, None]), b_qf, zero, input_precision=PREC)       # Pm^T Q^
         b_colP = b_rk * _rowdot(b_k, b_t)
-        b_dk += b_rk[:, None] * b_t
+        b_dk += b_rk[:, None] * (b_t + (b_pd * b_rq)[:, None] * b_qf)
         b_t = tl.dot(b_da * b_rk[None, :], b_kf, zero, input_precision=PREC)                 # DA K^
         b_rowA = b_rk * _rowdot(b_k, b_t)
         b_dk += (b_rk * b_beta)[:, None] * b_t
@@ -238,12 +246,15 @@ def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, 
         b_dk += b_rk[:, None] * b_t
         b_eg = _gate_row(gates, j, i_h, HV, 1, C)                       # eg rk
         b_tau = b_g3 * b_kF2
-        b_dgam = (b_g2 * b_qF + b_qM - b_colP + b_beta * b_rowA - b_colA - b_beta * b_eg * b_kF1 - b_tau)
-        b_last = tl.sum(b_tau, 0) + tl.load(eg_last + p_slot) * tl.sum(b_sds, 0)
-        b_dgam += tl.where(o_c == length - 1, b_last, 0.)
+        b_dgam = b_g2 * b_qF + b_qM - b_colP + b_beta * b_rowA - b_colA - b_beta * b_eg * b_kF1
+        # this K-block's share of dg: the reverse cumsum of dgam, plus tau's share sum_{i' < i} tau_i'
+        # as a forward cumsum (not sum(tau) - sum_{i' >= i} tau_i', which cancels when w puts all of
+        # tau on the last rows: fast decay), plus egL <S, dSn> on every row
+        b_dg = (tl.cumsum(b_dgam, 0, reverse=True) + (tl.cumsum(b_tau, 0) - b_tau)
+                + tl.load(eg_last + p_slot) * tl.sum(b_sds, 0))
         b_db = b_dxv - b_eg * b_kF1 + b_rowA
         p_part = (i_k * T + rows) * HV + i_h
-        tl.store(dgam_part + p_part, b_dgam, mask=m_c)
+        tl.store(dg_part + p_part, b_dg, mask=m_c)
         tl.store(dbeta_part + p_part, b_db, mask=m_c)
     tl.store(dq + p_qk + o_qk, b_dq.to(dq.dtype.element_ty), mask=m_qk)
     tl.store(dk + p_qk + o_qk, b_dk.to(dk.dtype.element_ty), mask=m_qk)
@@ -256,7 +267,7 @@ def _l2norm_bwd(x, dxr, r):
 
 
 @triton.jit
-def chunk_bwd_finalize_kernel(q, k, dq_pre, dk_pre, rn, dgam_part, dbeta_part, dq, dk, dg, dbeta, table,
+def chunk_bwd_finalize_kernel(q, k, dq_pre, dk_pre, rn, dg_part, dbeta_part, dq, dk, dg, dbeta, table,
                               T, H, HV, K: tl.constexpr, C: tl.constexpr, BKP: tl.constexpr,
                               NK: tl.constexpr, USE_L2: tl.constexpr):
     i_qh, j = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -268,14 +279,13 @@ def chunk_bwd_finalize_kernel(q, k, dq_pre, dk_pre, rn, dgam_part, dbeta_part, d
     rows, m_c = start + o_c, o_c < length
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
-        b_dgam = tl.zeros([C], dtype=tl.float32)
+        b_dg = tl.zeros([C], dtype=tl.float32)
         b_db = tl.zeros([C], dtype=tl.float32)
         for i_k in range(0, NK):
             p_part = (i_k * T + rows) * HV + i_h
-            b_dgam += tl.load(dgam_part + p_part, mask=m_c, other=0.)
+            b_dg += tl.load(dg_part + p_part, mask=m_c, other=0.)
             b_db += tl.load(dbeta_part + p_part, mask=m_c, other=0.)
-        tl.store(dg + rows * HV + i_h, tl.cumsum(b_dgam, 0, reverse=True).to(dg.dtype.element_ty),
-                 mask=m_c)
+        tl.store(dg + rows * HV + i_h, b_dg.to(dg.dtype.element_ty), mask=m_c)
         tl.store(dbeta + rows * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_c)
     if USE_L2:
         o_k = tl.arange(0, BKP)
