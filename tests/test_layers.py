@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from gdn_packed import packing
 from gdn_packed.layers import (GatedAttention, GatedDeltaNet, GDNState, HybridConfig, HybridLM,
                                hf_qwen3_next_gdn_state_dict, next_token_targets)
-from gdn_packed.testing import BUDGETS, no_host_sync, rel_err
+from gdn_packed.testing import BUDGETS, layout, no_host_sync, rel_err
 from gdn_packed.torch_ref.gated_rmsnorm import gated_rmsnorm_ref
 from gdn_packed.torch_ref.naive import naive_recurrent_gdr
 
@@ -421,3 +421,18 @@ def test_example_trains_two_steps():
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "step 2" in out.stdout
+
+
+def test_mixers_share_one_contract():
+    """HybridBlock calls mixer.mix on either kind: [1, R, hidden] -> [1, R, hidden]; GatedDeltaNet's
+    forward_packed keeps its (y, GDNState or None) return, y the same as mix."""
+    torch.manual_seed(0)
+    cu, pad, rows = layout([5, 0, 9], gaps=[2, 1, 0], tail=3)
+    x = torch.randn(1, rows, 32)
+    gdn, attn = GatedDeltaNet(32, 2, 4, 8, 8), GatedAttention(32, 4, 2, 16)
+    with torch.no_grad():
+        for m in (gdn, attn):
+            assert m.mix(x, cu, pad).shape == x.shape
+        y, state = gdn.forward_packed(x, cu, pad, None, True)
+        assert torch.equal(y, gdn.mix(x, cu, pad)) and state.recurrent.shape[0] == 3
+        assert gdn.forward_packed(x, cu, pad)[1] is None

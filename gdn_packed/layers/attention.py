@@ -126,6 +126,10 @@ class GatedAttention(nn.Module):
         xp, cu, cu_pad, restore = as_packed(x, cu_seqlens, cu_seqlens_padded, attention_mask)
         return restore(self.forward_packed(xp, cu, cu_pad, max_seqlen=max_seqlen))
 
+    def mix(self, x, cu_seqlens, cu_seqlens_padded=None, *, max_seqlen=None):
+        """The mixer contract of gdn_packed.layers (GatedDeltaNet.mix too): forward_packed."""
+        return self.forward_packed(x, cu_seqlens, cu_seqlens_padded, max_seqlen=max_seqlen)
+
     def forward_packed(self, x, cu_seqlens, cu_seqlens_padded=None, *, max_seqlen=None):
         """x [1, R, hidden] packed rows -> [1, R, hidden], 0 on padding rows."""
         R, H, Hkv, D = x.shape[1], self.num_heads, self.num_kv_heads, self.head_dim

@@ -89,19 +89,18 @@ class GatedDeltaNet(nn.Module):
         """x -> y (same shape), or (y, GDNState) with output_final_state. initial_state: a GDNState
         (either part may be None) with one entry per sequence (N = len(cu_seqlens) - 1, or B)."""
         xp, cu, cu_pad, restore = as_packed(x, cu_seqlens, cu_seqlens_padded, attention_mask)
-        y, state = self.forward_packed_with_state(xp, cu, cu_pad, initial_state, output_final_state)
+        y, state = self.forward_packed(xp, cu, cu_pad, initial_state, output_final_state)
         y = restore(y)
         return (y, state) if output_final_state else y
 
-    def forward_packed(self, x, cu_seqlens, cu_seqlens_padded=None, initial_state=None, *,
-                       max_seqlen=None):
-        """x [1, R, hidden] packed rows -> y [1, R, hidden]: the contract every mixer of
-        gdn_packed.layers shares (GatedAttention.forward_packed too). max_seqlen is accepted for
-        that contract and not needed here. No host sync. The final state: forward_packed_with_state."""
-        return self.forward_packed_with_state(x, cu_seqlens, cu_seqlens_padded, initial_state)[0]
+    def mix(self, x, cu_seqlens, cu_seqlens_padded=None, *, max_seqlen=None):
+        """x [1, R, hidden] packed rows -> y [1, R, hidden]: the mixer contract of gdn_packed.layers
+        (GatedAttention.mix too; HybridBlock calls it). max_seqlen is part of that contract and not
+        needed here. No host sync."""
+        return self.forward_packed(x, cu_seqlens, cu_seqlens_padded)[0]
 
-    def forward_packed_with_state(self, x, cu_seqlens, cu_seqlens_padded=None, initial_state=None,
-                                  output_final_state=False):
+    def forward_packed(self, x, cu_seqlens, cu_seqlens_padded=None, initial_state=None,
+                       output_final_state=False):
         """x [1, R, hidden] packed rows -> (y [1, R, hidden], GDNState or None unless
         output_final_state). No host sync."""
         Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim

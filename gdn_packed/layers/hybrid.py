@@ -85,8 +85,7 @@ class HybridBlock(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.init_std, out_init_std, **kw)
 
     def forward_packed(self, h, cu_seqlens, cu_seqlens_padded=None, max_seqlen=None):
-        h = h + self.mixer.forward_packed(self.input_norm(h), cu_seqlens, cu_seqlens_padded,
-                                          max_seqlen=max_seqlen)
+        h = h + self.mixer.mix(self.input_norm(h), cu_seqlens, cu_seqlens_padded, max_seqlen=max_seqlen)
         return h + self.mlp(self.mlp_norm(h))
 
 
