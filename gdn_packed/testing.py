@@ -170,11 +170,8 @@ def op_backends(op, device):
     """The backends of gdn_packed.ops.BACKENDS[op] that can run on tensors of `device` on this machine
     (triton on CPU needs the interpreter, cuda needs the built extension and CUDA tensors)."""
     from gdn_packed.ops import BACKENDS
-    from gdn_packed.ops._common import _cuda_ok, triton_usable
-    device = torch.device(device)
-    ok = {"torch": lambda: True, "triton": lambda: not triton_usable(device),
-          "cuda": lambda: device.type == "cuda" and _cuda_ok()}
-    return [b for b in BACKENDS[op] if ok[b]()]
+    from gdn_packed.ops._common import backend_usable
+    return [b for b in BACKENDS[op] if backend_usable(b, torch.device(device))]
 
 
 def backend_params(op, device):

@@ -76,7 +76,7 @@ def resolve_backend(backend, device, *, have=("torch",), refuse=None):
     if backend == "auto":
         if device.type == "cuda":
             for b in have:
-                if b != "torch" and _usable(b, device) and (refuse is None or refuse(b) is None):
+                if b != "torch" and backend_usable(b, device) and (refuse is None or refuse(b) is None):
                     return b
         return "torch"
     if backend not in have:
@@ -109,10 +109,14 @@ def refuse_float64(x):
     return refuse
 
 
-def _usable(backend, device):
+def backend_usable(backend, device) -> bool:
+    """Whether `backend` can run on tensors of `device` on this machine (torch always; triton on CUDA,
+    or on CPU under the interpreter; cuda with gdn_packed._C and CUDA tensors)."""
     if backend == "triton":
         return not triton_usable(device)
-    return backend == "cuda" and _cuda_ok()
+    if backend == "cuda":
+        return device.type == "cuda" and _cuda_ok()
+    return backend == "torch"
 
 
 def _cuda_ok():
