@@ -191,6 +191,7 @@ class Compiled:
     bytes_ld: float = 0.0           # per program, tile loads x loop trips
     bytes_st: float = 0.0
     seq_loop: bool = False          # a loop with a run-time trip count holds a dot (the chunk loop)
+    seq_trips: int = 0              # its trip count (the most, if several)
     dots: list = dataclasses.field(default_factory=list)   # (a type, b type, input precision) per tt.dot
     loop: dict = dataclasses.field(default_factory=dict)   # per-iteration SASS counts of the HGMMA loop
     hgmma: int = 0                  # whole-kernel SASS counts
@@ -253,7 +254,10 @@ def build(launch):
 
 def compile_launch(launch, seq_chunks):
     """Compiles one recorded launch for sm_90 and reads it (see Compiled). seq_chunks: the trip count
-    assumed for a data-dependent loop that holds a dot (chunks per sequence at the report's shape)."""
+    assumed for a data-dependent loop that holds a dot (chunks per sequence at the report's shape); a
+    kernel that splits every sequence into segments says so with a run-time scalar argument named
+    `segments`, and its data-dependent chunk loop counts cdiv(seq_chunks, segments) trips."""
+    seq_chunks = -(-seq_chunks // max(1, int(launch.scalars.get("segments", 1))))
     key = (_build_key(launch), seq_chunks, repr(sorted(launch.scalars.items())))
     if key in _READS:
         return _READS[key]
@@ -266,8 +270,8 @@ def compile_launch(launch, seq_chunks):
     out.regs = int(re.search(r"REG:(\d+)", b["resources"]).group(1))
     out.spill = sum(int(x) for x in re.findall(r"(?:STACK|LOCAL):(\d+)", b["resources"]))
     ir = read_ttir(b["ttir"], launch.scalars, seq_chunks)
-    out.flops, out.bytes_ld, out.bytes_st, out.seq_loop, out.dots = (
-        ir["flops"], ir["ld"], ir["st"], ir["seq_loop"], ir["dots"])
+    out.flops, out.bytes_ld, out.bytes_st, out.seq_loop, out.seq_trips, out.dots = (
+        ir["flops"], ir["ld"], ir["st"], ir["seq_loop"], ir["seq_trips"], ir["dots"])
     ins = sass_instructions(b["sass"])
     out.hgmma = sum(op.startswith("HGMMA") for _, op, _ in ins)
     out.hmma = sum(op.startswith("HMMA") for _, op, _ in ins)
@@ -378,11 +382,11 @@ def _int_values(text, scalars):
 def read_ttir(text, scalars, seq_chunks):
     """Per-program FLOPs (tt.dot: 2 M N K), loaded/stored tile bytes, the dots' operand types and input
     precision, and whether a loop whose trip count is not a compile-time constant holds a dot (the
-    sequential chunk loop). Trip counts come from constants and the scalar arguments; a loop whose
-    bounds are loaded from memory runs seq_chunks times if it holds a dot (the chunk loop) and 0 times
-    if not (padding rows: the report's shapes have none); both branches of an if are counted."""
+    sequential chunk loop) and its trip count. Trip counts come from constants and the scalar arguments;
+    a loop whose bounds are loaded from memory runs seq_chunks times if it holds a dot (the chunk loop)
+    and 0 times if not (padding rows: the report's shapes have none); both branches of an if are counted."""
     vals, consts = _int_values(text, scalars), _int_values(text, {})
-    acc = dict(flops=0.0, ld=0.0, st=0.0, seq_loop=False, dots=[])
+    acc = dict(flops=0.0, ld=0.0, st=0.0, seq_loop=False, seq_trips=0, dots=[])
 
     def has_dot(node):
         return any(has_dot(x) if isinstance(x, dict) else " tt.dot " in x for x in node["items"])
@@ -393,12 +397,13 @@ def read_ttir(text, scalars, seq_chunks):
                 m = re.search(r"scf\.for %[\w.-]+ = (%[\w.#-]+) to (%[\w.#-]+) step (%[\w.#-]+)", x["head"])
                 trips = 1
                 if m:
-                    acc["seq_loop"] |= has_dot(x) and any(v not in consts for v in m.groups())
                     lb, ub, st = (vals.get(v) for v in m.groups())
                     if None in (lb, ub, st):
                         trips = seq_chunks if has_dot(x) else 0
                     else:
                         trips = max(0, -(-(ub - lb) // st))
+                    if has_dot(x) and any(v not in consts for v in m.groups()):
+                        acc["seq_loop"], acc["seq_trips"] = True, max(acc["seq_trips"], trips)
                 walk(x, mult * trips)
             elif " tt.dot " in x:
                 m = re.search(r": tensor<(\d+)x(\d+)x(\w+)> \* tensor<(\d+)x(\d+)x(\w+)>", x)
@@ -569,7 +574,7 @@ def _rows_of(case, kappa):
         best = None
         for lc in cands:
             c = compile_launch(lc, seq_chunks)
-            est = M.estimate(lc.programs, lc.num_warps, c, seq_chunks, kappa) if not c.error else dict(est_s=math.inf)
+            est = M.estimate(lc.programs, lc.num_warps, c, kappa) if not c.error else dict(est_s=math.inf)
             if best is None or est["est_s"] < best[2]["est_s"]:
                 best = (lc, c, est)
         lc, c, est = best

@@ -6,9 +6,10 @@ Per launch, from bench/sm90.py's Compiled facts and the launch's grid:
     bytes    = programs x tile bytes loaded and stored per program (no L2 reuse credited)
     FLOPs    = programs x 2 M N K of every tt.dot executed per program (masked lanes included)
     t_mem    = bytes / 4.3 TB/s;  t_tc = FLOPs / (790 TFLOP/s bf16/fp16, 395 for tf32)
-    t_loop   = waves x chunks per sequence x (kappa x instructions + MMA issue cycles) / 1.98 GHz
-               (only for kernels whose dot loop has a data-dependent trip count: the sequential
-               chunk pass; the SASS counts are those of one iteration of that loop)
+    t_loop   = waves x trips x (kappa x instructions + MMA issue cycles) / 1.98 GHz
+               (only for kernels whose dot loop has a run-time trip count: the sequential chunk
+               pass, trips = chunks per sequence (per segment where the kernel splits sequences),
+               or a loop over segments; the SASS counts are those of one iteration of that loop)
     t        = max(t_mem x tail, t_tc x tail, t_loop) + 2.5 us launch,  tail = waves x slots / programs
                (infinite when not one CTA fits an SM: such an autotune config is never picked)
 kappa (cycles per non-MMA instruction of the latency-bound loop) is the one free constant: it is set
@@ -35,7 +36,7 @@ def ctas_per_sm(regs, smem, warps):
     return max(0, min(by_regs, by_smem, 64 // warps, 32))
 
 
-def estimate(programs, warps, c, seq_chunks, kappa):
+def estimate(programs, warps, c, kappa):
     """Model numbers of one launch (c: bench.sm90.Compiled) as a dict."""
     ctas = ctas_per_sm(c.regs, c.smem, warps)
     slots = max(1, ctas) * NUM_SMS
@@ -49,7 +50,7 @@ def estimate(programs, warps, c, seq_chunks, kappa):
     t_loop, cycles = 0.0, 0.0
     if c.seq_loop and c.loop:
         cycles = kappa * c.loop["instr"] + c.loop["mma_cycles"]
-        t_loop = waves * seq_chunks * cycles / CLOCK_HZ
+        t_loop = waves * c.seq_trips * cycles / CLOCK_HZ
     parts = {"mem": t_mem, "tc": t_tc, "loop": t_loop}
     bound = max(parts, key=parts.get) if ctas else "nofit"
     if not ctas:            # more shared memory or registers than an SM has: cannot launch

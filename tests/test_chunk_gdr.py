@@ -342,3 +342,33 @@ def test_no_worse_than_fla(ci, dtype, backend, report_table, request):
                                                                       for n in ours))
     worse = {n: f"ours {ours[n]:.2e} > 1.1 x FLA {fla[n]:.2e}" for n in ours if ours[n] > 1.1 * fla[n]}
     assert not worse, worse
+
+
+SEGMENTED = [1, 2, 5]     # mixed (h0, l2, GVA 4), gaps-and-empties (h0), chunk-multiples (K 64, h0, l2)
+
+
+@pytest.mark.parametrize("segments", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_ID.get)
+@cases(SEGMENTED)
+def test_segmented_state_pass(ci, dtype, segments, monkeypatch):
+    """The Triton state pass with every sequence split into segments (pass A from zero states with the
+    segment transitions, the combine of the boundary states, the pass from the entering states:
+    gdn_packed/triton/chunk.py). configs.state_segments picks segments only for few long sequences on
+    many SMs, so here they are forced, with sequences shorter than the segment count (empty segments),
+    zero-length ones and padding: o, state and every gradient within the budgets, padding exactly 0,
+    and bf16 no more than 1.1x the error of the unsegmented pass on the same inputs."""
+    if "triton" not in [p.values[0] for p in BACKENDS]:
+        pytest.skip("the triton backend cannot run here")
+    from gdn_packed.triton import chunk as triton_chunk
+    monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, **kw: segments)
+    got, ref, names = run(ci, dtype, "triton"), reference(ci, dtype), ("o", "state") + GRADS
+    err = errors(got, ref, names)
+    assert not over_budget(err, dtype), over_budget(err, dtype)
+    pad = padding(ci)
+    for n in ("o",) + GRADS[:5]:
+        assert torch.isfinite(got[n]).all() and (got[n][0, pad] == 0).all(), n
+    if dtype == torch.bfloat16:
+        monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, **kw: 1)
+        base = errors(result(ci, dtype, "triton"), ref, names)
+        worse = {n: f"{err[n]:.2e} > 1.1 x {base[n]:.2e}" for n in names if err[n] > 1.1 * base[n]}
+        assert not worse, worse

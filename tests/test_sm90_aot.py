@@ -3,7 +3,8 @@
 
 The launches are not listed here: bench/sm90.py runs the op bodies (backend="triton") on meta tensors
 with JITFunction.run recording each launch (kernel, signature, constexprs, options, grid) instead of
-running it, for every case below, and compiles each distinct launch with triton.compile for sm_90 (in
+running it, for every case below at two shapes (HOT: many programs, every sequence one pass; LONG: few
+long sequences, the segmented passes with their pass A and combine kernels), and compiles each distinct launch with triton.compile for sm_90 (in
 a subprocess without TRITON_INTERPRET, which replaces @triton.jit with something AOT cannot compile).
 Cases (cases()): the full sweep (GDN_PACKED_AOT=full, `make test-aot`) is every variant (l2norm,
 initial state, final-state gradient dht, gates from raw a/b: all 16 combinations) in bf16, fp16 and
@@ -26,6 +27,7 @@ SMEM_LIMIT = 227 * 1024
 FLAGS = ("l2norm", "h0", "dht", "gates")
 DTYPES = ("bf16", "fp16", "fp32")
 HOT = (2, 128, 16, 32)          # N, L, H, HV: head counts only change index constants, not tiles
+LONG = (1, 4096, 2, 4)          # few long sequences: the segmented state passes (configs.state_segments)
 SQUARE = (16, 64, 256)                   # K = V, default and all-on variants (128: every variant)
 MIXED = [(16, 256), (256, 16), (64, 128)]  # K != V, all-on variant
 
@@ -60,8 +62,9 @@ def _compile_all():
     with sm90.fake_hopper(), rec.active():
         for dt, K, V, flags in cases():
             rec.launches = []
-            sm90.record_ours(rec, HOT[:2] + HOT[2:] + (K, V), getattr(torch, sm90._DTYPES[dt]), ("fwd", "bwd"),
-                             **dict(zip(FLAGS, flags)))
+            for shape in (HOT, LONG):
+                sm90.record_ours(rec, shape + (K, V), getattr(torch, sm90._DTYPES[dt]), ("fwd", "bwd"),
+                                 **dict(zip(FLAGS, flags)))
             recorded += [(_case_id(dt, K, V, flags), lc) for lc in rec.launches]
     sm90.compile_all([lc for _, lc in recorded], log=lambda m: print(m, file=sys.stderr),
                      workers=max(1, min(4, os.cpu_count() or 1)))
@@ -148,6 +151,14 @@ def test_variant_compiles_for_sm90_without_spills(case, report_table, sm90_toolc
         if low and "-K128-V128-" in r["case"] and not r["hgmma"]:
             bad.append(f"{r['kernel']} {r['config']}: bf16/fp16 dots but no HGMMA (warpgroup MMA) in the SASS")
     assert not bad, "\n".join(bad)
+
+
+def test_long_shape_reaches_the_segmented_passes(sm90_toolchain):
+    """The LONG shape is there for the segmented state passes: their combine kernel is among the
+    compiled launches of the anchor path in every dtype (else the harness would not compile them)."""
+    for dt in DTYPES:
+        kernels = {r["kernel"] for r in compiled()[_case_id(dt, 128, 128, (False,) * 4)]}
+        assert "chunk_combine_kernel" in kernels, (dt, sorted(kernels))
 
 
 def test_fp32_dots_use_the_declared_precision(report_table, sm90_toolchain):

@@ -98,7 +98,7 @@ def test_ttir_reader_counts_tiles_and_trips():
     assert r["ld"] == 4 + 3 * 64 * 32 * 2
     assert r["st"] == (5 + 4) * 64 * 16 * 4
     assert r["flops"] == 3 * 2 * 64 * 16 * 32 + 5 * 2 * 64 * 16 * 64
-    assert r["seq_loop"]
+    assert r["seq_loop"] and r["seq_trips"] == 5
     assert sorted(set(r["dots"])) == [("bf16", "bf16", "tf32"), ("f32", "f32", "tf32x3")]
 
 

@@ -8,9 +8,9 @@ import triton
 
 from gdn_packed.triton.chunk_bwd import (chunk_bwd_dstate_kernel, chunk_bwd_finalize_kernel,
                                         chunk_bwd_grads_kernel)
-from gdn_packed.triton.chunk_fwd import chunk_fwd_prep_kernel, chunk_fwd_state_kernel
-from gdn_packed.triton.configs import (CHUNK, bwd_configs, dot_precision, prep_config, smem_kb,
-                                      state_config)
+from gdn_packed.triton.chunk_fwd import chunk_combine_kernel, chunk_fwd_prep_kernel, chunk_fwd_state_kernel
+from gdn_packed.triton.configs import (CHUNK, bwd_configs, combine_config, dot_precision, num_sms,
+                                      prep_config, smem_kb, state_config, state_segments)
 
 # input_precision of every dot with fp32 operands in the fp32 path (configs.dot_precision: tf32, so
 # fp32 inputs are held to the GPU fp32 budgets on a GPU); tests/test_sm90_aot.py reads the compiled
@@ -41,23 +41,77 @@ def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, store_m=False):
     return gates, eg_last, rn, ts, mt
 
 
-def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=None, x_out=None):
-    """Launches chunk_fwd_state_kernel, grid (cdiv(V, BV), HV, N), on chunk_fwd_prep's outputs `prep`.
-    Forward: writes o [T, HV, V] (every row) and ht [N, HV, K, V] fp32. With s_out [NC, HV, V, K]
-    and x_out [NC, HV, V, C] in the input dtype (the backward's recompute) it writes S^T entering each
-    chunk and X'^T instead, and neither o nor ht."""
+def entering_states(pass_a, N, HV, K, V, S, h0, dtype, device, reverse=False):
+    """The state entering every segment of a segmented sequential pass, [N S, HV, K, V] fp32: launches
+    `pass_a(grid, ends)` (the pass with PROPAGATE over the segments the walk leaves, writing each one's
+    end rows [V + K, K] to ends) and chunk_combine_kernel (grid (cdiv(V, BV'), HV, N)). h0 [N, HV, K, V]
+    (or None: 0) enters the first segment walked (the last one when reverse)."""
+    ends = torch.empty(N * (S - 1), HV, V + K, K, dtype=torch.float32, device=device)
+    pass_a(N * (S - 1), ends)
+    ent = torch.empty(N * S, HV, K, V, dtype=torch.float32, device=device)
+    c = combine_config(K, V, dtype)
+    chunk_combine_kernel[(triton.cdiv(V, c["BV"]), HV, N)](
+        ends, ent if h0 is None else h0, ent, S, HV=HV, K=K, V=V, HAS_H0=h0 is not None, REVERSE=reverse, **c)
+    return ent
+
+
+def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=None, x_out=None,
+                    segments=None):
+    """Launches chunk_fwd_state_kernel on chunk_fwd_prep's outputs `prep`. Forward: writes o [T, HV, V]
+    (every row) and ht [N, HV, K, V] fp32. With s_out [NC, HV, V, K] and x_out [NC, HV, V, C] in the
+    input dtype (the backward's recompute) it writes S^T entering each chunk and X'^T instead, and
+    neither o nor ht.
+
+    segments (default configs.state_segments, from shapes): with S > 1 every sequence's chunk slots
+    are split into S segments: pass A (the kernel with PROPAGATE, grid (cdiv(V + K, BV), HV, N (S - 1)))
+    gives each of the first S - 1 segments its end state from zero and its K x K transition,
+    chunk_combine_kernel the state entering every segment (entering_states), and the pass (grid
+    (cdiv(V, BV), HV, N S)) runs every segment from its entering state."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     N = cu_chunks.numel() - 1
     store = s_out is not None
     cfg = state_config(K, V, q.dtype, smem_kb(q.device), store_states=store)
+    cfg_a = state_config(K, V, q.dtype, smem_kb(q.device))     # pass A stores no states
+    S = state_segments(T, N, HV, K, V, cfg, num_sms(q.device), cfg_a=cfg_a) if segments is None else segments
     gates, eg_last, _, ts, mt = prep
+    args = (q, k, v, table, cu_chunks, gates, eg_last, ts, mt)
+    shape = dict(H=H, HV=HV, K=K, V=V, C=CHUNK)
+
+    def pass_a(programs, ends):     # writes only ends (the other pointers are stand-ins it never touches)
+        chunk_fwd_state_kernel[(triton.cdiv(V + K, cfg_a["BV"]), HV, programs)](
+            *args, ends, ends, ends, ends, ends, T, S, HAS_H0=False, STORE_STATES=False, PROPAGATE=True,
+            **shape, **cfg_a)
+    if S > 1:
+        h0 = entering_states(pass_a, N, HV, K, V, S, h0, q.dtype, q.device)
     unused = s_out if store else ht         # stand-in for the pointers this variant does not touch
     pick = lambda x: unused if x is None else x   # noqa: E731
-    chunk_fwd_state_kernel[(triton.cdiv(V, cfg["BV"]), HV, N)](
-        q, k, v, table, cu_chunks, gates, eg_last, ts, mt, pick(h0), pick(o), pick(ht), pick(s_out),
-        pick(x_out), T, H=H, HV=HV, K=K, V=V, C=CHUNK, HAS_H0=h0 is not None, STORE_STATES=store,
-        **cfg)
+    chunk_fwd_state_kernel[(triton.cdiv(V, cfg["BV"]), HV, N * S)](
+        *args, pick(h0), pick(o), pick(ht), pick(s_out), pick(x_out), T, S, HAS_H0=h0 is not None,
+        STORE_STATES=store, PROPAGATE=False, **shape, **cfg)
+
+
+def chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, cfg):
+    """Launches chunk_bwd_dstate_kernel (the reverse dS pass), segmented as chunk_fwd_state (the
+    segments walked from the last; pass A over the last S - 1 with PROPAGATE; S from
+    configs.state_segments with five dots per chunk in both passes)."""
+    T, H, K = q.shape
+    HV, V = do.shape[1], do.shape[2]
+    N = cu_chunks.numel() - 1
+    gates, eg_last, _, ts, mm = prep
+    S = state_segments(T, N, HV, K, V, cfg, num_sms(q.device), dots=(5, 5))
+    head = (q, k, do, gates, eg_last, ts, mm)
+    tail = dict(H=H, HV=HV, K=K, V=V, C=CHUNK, **cfg)
+
+    def pass_a(programs, ends):     # writes only ends
+        chunk_bwd_dstate_kernel[(triton.cdiv(V + K, cfg["BV"]), HV, programs)](
+            *head, ends, ends, ends, ends, ends, ends, ends, ends, ends, ends, table, cu_chunks, T, S,
+            HAS_DHT=False, PROPAGATE=True, **tail)
+    if S > 1:
+        dht = entering_states(pass_a, N, HV, K, V, S, dht, q.dtype, q.device, reverse=True)
+    chunk_bwd_dstate_kernel[(triton.cdiv(V, cfg["BV"]), HV, N * S)](
+        *head, dh0 if dht is None else dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, dh0, table, cu_chunks, T, S,
+        HAS_DHT=dht is not None, PROPAGATE=False, **tail)
 
 
 def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
@@ -89,9 +143,10 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     backward kernels of chunk_bwd.py. Grids depend only on T, N, the chunk slots and the shapes.
 
     Scratch per token x value head (K = V = 128, bf16, G = HV // H = 2): S^T 512 B and X'^T 256 B in
-    the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 1024 B and
-    dX'^T 512 B fp32 (dstate); dg / dbeta partials 8 B per K-block (64 B at NK = 8): ~2.7 kB; with
-    l2norm the fp32 dq, dk before the l2norm backward (1 kB per token x qk head)."""
+    the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 512 B and
+    dX'^T 256 B in the input dtype (dstate); dg / dbeta partials 8 B per K-block (64 B at NK = 8):
+    ~1.9 kB; with l2norm the fp32 dq, dk before the l2norm backward (1 kB per token x qk head); with
+    segments, (V + K) K + K V floats per segment and value head (the boundary rows)."""
     _check_chunk(C)
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -115,15 +170,13 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     # sequence are never written here and never read (the grads kernel exits on empty slots)
     st = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
     xp = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
-    dsn = torch.empty(NC, HV, V, K, **f32)
-    dxp = torch.empty(NC, HV, V, C, **f32)
+    dsn = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
+    dxp = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
     if HV > 0:
         chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, s_out=st, x_out=xp)
-        c = cfg["dstate"]
         dht_ = None if dht is None else dht.to(torch.float32).contiguous()
-        chunk_bwd_dstate_kernel[(triton.cdiv(V, c["BV"]), HV, N)](
-            q, k, do, gates, eg_last, ts, mm, dh0 if dht_ is None else dht_, dsn, dxp, dv_, dh0, dq_, dk_,
-            dg_, dbeta_, table, cu_chunks, T, H, HV, K=K, V=V, C=C, HAS_DHT=dht_ is not None, **c)
+        chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, dht_, dsn, dxp, dv_, dh0, dq_, dk_, dg_, dbeta_,
+                         cfg["dstate"])
     if NC > 0 and HV > 0:
         c = cfg["grads"]
         NK = triton.cdiv(K, c["BK"])

@@ -24,10 +24,14 @@ first):
   forward prep (store_m: M instead of M T) and state pass (STORE_STATES: S^T at chunk start
       [NC, HV, V, K] and X'^T [NC, HV, V, C], in the input dtype as the forward's dots used them);
       launched by gdn_packed/triton/chunk.py, chunk_gdr_bwd_triton
-  chunk_bwd_dstate_kernel  grid (cdiv(V, BV), HV, N): the reverse sequential pass, dS^T [BV, K] fp32 in
-      registers (transposed: it is the register A operand of dS^T K^T). Writes dSn^T per chunk slot
-      fp32 [NC, HV, V, K], dX'^T fp32 [NC, HV, V, C], dv = beta dX' (input dtype), dh0; and exact
-      zeros on the padding rows of dv, dg, dbeta, dq, dk.
+  chunk_bwd_dstate_kernel  grid (cdiv(V, BV), HV, N S): the reverse sequential pass per sequence (or
+      segment of S, chunk.py's chunk_bwd_dstate: dS is affine in the dS entering from the right,
+      dS^T_prev = dS^T P~ + ..., so with S > 1 a pass A with PROPAGATE over the last S - 1 segments
+      carries K identity rows to each segment's transition and chunk_combine_kernel with REVERSE
+      gives the dS entering every segment), dS^T [BV, K] fp32 in registers (transposed: it is the
+      register A operand of dS^T K^T). Writes dSn^T [NC, HV, V, K] and dX'^T [NC, HV, V, C] per chunk
+      slot and dv = beta dX', all in the input dtype, dh0 (fp32, the first segment); and exact zeros
+      on the padding rows of dv, dg, dbeta, dq, dk.
   chunk_bwd_grads_kernel   grid (cdiv(K, BK), H, NC): one program per K-block, qk head and chunk slot;
       loops the G value heads of the qk head and the V-blocks; dq, dk of the group summed in registers
       (no GVA partials); writes dq, dk (input dtype; fp32 pre-l2norm values with l2norm) and the
@@ -40,20 +44,22 @@ Deterministic: no atomics; every scratch element has one writer; every sum runs 
 Numerics: every tensor-core dot takes its operands in the input dtype with fp32 accumulation (fp32
 inputs: every fp32-operand dot at configs.dot_precision, tf32). Rounded to the input dtype only as dot
 operands: dS^T, dO^T scaled by its gate, dU^T, dX'^T scaled by its gate (dstate); U, dX', dSn^T
-(grads); S^T is stored by the forward's state pass in the input dtype, exactly as its dots used it.
+(grads: dX' and dSn^T are stored in the input dtype, as the grads kernel's dots take them; dSn^T also
+enters the row dot <S, dSn> of dg, whose S^T is in the input dtype already); S^T is stored by the
+forward's state pass in the input dtype, exactly as its dots used it.
 Pm and DA enter their products with K^, Q^ as fp32 tf32 dots: dgam takes the row sums and the column sums of the same
 C x C products (Pm (.) Q^K^^T, DA (.) K^K^^T) from two different dots, and their difference, summed
 by the reverse cumsum, cancels only if both see Pm, DA at better than bf16 precision (bf16 operands
-there put dg at ~1.2-1.5x FLA's error; tf32 keeps it below). Kept fp32: dS (registers and
-scratch), dX' (scratch), every accumulator, gate, exponential and row dot.
+there put dg at ~1.2-1.5x FLA's error; tf32 keeps it below). Kept fp32: dS in registers, the
+combine of the segment boundaries, every accumulator, gate, exponential and row dot.
 Names: `b_` block values, `p_`/`o_` pointers/offsets, `m_` masks, as in FLA.
 """
 import torch
 import triton
 import triton.language as tl
 
-from gdn_packed.triton.common import (chunk_rows, padding_after, padding_before_first, segment_decay,
-                                      zero_rows)
+from gdn_packed.triton.common import (chunk_rows, padding_after, padding_before_first, segment_chunks,
+                                      segment_decay, zero_rows)
 
 
 @triton.jit
@@ -85,33 +91,44 @@ def _zero_padding(dq, dk, dv, dg, dbeta, a, b, hv, i_v, H, HV, K: tl.constexpr, 
             zero_rows(dk, a, b, (hv // G) * K, K, H * K, BKP, C)
 
 
-@triton.jit(do_not_specialize=["T_rows"])
+@triton.jit(do_not_specialize=["T_rows", "segments"])
 def chunk_bwd_dstate_kernel(q, k, do, gates, eg_last, ts, mm, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta,
-                            table, cu_chunks, T_rows, H, HV, K: tl.constexpr, V: tl.constexpr,
-                            C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                            HAS_DHT: tl.constexpr):
-    i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                            ends, table, cu_chunks, T_rows, segments, H, HV, K: tl.constexpr,
+                            V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                            HAS_DHT: tl.constexpr, PROPAGATE: tl.constexpr):
+    i_v, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # sequence i_n, segment i_s of `segments` (pass A: of the last segments - 1)
+    if PROPAGATE:
+        i_n, i_s = i_p // (segments - 1), i_p % (segments - 1) + 1
+    else:
+        i_n, i_s = i_p // segments, i_p % segments
+    N = tl.num_programs(2) // segments
+    if PROPAGATE:
+        N = tl.num_programs(2) // (segments - 1)
     i_qh = i_h // (HV // H)
     DT = k.dtype.element_ty
+    R: tl.constexpr = V + K if PROPAGATE else V     # rows of the carried dS^T (pass A: and the transition)
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k, m_v = o_k < K, o_v < V
     m_s = m_v[:, None] & m_k[None, :]
     p_st = o_v[:, None] * K + o_k[None, :]              # [BV, BK] tile of a [V, K] (transposed) state
-    p_h = (i_n.to(tl.int64) * HV + i_h) * (K * V) + o_k[None, :] * V + o_v[:, None]   # of [K, V]
-    if HAS_DHT:
-        b_ds = tl.load(dht + p_h, mask=m_s, other=0.)                 # dS^T [BV, BK]
+    o_kv = o_k[None, :] * V + o_v[:, None]              # of [K, V]
+    if PROPAGATE:       # zero dS rows, then the identity rows of the segment's transition
+        b_ds = tl.where((o_v[:, None] - V == o_k[None, :]) & (o_v < R)[:, None], 1.0, 0.0)
+    elif HAS_DHT:       # dht, or the dS entering this segment (one per program)
+        b_ds = tl.load(dht + (i_p.to(tl.int64) * HV + i_h) * (K * V) + o_kv, mask=m_s, other=0.)
     else:
         b_ds = tl.zeros([BV, BK], dtype=tl.float32)
-    j0 = tl.load(cu_chunks + i_n)
-    j1 = tl.load(cu_chunks + i_n + 1)
+    j0, j1 = segment_chunks(cu_chunks, i_n, i_s, segments)
     for i_t in range(0, j1 - j0):
         j = (j1 - 1 - i_t).to(tl.int64)
         start, length = chunk_rows(table, j, C)
         rows, m_c = start + o_c, o_c < length
         p_slot = j * HV + i_h
-        tl.store(dsn + p_slot * (V * K) + p_st, b_ds, mask=m_s)
+        if not PROPAGATE:
+            tl.store(dsn + p_slot * (V * K) + p_st, b_ds.to(dsn.dtype.element_ty), mask=m_s)
         m_qk = m_c[:, None] & m_k[None, :]
         p_qk = rows[:, None] * (H * K) + i_qh * K + o_k[None, :]
         b_k = tl.load(k + p_qk, mask=m_qk, other=0.)                  # [C, BK]
@@ -125,20 +142,26 @@ def chunk_bwd_dstate_kernel(q, k, do, gates, eg_last, ts, mm, dht, dsn, dxp, dv,
         b_du = tl.dot(b_ds.to(DT), tl.trans(b_k), tl.zeros([BV, C], dtype=tl.float32))
         b_du = tl.dot(b_dot, _cc(mm, j, i_h, HV, C), b_du * b_wrk[None, :])
         b_dx = tl.dot(b_du.to(DT), _cc(ts, j, i_h, HV, C), b_du)
-        tl.store(dxp + p_slot * (V * C) + o_v[:, None] * C + o_c[None, :], b_dx, mask=m_v[:, None])
-        tl.store(dv + p_vt, (b_dx * b_beta[None, :]).to(dv.dtype.element_ty), mask=m_vt)
+        if not PROPAGATE:
+            tl.store(dxp + p_slot * (V * C) + o_v[:, None] * C + o_c[None, :], b_dx.to(dxp.dtype.element_ty),
+                     mask=m_v[:, None])
+            tl.store(dv + p_vt, (b_dx * b_beta[None, :]).to(dv.dtype.element_ty), mask=m_vt)
         # dS^T <- egL dS^T + (dO^T (scale eg rq)) Q - (dX'^T (beta eg rk)) K
         b_a = (b_dot.to(tl.float32) * _gate_row(gates, j, i_h, HV, 2, C)[None, :]).to(DT)
         b_ds = tl.dot(b_a, b_q, b_ds * tl.load(eg_last + p_slot))
         b_b = (b_dx * _gate_row(gates, j, i_h, HV, 4, C)[None, :]).to(DT)
         b_ds = tl.dot(-b_b, b_k, b_ds)
-    tl.store(dh0 + p_h, b_ds, mask=m_s)
-    a, b = padding_after(table, cu_chunks, i_n, tl.num_programs(2), T_rows)
-    _zero_padding(dq, dk, dv, dg, dbeta, a, b, i_h, i_v, H, HV, K, V, triton.next_power_of_2(K), BV, C)
-    if i_n == 0:
-        first = padding_before_first(table, cu_chunks, tl.num_programs(2), T_rows)
-        _zero_padding(dq, dk, dv, dg, dbeta, first * 0, first, i_h, i_v, H, HV, K, V,
-                      triton.next_power_of_2(K), BV, C)
+    if PROPAGATE:       # the segment's rows at its start: dS^T from a zero dS at its end, then the transition
+        p_e = (i_p.to(tl.int64) * HV + i_h) * (R * K) + o_v[:, None] * K + o_k[None, :]
+        tl.store(ends + p_e, b_ds, mask=(o_v < R)[:, None] & m_k[None, :])
+    elif i_s == 0:
+        tl.store(dh0 + (i_n.to(tl.int64) * HV + i_h) * (K * V) + o_kv, b_ds, mask=m_s)
+        a, b = padding_after(table, cu_chunks, i_n, N, T_rows)
+        _zero_padding(dq, dk, dv, dg, dbeta, a, b, i_h, i_v, H, HV, K, V, triton.next_power_of_2(K), BV, C)
+        if i_n == 0:
+            first = padding_before_first(table, cu_chunks, N, T_rows)
+            _zero_padding(dq, dk, dv, dg, dbeta, first * 0, first, i_h, i_v, H, HV, K, V,
+                          triton.next_power_of_2(K), BV, C)
 
 
 @triton.jit

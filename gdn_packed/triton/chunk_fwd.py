@@ -8,7 +8,7 @@ l2norm; gam_i = sum of g over rows [0, i]; E_ij = exp(sum of g over (j, i]), j <
     O   = (scale e^gam rq) (Q S) + MT X'
     S  <- e^gam_last S + K^T ((w rk) U),  w_i = exp(sum of g over (i, last])
 
-Two kernels (`b_` = a block in registers):
+Kernels (`b_` = a block in registers):
   chunk_fwd_prep_kernel   grid (HV, NC): one program per value head and chunk slot, all parallel
       (value heads fastest, so the programs of one chunk share its q, k tiles through L2).
       in  q, k [T, H, K], g, beta [T, HV], table [NC, 4]
@@ -30,6 +30,16 @@ Two kernels (`b_` = a block in registers):
       sequence, program n = 0 also before the first) and the final state. STORE_STATES (the
       backward's recompute): instead it writes S^T entering each chunk, [NC, HV, V, K], and X'^T,
       [NC, HV, V, C], both as the dots use them: in the input dtype (fp32 for fp32 inputs).
+      Segments (launched by chunk.py's chunk_fwd_state when configs.state_segments > 1): the chunk
+      step is affine, S^T <- S^T P + E^T with the K x K transition
+      P = e^gam_last I - K^T diag(beta e^gam rk) (I + Ts)^T diag(w rk) K. Grid axis 2 is then
+      (sequence, segment); PROPAGATE (pass A) walks one of the first segments - 1 segments with
+      cdiv(V + K, BV) blocks of the rows of [S^T; P^T] (S^T from 0, P^T from I, v = 0 on those rows)
+      and writes its end rows [V + K, K] fp32; the pass proper starts each segment from the state
+      chunk_combine_kernel formed, and the last segment writes the final state and the padding zeros.
+  chunk_combine_kernel    grid (cdiv(V, BV), HV, N): the state entering every segment from pass A's
+      end rows, one fp32 product [BV, K] x [K, K] per segment boundary (also the backward's dS pass,
+      walking the segments in reverse).
 
 Numerics: q, k, v enter the dots exactly (input dtype, fp32 accumulation); gate sums, exponentials,
 the row factors and the state are fp32; the state and X', U enter their dots rounded to the input
@@ -41,7 +51,7 @@ import triton
 import triton.language as tl
 
 from gdn_packed.triton.common import (chunk_gate_sums, chunk_rows, padding_after, padding_before_first,
-                                      zero_rows)
+                                      segment_chunks, zero_rows)
 
 
 @triton.jit
@@ -121,32 +131,41 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mt, scal
         tl.store(mt + cc, tl.dot(m, t, input_precision=PREC).to(mt.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["T_rows"])
+@triton.jit(do_not_specialize=["T_rows", "segments"])
 def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mt, h0, o, ht, s_out, x_out,
-                           T_rows, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                           T_rows, segments, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                           HAS_H0: tl.constexpr, STORE_STATES: tl.constexpr, RELOAD_K: tl.constexpr):
+                           HAS_H0: tl.constexpr, STORE_STATES: tl.constexpr, PROPAGATE: tl.constexpr,
+                           RELOAD_K: tl.constexpr):
     iv = tl.program_id(0)
     hv = tl.program_id(1)
-    n = tl.program_id(2)
-    N = tl.num_programs(2)
+    # sequence n, segment s of `segments` (pass A: of the first segments - 1)
+    per_seq = segments
+    if PROPAGATE:
+        per_seq = segments - 1
+    n = tl.program_id(2) // per_seq
+    s = tl.program_id(2) % per_seq
+    N = tl.num_programs(2) // per_seq
     h = hv // (HV // H)
     rk = tl.arange(0, BK)
     kmask = rk < K
+    R: tl.constexpr = V + K if PROPAGATE else V     # rows of the carried block S^T (pass A: and P^T)
     cv = iv * BV + tl.arange(0, BV)
     vmask = cv < V
     rc = tl.arange(0, C)
     dt = k.dtype.element_ty
-    # S^T [BV, BK]: element (v, k) of the state S [K, V]
-    st_off = (n * HV + hv).to(tl.int64) * (K * V) + rk[None, :] * V + cv[:, None]
+    # S^T [BV, BK]: element (v, k) of the state S [K, V]; h0 holds one state per program (sequence, or
+    # sequence and segment)
+    st_off = (tl.program_id(2) * HV + hv).to(tl.int64) * (K * V) + rk[None, :] * V + cv[:, None]
     st_mask = vmask[:, None] & kmask[None, :]
-    if HAS_H0:
+    if PROPAGATE:       # zero state rows, then the identity rows of P^T
+        b_st = tl.where((cv[:, None] - V == rk[None, :]) & (cv < R)[:, None], 1.0, 0.0)
+    elif HAS_H0:
         b_st = tl.load(h0 + st_off, mask=st_mask, other=0.0)
     else:
         b_st = tl.zeros([BV, BK], dtype=tl.float32)
 
-    c0 = tl.load(cu_chunks + n)
-    c1 = tl.load(cu_chunks + n + 1)
+    c0, c1 = segment_chunks(cu_chunks, n, s, segments)
     for it in range(0, c1 - c0):
         j = (c0 + it).to(tl.int64)
         start, length = chunk_rows(table, j, C)
@@ -173,7 +192,7 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mt, h0
         if STORE_STATES:
             tl.store(x_out + base * (V * C) + cv[:, None] * C + rc[None, :], b_xt_in,
                      mask=vmask[:, None])
-        else:
+        elif not PROPAGATE:
             b_q = tl.load(q + qk_off, mask=qk_mask, other=0.0)
             g_cq = tl.load(p_g + 2 * C)
             b_ot = tl.dot(b_st_in, tl.trans(b_q)) * g_cq[None, :]   # (Q S)^T scaled
@@ -182,11 +201,53 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mt, h0
         if RELOAD_K:    # (wide fp32 tiles: k read again, an L1/L2 hit, instead of kept live)
             b_k = tl.load(k + qk_off, mask=qk_mask, other=0.0)
         b_st = b_st * tl.load(eg_last + base) + tl.dot((b_ut * g_wk[None, :]).to(dt), b_k)
-    if not STORE_STATES:
-        tl.store(ht + st_off, b_st, mask=st_mask)
+    if PROPAGATE:       # the segment's end rows: S^T from a zero entering state, then P^T
+        sg = (tl.program_id(2) * HV + hv).to(tl.int64) * (R * K) + cv[:, None] * K + rk[None, :]
+        tl.store(s_out + sg, b_st, mask=(cv < R)[:, None] & kmask[None, :])
+    elif not STORE_STATES and s == segments - 1:
+        tl.store(ht + (n * HV + hv).to(tl.int64) * (K * V) + rk[None, :] * V + cv[:, None], b_st,
+                 mask=st_mask)
         a, b = padding_after(table, cu_chunks, n, N, T_rows)
         col0, ncols = hv * V + iv * BV, tl.minimum(V - iv * BV, BV)
         zero_rows(o, a, b, col0, ncols, HV * V, BV, C)
         if n == 0:
             first = padding_before_first(table, cu_chunks, N, T_rows)
             zero_rows(o, first * 0, first, col0, ncols, HV * V, BV, C)
+
+
+@triton.jit(do_not_specialize=["segments"])
+def chunk_combine_kernel(seg, h0, ent, segments, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, REVERSE: tl.constexpr,
+                         PREC: tl.constexpr):
+    """The state entering every segment (grid (cdiv(V, BV), HV, N)), for the forward state pass and
+    (REVERSE) the backward's dS pass, which walks the segments from the last: S = h0 (or 0) enters the
+    first segment walked, and S^T <- S^T P_t + E_t^T from pass A's end rows [V + K, K] of segment t
+    (E_t^T the segment's end state from zero, P_t its K x K transition; t = s forward, s - 1 reverse,
+    as pass A covers the segments the walk leaves: the first segments - 1 forward, the last reverse);
+    writes the state entering segment s, [K, V] fp32, to ent[n * segments + s]."""
+    iv = tl.program_id(0)
+    hv = tl.program_id(1)
+    n = tl.program_id(2)
+    rk = tl.arange(0, BK)
+    kmask = rk < K
+    cv = iv * BV + tl.arange(0, BV)
+    st_mask = (cv < V)[:, None] & kmask[None, :]
+    st_idx = rk[None, :] * V + cv[:, None]
+    if HAS_H0:
+        b_st = tl.load(h0 + (n * HV + hv).to(tl.int64) * (K * V) + st_idx, mask=st_mask, other=0.0)
+    else:
+        b_st = tl.zeros([BV, BK], dtype=tl.float32)
+    for i in range(0, segments - 1):
+        s, t = i, i
+        if REVERSE:
+            s, t = segments - 1 - i, segments - 2 - i
+        tl.store(ent + ((n * segments + s) * HV + hv).to(tl.int64) * (K * V) + st_idx, b_st, mask=st_mask)
+        end = seg + ((n * (segments - 1) + t) * HV + hv).to(tl.int64) * ((V + K) * K)
+        b_e = tl.load(end + cv[:, None] * K + rk[None, :], mask=st_mask, other=0.0)
+        b_p = tl.load(end + (V + rk)[:, None] * K + rk[None, :], mask=kmask[:, None] & kmask[None, :],
+                      other=0.0)
+        b_st = tl.dot(b_st, b_p, b_e, input_precision=PREC)
+    last = segments - 1
+    if REVERSE:
+        last = 0
+    tl.store(ent + ((n * segments + last) * HV + hv).to(tl.int64) * (K * V) + st_idx, b_st, mask=st_mask)

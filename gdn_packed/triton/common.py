@@ -46,6 +46,17 @@ def padding_before_first(table, cu_chunks, N, T_rows):
 
 
 @triton.jit
+def segment_chunks(cu_chunks, n, s, S):
+    """Chunk slots [lo, hi) of segment s of sequence n when every sequence's slots are split into S
+    consecutive segments of cdiv(slots, S) (the last ones shorter or empty)."""
+    c0 = tl.load(cu_chunks + n)
+    c1 = tl.load(cu_chunks + n + 1)
+    per = tl.cdiv(c1 - c0, S)
+    lo = tl.minimum(c0 + s * per, c1)
+    return lo, tl.minimum(lo + per, c1)
+
+
+@triton.jit
 def zero_rows(p, a, b, col0, ncols, stride, BW: tl.constexpr, C: tl.constexpr):
     """p[r * stride + col0 + c] = 0 for rows a <= r < b (int64) and columns c < ncols (ncols <= BW)."""
     o_c = tl.arange(0, C)

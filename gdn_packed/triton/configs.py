@@ -78,3 +78,50 @@ def bwd_configs(K, V, dtype):
                    num_warps=8, num_stages=1),
         finalize=dict(BKP=pow2(K), num_warps=8 if pow2(K) > 128 else 4, num_stages=1),
     )
+
+
+MIN_SEGMENT_CHUNKS = 8      # a segment shorter than this costs more in launches and the combine than it saves
+
+
+def num_sms(device):
+    """Streaming multiprocessors of `device` (132, an H200, off CUDA: the report's and the AOT tests' GPU)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def state_segments(T, N, HV, K, V, cfg, sms=132, dots=(5, 3), cfg_a=None):
+    """Segments per sequence of the forward state pass (docs/DESIGN.md section 11). With few sequences
+    the pass has fewer programs (cdiv(V, BV) x HV x N) than the GPU has CTA slots, and its time is the
+    sequence's chunk count times one chunk step. Splitting every sequence into S segments runs pass A
+    (each segment from a zero state, carrying the K x K transition: cdiv(V + K, BV) blocks) on S - 1
+    segments, a short sequential combine of the segment boundary states, and the pass itself on all S
+    segments from their true entering states. dots = (per chunk of the pass, of pass A): (5, 3) for the
+    forward state pass, (5, 5) for the backward's dS pass. S minimises waves x chunks per segment x dots
+    over both passes plus the combine's S - 1 steps (a larger S only for a 5% gain), from shapes only
+    (T, N: an average sequence of
+    T / N rows; never the values of cu_seqlens), with at least MIN_SEGMENT_CHUNKS chunks per segment;
+    1 when the state block is wider than 128 (the combine holds the whole K x K transition in one tile).
+    cfg / cfg_a: the launch configs of the pass and of pass A (default cfg): their warps give the CTA
+    slots (2 per SM at 4 warps, 1 at 8: the registers of the state block)."""
+    if N == 0 or pow2(K) > 128:
+        return 1
+    cfg_a = cfg if cfg_a is None else cfg_a
+    slots, slots_a = (sms * (2 if c["num_warps"] == 4 else 1) for c in (cfg, cfg_a))
+    nv, na = triton.cdiv(V, cfg["BV"]), triton.cdiv(V + K, cfg_a["BV"])
+    chunks = triton.cdiv(T, CHUNK * N)
+
+    def cost(S):        # + the combine: S - 1 sequential steps, each about one chunk step
+        steps = triton.cdiv(chunks, S)
+        return (triton.cdiv(N * HV * nv * S, slots) * steps * dots[0]
+                + triton.cdiv(N * HV * na * (S - 1), slots_a) * steps * dots[1] + (S - 1) * dots[0])
+    best = 1
+    for S in range(2, 65):
+        if triton.cdiv(chunks, S) < MIN_SEGMENT_CHUNKS:
+            break
+        if cost(S) < 0.95 * cost(best):     # more segments only for a clear gain
+            best = S
+    return best
+
+
+def combine_config(K, V, dtype):
+    """chunk_combine_kernel: S^T blocks of BV = 16 rows times the whole K x K transition (fp32)."""
+    return dict(BK=pow2(K), BV=min(16, pow2(V)), PREC=dot_precision(dtype), num_warps=4, num_stages=1)
