@@ -406,9 +406,11 @@ def read_ttir(text, scalars, seq_chunks):
                         acc["seq_loop"], acc["seq_trips"] = True, max(acc["seq_trips"], trips)
                 walk(x, mult * trips)
             elif " tt.dot " in x:
-                m = re.search(r": tensor<(\d+)x(\d+)x(\w+)> \* tensor<(\d+)x(\d+)x(\w+)>", x)
-                M, K, a, _, N, b = m.groups()
-                acc["flops"] += mult * 2 * int(M) * int(N) * int(K)
+                m = re.search(r": tensor<((?:\d+x)+)(\w+)> \* tensor<((?:\d+x)+)(\w+)>", x)
+                da, a, db, b = m.groups()       # [batch x] M x K and [batch x] K x N
+                *bt, M, K = map(int, da.rstrip("x").split("x"))
+                N = int(db.rstrip("x").split("x")[-1])
+                acc["flops"] += mult * 2 * math.prod(bt) * M * N * K
                 p = re.search(r"inputPrecision = (\w+)", x)
                 acc["dots"].append((a, b, p.group(1) if p else "ieee"))
             elif " tt.load " in x or " tt.descriptor_load " in x:

@@ -147,3 +147,12 @@ def test_ctas_per_sm(regs, smem, warps, want):
 def test_calibrate_hits_the_target():
     kappa = M.calibrate(lambda k: 1e-4 + 1e-4 * k)
     assert abs(1e-4 + 1e-4 * kappa - M.FLA_FWD_ANCHOR_S) < 1e-9
+
+
+def test_batched_dot_counts_its_batch():
+    """A 3D (batched) tt.dot, [B, M, K] x [B, K, N], is 2 B M N K FLOPs and reads its operand types."""
+    line = ("    %d = tt.dot %a, %b, %c, inputPrecision = tf32 : tensor<4x16x8xf32> * tensor<4x8x32xf32> "
+            "-> tensor<4x16x32xf32>")
+    text = "module {\n  tt.func public @k() {\n" + line + "\n    tt.return\n  }\n}\n"
+    r = sm90.read_ttir(text, {}, seq_chunks=1)
+    assert r["flops"] == 2 * 4 * 16 * 32 * 8 and r["dots"] == [("f32", "f32", "tf32")]

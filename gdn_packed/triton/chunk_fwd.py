@@ -55,14 +55,43 @@ from gdn_packed.triton.common import (chunk_gate_sums, chunk_rows, padding_after
 
 
 @triton.jit
+def diag_blocks(x, C: tl.constexpr, B: tl.constexpr):
+    """The C / B diagonal [B, B] blocks of a [C, C] tile, as [C / B, B, B]."""
+    NB: tl.constexpr = C // B
+    x4 = tl.permute(tl.reshape(x, [NB, B, NB, B]), (0, 2, 1, 3))         # [I, J, B, B] block (I, J)
+    same = (tl.arange(0, NB)[:, None] == tl.arange(0, NB)[None, :])[:, :, None, None]
+    return tl.sum(tl.where(same, x4, 0.0), axis=1)
+
+
+@triton.jit
+def block_diagonal(d, C: tl.constexpr, B: tl.constexpr):
+    """The [C, C] block-diagonal tile whose diagonal [B, B] blocks are d [C / B, B, B]."""
+    NB: tl.constexpr = C // B
+    same = (tl.arange(0, NB)[:, None] == tl.arange(0, NB)[None, :])[:, :, None, None]
+    x4 = tl.where(same, d[:, None, :, :], 0.0)                               # [I, J, B, B]
+    return tl.reshape(tl.permute(x4, (0, 2, 1, 3)), [C, C])
+
+
+@triton.jit
 def inv_unit_lower(a, PREC: tl.constexpr, C: tl.constexpr):
-    """(I + a)^-1 for a strictly lower [C, C] fp32 a, by block doubling (see the module docstring)."""
+    """(I + a)^-1 for a strictly lower [C, C] fp32 a, by block doubling (see the module docstring): the
+    levels up to block size 16 on the C / 16 diagonal 16 x 16 blocks (batched dots), the levels
+    above on the whole tile."""
+    B: tl.constexpr = 16
+    rb = tl.arange(0, B)
+    odd_r, even_c = (rb % 2)[:, None] == 1, (rb % 2)[None, :] == 0
+    pair = (rb // 2)[:, None] == (rb // 2)[None, :]
+    a3 = diag_blocks(a, C, B)
+    t3 = tl.where((rb[:, None] == rb[None, :])[None, :, :], 1.0, 0.0) \
+        - tl.where((pair & odd_r & even_c)[None, :, :], a3, 0.0)
+    for lvl in tl.static_range(1, 4):      # block size b = 2^lvl within the 16 x 16 blocks
+        lower_left = (((rb >> (lvl + 1))[:, None] == (rb >> (lvl + 1))[None, :])
+                      & (((rb >> lvl) & 1)[:, None] == 1) & (((rb >> lvl) & 1)[None, :] == 0))
+        ta = tl.dot(t3, tl.where(lower_left[None, :, :], a3, 0.0), input_precision=PREC)
+        t3 = t3 - tl.dot(ta, t3, input_precision=PREC)
+    t = block_diagonal(t3, C, B)
     rc = tl.arange(0, C)
-    eye = rc[:, None] == rc[None, :]
-    odd_r, even_c = (rc % 2)[:, None] == 1, (rc % 2)[None, :] == 0
-    pair = (rc // 2)[:, None] == (rc // 2)[None, :]
-    t = tl.where(eye, 1.0, 0.0) - tl.where(pair & odd_r & even_c, a, 0.0)
-    for lvl in tl.static_range(1, 6):      # block size b = 2^lvl
+    for lvl in tl.static_range(4, 6):      # b = 16, 32 on the whole tile
         lower_left = (((rc >> (lvl + 1))[:, None] == (rc >> (lvl + 1))[None, :])
                       & (((rc >> lvl) & 1)[:, None] == 1) & (((rc >> lvl) & 1)[None, :] == 0))
         ta = tl.dot(t, tl.where(lower_left, a, 0.0), input_precision=PREC)
