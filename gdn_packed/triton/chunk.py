@@ -6,7 +6,7 @@ the number of chunk slots and the shapes, never on the values of cu_seqlens (no 
 import torch
 import triton
 
-from gdn_packed.triton.chunk_bwd import (chunk_bwd_dstate_kernel, chunk_bwd_finalize_kernel,
+from gdn_packed.triton.chunk_bwd import (chunk_bwd_cc_kernel, chunk_bwd_dstate_kernel, chunk_bwd_finalize_kernel,
                                         chunk_bwd_grads_kernel)
 from gdn_packed.triton.chunk_fwd import chunk_combine_kernel, chunk_fwd_prep_kernel, chunk_fwd_state_kernel
 from gdn_packed.triton.configs import (CHUNK, bwd_configs, combine_config, dot_precision, num_sms,
@@ -180,15 +180,19 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     if NC > 0 and HV > 0:
         c = cfg["grads"]
         NK = triton.cdiv(K, c["BK"])
-        part = torch.empty(2, NK, T, HV, **f32)
+        # dg / dbeta shares: one per K-block of the grads kernel, then the C x C part's (slot NK)
+        part = torch.empty(2, NK + 1, T, HV, **f32)
+        cc = torch.empty(2, NC, HV, C, K, **f32)
         pre = torch.empty(2, T, H, K, **f32) if l2 else None
+        chunk_bwd_cc_kernel[(HV, NC)](
+            q, k, v, g, do, gates, rn, ts, xp, dxp, cc[0], cc[1], part[0], part[1], table, scale, T, H=H, HV=HV,
+            K=K, V=V, C=C, SLOT=NK, **cfg["cc"])
         chunk_bwd_grads_kernel[(NK, H, NC)](
-            q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, dxp, pre[0] if l2 else dq_,
-            pre[1] if l2 else dk_, part[0], part[1], table, scale, T, H, HV, K=K, V=V, C=C, USE_L2=l2,
-            **c)
+            q, k, do, gates, eg_last, ts, xp, st, dsn, dxp, cc[0], cc[1], pre[0] if l2 else dq_,
+            pre[1] if l2 else dk_, part[0], part[1], table, T, H=H, HV=HV, K=K, V=V, C=C, **c)
         chunk_bwd_finalize_kernel[(H, NC)](
             q, k, pre[0] if l2 else dq_, pre[1] if l2 else dk_, rn, part[0], part[1], dq_, dk_, dg_,
-            dbeta_, table, T, H, HV, K=K, C=C, NK=NK, USE_L2=l2, **cfg["finalize"])
+            dbeta_, table, T, H, HV, K=K, C=C, NK=NK + 1, USE_L2=l2, **cfg["finalize"])
     for x, y in zip(outs, work):
         if x is not y:
             x.copy_(y)

@@ -32,12 +32,16 @@ first):
       register A operand of dS^T K^T). Writes dSn^T [NC, HV, V, K] and dX'^T [NC, HV, V, C] per chunk
       slot and dv = beta dX', all in the input dtype, dh0 (fp32, the first segment); and exact zeros
       on the padding rows of dv, dg, dbeta, dq, dk.
+  chunk_bwd_cc_kernel      grid (HV, NC): the C x C part, once per value head and chunk: dM = dO U^T and
+      dA = dX' U^T over the V-blocks, Pm and DA, then per K-block their products with K^ and Q^;
+      writes those shares of rq dQ^ and rk dK^ fp32 [NC, HV, C, K] and its dg / dbeta shares
+      (dX'.v, the row and column dots of Pm and DA) to the last partial slot.
   chunk_bwd_grads_kernel   grid (cdiv(K, BK), H, NC): one program per K-block, qk head and chunk slot;
-      loops the G value heads of the qk head and the V-blocks; dq, dk of the group summed in registers
-      (no GVA partials); writes dq, dk (input dtype; fp32 pre-l2norm values with l2norm) and the
-      dg / dbeta partials of its K-block [NK, T, HV] fp32 (dg's cumsums are linear: each K-block's share
-      is summed already).
-  chunk_bwd_finalize_kernel grid (H, NC): dg, dbeta = the sums of their K-block partials, and
+      loops the G value heads of the qk head and the V-blocks for the state products (dO S^T, dX' S^T,
+      U dSn^T); dq, dk of the group summed in registers with the C x C shares (no GVA partials);
+      writes dq, dk (input dtype; fp32 pre-l2norm values with l2norm) and the dg / dbeta partials of
+      its K-block [NK + 1, T, HV] fp32 (dg's cumsums are linear: each part's share is summed already).
+  chunk_bwd_finalize_kernel grid (H, NC): dg, dbeta = the sums of their partials, and
       the l2norm backward of dq, dk.
 Deterministic: no atomics; every scratch element has one writer; every sum runs in a fixed order.
 
@@ -170,11 +174,95 @@ def _rowdot(a, b):
 
 
 @triton.jit
-def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, dxp, dq, dk, dg_part,
-                           dbeta_part, table, scale, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                           V: tl.constexpr,
-                           C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
-                           PREC: tl.constexpr):
+def chunk_bwd_cc_kernel(q, k, v, g, do, gates, rn, ts, xp, dxp, dq_cc, dk_cc, dg_part, dbeta_part, table, scale, T,
+                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SLOT: tl.constexpr,
+                        PREC: tl.constexpr):
+    """The C x C part of the gradients, once per (value head, chunk): dM = dO U^T, dA = dX' U^T over
+    the V-blocks, Pm and DA from them, then over K-blocks their products with K^ and Q^: rq dQ^ and
+    rk dK^ shares written fp32 to dq_cc, dk_cc [NC, HV, C, K], and this part's dg / dbeta shares to
+    partial slot SLOT."""
+    i_h, j = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    start, length = chunk_rows(table, j, C)
+    if length == 0:
+        return
+    i_qh = i_h // (HV // H)
+    DT = k.dtype.element_ty
+    o_c = tl.arange(0, C)
+    rows, m_c = start + o_c, o_c < length
+    p_slot = j * HV + i_h
+    b_ts = _cc(ts, j, i_h, HV, C)
+    b_dM = tl.zeros([C, C], dtype=tl.float32)                         # dO U^T
+    b_dA = tl.zeros([C, C], dtype=tl.float32)                         # dX' U^T (= -dA)
+    b_dxv = tl.zeros([C], dtype=tl.float32)                           # dX' . v
+    p_cv = start * (HV * V) + i_h * V
+    for i_v in range(0, V, BV):
+        o_v = i_v + tl.arange(0, BV)
+        m_v = o_v < V
+        o_ct = o_v[None, :] * C + o_c[:, None]                        # [C, BV] of a [V, C] buffer
+        b_xp = tl.load(xp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)     # X'
+        b_u = tl.dot(b_ts, b_xp, b_xp.to(tl.float32)).to(DT)       # U = X' + Ts X'
+        b_dx = tl.load(dxp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)
+        m_cv = m_c[:, None] & m_v[None, :]
+        o_cv = o_c[:, None] * (HV * V) + o_v[None, :]
+        b_do = tl.load(do + p_cv + o_cv, mask=m_cv, other=0.)
+        b_v = tl.load(v + p_cv + o_cv, mask=m_cv, other=0.)
+        b_dxv += _rowdot(b_dx, b_v)
+        b_dM = tl.dot(b_do, tl.trans(b_u), b_dM)
+        b_dA = tl.dot(b_dx, tl.trans(b_u), b_dA)
+    b_E = segment_decay(g, rows, length, HV, i_h, C)
+    b_beta = _gate_row(gates, j, i_h, HV, 0, C)
+    lower = o_c[:, None] > o_c[None, :]
+    # Pm split into its strict lower part and its diagonal: the diagonal (E_ii = 1) has no gate
+    # gradient, and left in the two dots below it would enter dgam as row sum - column sum of
+    # the same value from two roundings, noise the reverse cumsum accumulates (fast decay: the
+    # true dgam is tiny there, the noise is not)
+    b_pm = tl.where(lower, scale * b_dM * b_E, 0.)                    # Pm, strictly lower
+    b_pd = tl.sum(tl.where(o_c[:, None] == o_c[None, :], scale * b_dM * b_E, 0.), 1)   # Pm_ii
+    b_da = tl.where(lower, -b_dA * b_E, 0.)                           # DA
+    p_rn = p_slot * (2 * C)
+    b_rq = tl.load(rn + p_rn + o_c)
+    b_rk = tl.load(rn + p_rn + C + o_c)
+    b_qM = tl.zeros([C], dtype=tl.float32)
+    b_colP = tl.zeros([C], dtype=tl.float32)
+    b_rowA = tl.zeros([C], dtype=tl.float32)
+    b_colA = tl.zeros([C], dtype=tl.float32)
+    o_b = tl.arange(0, BK)
+    zero = tl.zeros([C, BK], dtype=tl.float32)
+    for i_k in range(0, K, BK):
+        m_qk = m_c[:, None] & (i_k + o_b < K)[None, :]
+        o_qk = start * (H * K) + i_qh * K + i_k + o_c[:, None] * (H * K) + o_b[None, :]
+        b_q = tl.load(q + o_qk, mask=m_qk, other=0.)
+        b_k = tl.load(k + o_qk, mask=m_qk, other=0.)
+        b_kf, b_qf = b_k.to(tl.float32), b_q.to(tl.float32)
+        b_t = tl.dot(b_pm * b_rk[None, :], b_kf, zero, input_precision=PREC)                 # Pm K^
+        b_qM += b_rq * _rowdot(b_q, b_t)
+        b_dq = b_rq[:, None] * (b_t + (b_pd * b_rk)[:, None] * b_kf)
+        b_t = tl.dot(tl.trans(b_pm * b_rq[:, None]), b_qf, zero, input_precision=PREC)       # Pm^T Q^
+        b_colP += b_rk * _rowdot(b_k, b_t)
+        b_dk = b_rk[:, None] * (b_t + (b_pd * b_rq)[:, None] * b_qf)
+        b_t = tl.dot(b_da * b_rk[None, :], b_kf, zero, input_precision=PREC)                 # DA K^
+        b_rowA += b_rk * _rowdot(b_k, b_t)
+        b_dk += (b_rk * b_beta)[:, None] * b_t
+        b_t = tl.dot(tl.trans(b_da * (b_beta * b_rk)[:, None]), b_kf, zero,
+                     input_precision=PREC)                                                     # DA^T beta K^
+        b_colA += b_rk * _rowdot(b_k, b_t)
+        b_dk += b_rk[:, None] * b_t
+        o_cc = p_slot * (C * K) + o_c[:, None] * K + i_k + o_b[None, :]
+        tl.store(dq_cc + o_cc, b_dq, mask=m_qk)
+        tl.store(dk_cc + o_cc, b_dk, mask=m_qk)
+    p_part = (SLOT * T + rows) * HV + i_h
+    tl.store(dg_part + p_part, tl.cumsum(b_qM - b_colP + b_beta * b_rowA - b_colA, 0, reverse=True), mask=m_c)
+    tl.store(dbeta_part + p_part, b_dxv + b_rowA, mask=m_c)
+
+
+@triton.jit
+def chunk_bwd_grads_kernel(q, k, do, gates, eg_last, ts, xp, st, dsn, dxp, dq_cc, dk_cc, dq, dk, dg_part,
+                           dbeta_part, table, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                           V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """The state-product part of the gradients per (K-block, qk head, chunk), the group's value heads
+    summed in registers, plus the C x C part from chunk_bwd_cc_kernel's dq_cc, dk_cc: writes dq, dk (rq dQ^,
+    rk dK^) and this K-block's dg / dbeta shares."""
     i_k, i_qh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     start, length = chunk_rows(table, j, C)
     if length == 0:
@@ -191,24 +279,18 @@ def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, 
     o_qk = o_c[:, None] * (H * K) + o_b[None, :]
     b_q = tl.load(q + p_qk + o_qk, mask=m_qk, other=0.)               # raw q, k [C, BK]
     b_k = tl.load(k + p_qk + o_qk, mask=m_qk, other=0.)
-    p_rn = (j * HV + i_qh * G) * (2 * C)
-    b_rq = tl.load(rn + p_rn + o_c)                                   # (the group shares rq, rk)
-    b_rk = tl.load(rn + p_rn + C + o_c)
-    lower = o_c[:, None] > o_c[None, :]
-    diag = o_c[:, None] == o_c[None, :]
-    len_v = tl.where(i_k == 0, length, 0)                             # dX'.v: K-block 0 only
     b_dq = tl.zeros([C, BK], dtype=tl.float32)                        # rq dQ^ of the group
     b_dk = tl.zeros([C, BK], dtype=tl.float32)                        # rk dK^ of the group
+    o_cck = o_c[:, None] * K + i_k * BK + o_b[None, :]
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
         p_slot = j * HV + i_h
+        b_dq += tl.load(dq_cc + p_slot * (C * K) + o_cck, mask=m_qk, other=0.)
+        b_dk += tl.load(dk_cc + p_slot * (C * K) + o_cck, mask=m_qk, other=0.)
         b_ts = _cc(ts, j, i_h, HV, C)
-        b_dM = tl.zeros([C, C], dtype=tl.float32)                     # dO U^T
-        b_dA = tl.zeros([C, C], dtype=tl.float32)                     # dX' U^T (= -dA)
         b_qF = tl.zeros([C], dtype=tl.float32)                        # q . (dO S^T)
         b_kF1 = tl.zeros([C], dtype=tl.float32)                       # k . (dX' S^T)
         b_kF2 = tl.zeros([C], dtype=tl.float32)                       # k . (U dSn^T)
-        b_dxv = tl.zeros([C], dtype=tl.float32)                       # dX' . v
         b_sds = tl.zeros([BK], dtype=tl.float32)                      # <S, dSn> over this K-block
         b_g2 = _gate_row(gates, j, i_h, HV, 2, C)
         b_g3 = _gate_row(gates, j, i_h, HV, 3, C)
@@ -221,64 +303,34 @@ def chunk_bwd_grads_kernel(q, k, v, g, do, gates, eg_last, rn, ts, xp, st, dsn, 
             o_ct = o_v[None, :] * C + o_c[:, None]                        # [C, BV] of a [V, C] buffer
             b_xp = tl.load(xp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)     # X'
             b_u = tl.dot(b_ts, b_xp, b_xp.to(tl.float32)).to(DT)       # U = X' + Ts X'
-            b_dx = tl.load(dxp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.).to(DT)
-            m_cv = m_c[:, None] & m_v[None, :]
-            o_cv = o_c[:, None] * (HV * V) + o_v[None, :]
-            b_do = tl.load(do + p_cv + o_cv, mask=m_cv, other=0.)
-            b_v = tl.load(v + p_cv + o_cv, mask=(o_c < len_v)[:, None] & m_v[None, :], other=0.)
-            b_dxv += _rowdot(b_dx, b_v)
-            b_dM = tl.dot(b_do, tl.trans(b_u), b_dM)
-            b_dA = tl.dot(b_dx, tl.trans(b_u), b_dA)
+            b_dx = tl.load(dxp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)
+            b_do = tl.load(do + p_cv + o_c[:, None] * (HV * V) + o_v[None, :],
+                           mask=m_c[:, None] & m_v[None, :], other=0.)
             o_vk = o_v[:, None] * K + o_b[None, :]                        # [BV, BK] of [V, K]
             m_vk = m_v[:, None] & m_k[None, :]
             b_s = tl.load(st + p_vk + o_vk, mask=m_vk, other=0.)          # S^T
             b_dsn = tl.load(dsn + p_vk + o_vk, mask=m_vk, other=0.)       # dSn^T
-            b_sds += tl.sum(b_s * b_dsn, 0)
-            b_f = tl.dot(b_do, b_s.to(DT), tl.zeros([C, BK], dtype=tl.float32))
+            b_sds += tl.sum(b_s.to(tl.float32) * b_dsn.to(tl.float32), 0)
+            b_f = tl.dot(b_do, b_s, tl.zeros([C, BK], dtype=tl.float32))
             b_qF += _rowdot(b_q, b_f)
             b_dq += b_g2[:, None] * b_f
-            b_f = tl.dot(b_dx, b_s.to(DT), tl.zeros([C, BK], dtype=tl.float32))
+            b_f = tl.dot(b_dx, b_s, tl.zeros([C, BK], dtype=tl.float32))
             b_kF1 += _rowdot(b_k, b_f)
             b_dk -= b_g4[:, None] * b_f
-            b_f = tl.dot(b_u, b_dsn.to(DT), tl.zeros([C, BK], dtype=tl.float32))
+            b_f = tl.dot(b_u, b_dsn, tl.zeros([C, BK], dtype=tl.float32))
             b_kF2 += _rowdot(b_k, b_f)
             b_dk += b_g3[:, None] * b_f
-        b_E = segment_decay(g, rows, length, HV, i_h, C)
         b_beta = _gate_row(gates, j, i_h, HV, 0, C)
-        # Pm split into its strict lower part and its diagonal: the diagonal (E_ii = 1) has no gate
-        # gradient, and left in the two dots below it would enter dgam as row sum - column sum of
-        # the same value from two roundings, noise the reverse cumsum accumulates (fast decay: the
-        # true dgam is tiny there, the noise is not)
-        b_pm = tl.where(lower, scale * b_dM * b_E, 0.)                    # Pm, strictly lower
-        b_pd = tl.sum(tl.where(diag, scale * b_dM * b_E, 0.), 1)          # Pm_ii
-        b_da = tl.where(lower, -b_dA * b_E, 0.)                           # DA
-        zero = tl.zeros([C, BK], dtype=tl.float32)
-        b_kf, b_qf = b_k.to(tl.float32), b_q.to(tl.float32)
-        b_t = tl.dot(b_pm * b_rk[None, :], b_kf, zero, input_precision=PREC)                 # Pm K^
-        b_qM = b_rq * _rowdot(b_q, b_t)
-        b_dq += b_rq[:, None] * (b_t + (b_pd * b_rk)[:, None] * b_kf)
-        b_t = tl.dot(tl.trans(b_pm * b_rq[:, None]), b_qf, zero, input_precision=PREC)       # Pm^T Q^
-        b_colP = b_rk * _rowdot(b_k, b_t)
-        b_dk += b_rk[:, None] * (b_t + (b_pd * b_rq)[:, None] * b_qf)
-        b_t = tl.dot(b_da * b_rk[None, :], b_kf, zero, input_precision=PREC)                 # DA K^
-        b_rowA = b_rk * _rowdot(b_k, b_t)
-        b_dk += (b_rk * b_beta)[:, None] * b_t
-        b_t = tl.dot(tl.trans(b_da * (b_beta * b_rk)[:, None]), b_kf, zero,
-                     input_precision=PREC)                                                     # DA^T beta K^
-        b_colA = b_rk * _rowdot(b_k, b_t)
-        b_dk += b_rk[:, None] * b_t
         b_eg = _gate_row(gates, j, i_h, HV, 1, C)                       # eg rk
         b_tau = b_g3 * b_kF2
-        b_dgam = b_g2 * b_qF + b_qM - b_colP + b_beta * b_rowA - b_colA - b_beta * b_eg * b_kF1
-        # this K-block's share of dg: the reverse cumsum of dgam, plus tau's share sum_{i' < i} tau_i'
-        # as a forward cumsum (not sum(tau) - sum_{i' >= i} tau_i', which cancels when w puts all of
-        # tau on the last rows: fast decay), plus egL <S, dSn> on every row
-        b_dg = (tl.cumsum(b_dgam, 0, reverse=True) + (tl.cumsum(b_tau, 0) - b_tau)
+        # this K-block's share of dg: the reverse cumsum of its dgam terms, plus tau's share
+        # sum_{i' < i} tau_i' as a forward cumsum (not sum(tau) - sum_{i' >= i} tau_i', which cancels
+        # when w puts all of tau on the last rows: fast decay), plus egL <S, dSn> on every row
+        b_dg = (tl.cumsum(b_g2 * b_qF - b_beta * b_eg * b_kF1, 0, reverse=True) + (tl.cumsum(b_tau, 0) - b_tau)
                 + tl.load(eg_last + p_slot) * tl.sum(b_sds, 0))
-        b_db = b_dxv - b_eg * b_kF1 + b_rowA
         p_part = (i_k * T + rows) * HV + i_h
         tl.store(dg_part + p_part, b_dg, mask=m_c)
-        tl.store(dbeta_part + p_part, b_db, mask=m_c)
+        tl.store(dbeta_part + p_part, -b_eg * b_kF1, mask=m_c)
     tl.store(dq + p_qk + o_qk, b_dq.to(dq.dtype.element_ty), mask=m_qk)
     tl.store(dk + p_qk + o_qk, b_dk.to(dk.dtype.element_ty), mask=m_qk)
 

@@ -64,18 +64,21 @@ def bwd_configs(K, V, dtype):
     - dstate: the whole K (padded to a power of two) x BV = 64 (wgmma M = 64 with dS^T as the register
       A operand; at 1 x 32768, HV = 32, V = 128: 64 programs, one wave), 4 warps; fp32 inputs or
       K > 128 (as the forward's state pass): BV = 16 at 8 warps.
-    - grads: K-blocks of 16 and V-blocks of 32 at 8 warps (16 for fp32 inputs), the largest blocks
-      without register spills for bf16/fp16 (the [C, BK] / [BV, BK] tiles of six streamed operands and
-      their addresses cost more registers than the accumulators); every K-block recomputes U, dO U^T
-      and dX' U^T.
+    - cc (the C x C part, per value head and chunk): V-blocks of 32 for dM, dA, then K-blocks of 64
+      for the products with K^, Q^ (fp32: 16 and 32), 8 warps.
+    - grads (the state products, per K-block): K-blocks of 64 and V-blocks of 32 at 8 warps (fp32: 32
+      and 16), the largest without register spills on sm_90 (BK = 128 spills 80-96 B: the [C, BK] /
+      [BV, BK] tiles of the streamed operands and their addresses); every K-block recomputes U.
     - finalize: the whole K row, 4 warps (8 when K > 128; no dots)."""
     fp32 = dtype == torch.float32
     narrow = fp32 or pow2(K) > 128
     return dict(
         dstate=dict(BK=pow2(K), BV=min(16 if narrow else 64, pow2(V)), num_warps=8 if narrow else 4,
                     num_stages=1),
-        grads=dict(BK=min(16, pow2(K)), BV=min(16 if fp32 else 32, pow2(V)), PREC=dot_precision(dtype),
-                   num_warps=8, num_stages=1),
+        cc=dict(BK=min(32 if fp32 else 64, pow2(K)), BV=min(16 if fp32 else 32, pow2(V)),
+                PREC=dot_precision(dtype), num_warps=8, num_stages=1),
+        grads=dict(BK=min(32 if fp32 else 64, pow2(K)), BV=min(16 if fp32 else 32, pow2(V)), num_warps=8,
+                   num_stages=1),
         finalize=dict(BKP=pow2(K), num_warps=8 if pow2(K) > 128 else 4, num_stages=1),
     )
 
