@@ -372,3 +372,37 @@ def test_segmented_state_pass(ci, dtype, segments, monkeypatch):
         base = errors(result(ci, dtype, "triton"), ref, names)
         worse = {n: f"{err[n]:.2e} > 1.1 x {base[n]:.2e}" for n in names if err[n] > 1.1 * base[n]}
         assert not worse, worse
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+def test_segmented_forward_keeps_entering_states(segments, monkeypatch):
+    """With segments the Triton forward returns the state entering every segment as the op's `kept`
+    ([N S, HV, K, V] fp32, the fake kernel's size, every element written under NaN-poisoned outputs):
+    the backward started from it gives the gradients of the backward that recomputes them (fp32,
+    1e-6), and reads it (kept perturbed: other gradients); without segments kept is empty. Both ops
+    pass opcheck with it."""
+    if "triton" not in [p.values[0] for p in BACKENDS]:
+        pytest.skip("the triton backend cannot run here")
+    from gdn_packed.ops.chunk_gdr import chunk_gdr_bwd, chunk_gdr_fwd
+    from gdn_packed.triton import chunk as triton_chunk
+    monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, **kw: segments)
+    ci = RERUN  # gaps-and-empties: zero-length and one-token sequences (empty segments), gaps, h0
+    x, cu, cu_pad, _, do, dht = inputs(ci, torch.float32)
+    c = GDR_CASES[ci]
+    args = (*x, cu, cu_pad, c.K ** -0.5, c.l2, "triton")
+    with poisoned_outputs():
+        o, fs, kept = chunk_gdr_fwd(*args, None, None, True)
+    N = cu.numel() - 1
+    if segments == 1:
+        assert kept.numel() == 0
+        return
+    assert kept.shape == (N * segments * c.HV * c.K * c.V,) and not kept.isnan().any()
+    bwd = args[:8] + (do, dht) + args[8:]
+    from_kept = chunk_gdr_bwd(*bwd, None, None, kept)
+    recomputed = chunk_gdr_bwd(*bwd)
+    for name, a, b in zip(GRADS, from_kept, recomputed):
+        assert rel_err(a, b.double()) <= 1e-6, name
+    off = chunk_gdr_bwd(*bwd, None, None, kept * 1.001)
+    assert not torch.equal(off[0], from_kept[0]), "the backward does not read kept"
+    torch.library.opcheck(chunk_gdr_fwd, args + (None, None, True))
+    torch.library.opcheck(chunk_gdr_bwd, bwd + (None, None, kept))

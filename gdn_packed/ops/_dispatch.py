@@ -18,6 +18,7 @@ TABLE = {
         "triton": {
             "fwd": "gdn_packed.triton.chunk:chunk_gdr_fwd_triton",
             "bwd": "gdn_packed.triton.chunk:chunk_gdr_bwd_triton",
+            "kept_shape": "gdn_packed.triton.chunk:kept_shape",
             "gate_fwd": "gdn_packed.triton.chunk_gate:gate_fwd_triton",
             "gate_bwd": "gdn_packed.triton.chunk_gate:gate_bwd_triton",
         },

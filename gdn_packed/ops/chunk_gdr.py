@@ -13,9 +13,10 @@ first (the "gate_fwd" kernel), and its backward returns da, db in g's / beta's s
 
 `kept` is what the forward keeps for its backward beyond the inputs: with keep on the torch backend's
 host schedule (CPU tensors) the state entering each chunk and its Vnew (torch_ref/chunk.py, kept_shape:
-its size follows from the shapes alone); elsewhere, or with keep=False, an empty tensor and the backward
-recomputes from the inputs. Not done for Triton: its forward kernel would have to write the states to
-HBM to spare the backward its recompute kernel, a trade not measured on a GPU. The public function
+its size follows from the shapes alone); on the triton backend, when its state pass runs in segments
+(few long sequences: triton/chunk.py, kept_shape), the state entering every segment, so the backward's
+recompute needs no segment pass of its own (S K V floats per sequence and value head); elsewhere, or
+with keep=False, an empty tensor and the backward recomputes from the inputs. The public function
 asks for kept only when autograd will need it and drops it from what it returns.
 Both ops build the chunk table on the device (no host sync), flatten the packed rows and hand them to
 one backend implementation (gdn_packed.ops._dispatch.kernel), which writes every row of the outputs
@@ -86,12 +87,12 @@ def chunk_gdr_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
 
 def _kept_spec(q, v, N, backend, keep):
-    """(shape, dtype) of the forward's `kept` output: the backend's kept_shape (torch_ref/chunk.py) in
-    the compute dtype where the backend keeps something and keep is set; else empty."""
+    """(shape, dtype) of the forward's `kept` output: the backend's kept_shape (torch_ref/chunk.py,
+    triton/chunk.py) in the compute dtype where the backend keeps something and keep is set; else empty."""
     if not (keep and "kept_shape" in TABLE[OP][backend]):
         return (0,), torch.float32
     shape = kernel(OP, backend, "kept_shape")(q.shape[0] * q.shape[1], N, v.shape[2], q.shape[3], v.shape[3],
-                                              CHUNK_SIZE, q.device)
+                                              CHUNK_SIZE, q.device, q.dtype)
     return shape, compute_dtype(q.dtype)
 
 

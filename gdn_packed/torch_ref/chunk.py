@@ -76,7 +76,7 @@ def host_chunk(C):
     return HOST_CHUNK if C % HOST_CHUNK == 0 else C
 
 
-def kept_shape(T, N, HV, K, V, C, device):
+def kept_shape(T, N, HV, K, V, C, device, dtype=None):
     """The shape of `kept`, what the forward keeps for the backward, from shapes only (the op's fake
     kernel calls this). On the host schedule, with c = host_chunk(C): the state entering every chunk
     of an even step (its index in its sequence is even: one per 2c rows), [T // 2c + N, HV, K, V],

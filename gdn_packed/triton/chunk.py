@@ -41,14 +41,30 @@ def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, store_m=False):
     return gates, eg_last, rn, ts, mt
 
 
-def entering_states(pass_a, N, HV, K, V, S, h0, dtype, device, reverse=False):
-    """The state entering every segment of a segmented sequential pass, [N S, HV, K, V] fp32: launches
-    `pass_a(grid, ends)` (the pass with PROPAGATE over the segments the walk leaves, writing each one's
-    end rows [V + K, K] to ends) and chunk_combine_kernel (grid (cdiv(V, BV'), HV, N)). h0 [N, HV, K, V]
-    (or None: 0) enters the first segment walked (the last one when reverse)."""
+def fwd_segments(T, N, HV, K, V, dtype, device):
+    """The segments per sequence of the forward's state pass (configs.state_segments), from shapes."""
+    cfg = state_config(K, V, dtype, smem_kb(device))
+    return state_segments(T, N, HV, K, V, cfg, num_sms(device))
+
+
+def kept_shape(T, N, HV, K, V, C, device, dtype):
+    """The shape of `kept`, what the forward keeps for the backward (the op's fake kernel calls this):
+    when the forward's state pass runs in S > 1 segments, the state entering every segment,
+    [N S, HV, K, V] fp32 flat (S K V floats per sequence and value head: 192 KiB at S = 3, K = V = 128),
+    so that the backward's recompute starts every segment from it (no pass A, no combine); else [0]."""
+    S = fwd_segments(T, N, HV, K, V, dtype, device)
+    return (N * S * HV * K * V,) if S > 1 else (0,)
+
+
+def entering_states(pass_a, N, HV, K, V, S, h0, dtype, device, reverse=False, out=None):
+    """The state entering every segment of a segmented sequential pass, [N S, HV, K, V] fp32 (written to
+    out when given): launches `pass_a(grid, ends)` (the pass with PROPAGATE over the segments the walk
+    leaves, writing each one's end rows [V + K, K] to ends) and chunk_combine_kernel (grid
+    (cdiv(V, BV'), HV, N)). h0 [N, HV, K, V] (or None: 0) enters the first segment walked (the last
+    one when reverse)."""
     ends = torch.empty(N * (S - 1), HV, V + K, K, dtype=torch.float32, device=device)
     pass_a(N * (S - 1), ends)
-    ent = torch.empty(N * S, HV, K, V, dtype=torch.float32, device=device)
+    ent = torch.empty(N * S, HV, K, V, dtype=torch.float32, device=device) if out is None else out
     c = combine_config(K, V, dtype)
     chunk_combine_kernel[(triton.cdiv(V, c["BV"]), HV, N)](
         ends, ent if h0 is None else h0, ent, S, HV=HV, K=K, V=V, HAS_H0=h0 is not None, REVERSE=reverse, **c)
@@ -56,24 +72,29 @@ def entering_states(pass_a, N, HV, K, V, S, h0, dtype, device, reverse=False):
 
 
 def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=None, x_out=None,
-                    segments=None):
+                    kept=None, entering=None):
     """Launches chunk_fwd_state_kernel on chunk_fwd_prep's outputs `prep`. Forward: writes o [T, HV, V]
     (every row) and ht [N, HV, K, V] fp32. With s_out [NC, HV, V, K] and x_out [NC, HV, V, C] in the
     input dtype (the backward's recompute) it writes S^T entering each chunk and X'^T instead, and
     neither o nor ht.
 
-    segments (default configs.state_segments, from shapes): with S > 1 every sequence's chunk slots
-    are split into S segments: pass A (the kernel with PROPAGATE, grid (cdiv(V + K, BV), HV, N (S - 1)))
-    gives each of the first S - 1 segments its end state from zero and its K x K transition,
-    chunk_combine_kernel the state entering every segment (entering_states), and the pass (grid
-    (cdiv(V, BV), HV, N S)) runs every segment from its entering state."""
+    Segments (configs.state_segments, from shapes): with S > 1 every sequence's chunk slots are split
+    into S segments: pass A (the kernel with PROPAGATE, grid (cdiv(V + K, BV), HV, N (S - 1))) gives
+    each of the first S - 1 segments its end state from zero and its K x K transition,
+    chunk_combine_kernel the state entering every segment (entering_states; into kept [N S HV K V]
+    when given, the forward's `kept`), and the pass (grid (cdiv(V, BV), HV, N S)) runs every segment
+    from its entering state. `entering` (the backward: the forward's kept) gives those states: no
+    pass A, no combine, S = its length / (N HV K V)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     N = cu_chunks.numel() - 1
     store = s_out is not None
     cfg = state_config(K, V, q.dtype, smem_kb(q.device), store_states=store)
     cfg_a = state_config(K, V, q.dtype, smem_kb(q.device))     # pass A stores no states
-    S = state_segments(T, N, HV, K, V, cfg, num_sms(q.device), cfg_a=cfg_a) if segments is None else segments
+    if entering is not None:
+        S = entering.numel() // max(1, N * HV * K * V)
+    else:
+        S = state_segments(T, N, HV, K, V, cfg, num_sms(q.device), cfg_a=cfg_a)
     gates, eg_last, _, ts, mt = prep
     args = (q, k, v, table, cu_chunks, gates, eg_last, ts, mt)
     shape = dict(H=H, HV=HV, K=K, V=V, C=CHUNK)
@@ -82,8 +103,11 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=
         chunk_fwd_state_kernel[(triton.cdiv(V + K, cfg_a["BV"]), HV, programs)](
             *args, ends, ends, ends, ends, ends, T, S, HAS_H0=False, STORE_STATES=False, PROPAGATE=True,
             **shape, **cfg_a)
-    if S > 1:
-        h0 = entering_states(pass_a, N, HV, K, V, S, h0, q.dtype, q.device)
+    if entering is not None:
+        h0 = entering.view(N * S, HV, K, V) if S > 1 else h0
+    elif S > 1:
+        out = None if kept is None or kept.numel() != N * S * HV * K * V else kept.view(N * S, HV, K, V)
+        h0 = entering_states(pass_a, N, HV, K, V, S, h0, q.dtype, q.device, out=out)
     unused = s_out if store else ht         # stand-in for the pointers this variant does not touch
     pick = lambda x: unused if x is None else x   # noqa: E731
     chunk_fwd_state_kernel[(triton.cdiv(V, cfg["BV"]), HV, N * S)](
@@ -115,11 +139,12 @@ def chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, dh0, d
 
 
 def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
-                         o, final_state):
+                         o, final_state, kept=None):
     """Writes o [T, HV, V] (every row: padding rows 0) and final_state [N, HV, K, V] float32.
 
     q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV]; table int32 [NC, 4]; cu_chunks int32 [N+1];
-    initial_state [N, HV, K, V] or None. Two launches: prep, then the state pass."""
+    initial_state [N, HV, K, V] or None. Launches prep, then the state pass (with segments: pass A and
+    the combine before it, the entering states into kept [N S HV K V] fp32 when given: kept_shape)."""
     _check_chunk(C)
     HV = v.shape[1]
     N = cu_chunks.numel() - 1
@@ -132,21 +157,22 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     prep = chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm)
     if HV > 0:
-        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=o, ht=final_state)
+        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=o, ht=final_state, kept=kept)
 
 
 def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
-                         do, dht, dq, dk, dv, dg, dbeta, dh0):
+                         do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None):
     """Backward of backend="triton" on flattened rows: writes every row of dq, dk [T, H, K], dv [T, HV, V],
-    dg, dbeta [T, HV] (0 on padding rows) and dh0 [N, HV, K, V] fp32. The op saves only the inputs, so
-    the forward's prep (with M instead of M T) and state pass (STORE_STATES) run again, then the three
+    dg, dbeta [T, HV] (0 on padding rows) and dh0 [N, HV, K, V] fp32. The op saves the inputs and
+    `kept` (the states entering the forward's segments, when it ran in segments), so the forward's prep (with M instead of M T) and state pass (STORE_STATES) run again, then the
     backward kernels of chunk_bwd.py. Grids depend only on T, N, the chunk slots and the shapes.
 
     Scratch per token x value head (K = V = 128, bf16, G = HV // H = 2): S^T 512 B and X'^T 256 B in
     the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 512 B and
-    dX'^T 256 B in the input dtype (dstate); dg / dbeta partials 8 B per K-block (64 B at NK = 8):
-    ~1.9 kB; with l2norm the fp32 dq, dk before the l2norm backward (1 kB per token x qk head); with
-    segments, (V + K) K + K V floats per segment and value head (the boundary rows)."""
+    dX'^T 256 B in the input dtype (dstate); the C x C part's dq, dk shares 1 kB fp32 (cc); dg / dbeta
+    partials 8 B per K-block and one more (24 B at NK = 2): ~2.8 kB; with l2norm the fp32 dq, dk
+    before the l2norm backward (1 kB per token x qk head); with segments, (V + K) K + K V floats per
+    segment and value head (the boundary rows)."""
     _check_chunk(C)
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -173,7 +199,8 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     dsn = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
     dxp = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
     if HV > 0:
-        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, s_out=st, x_out=xp)
+        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, s_out=st, x_out=xp,
+                        entering=kept if kept is not None and kept.numel() else None)
         dht_ = None if dht is None else dht.to(torch.float32).contiguous()
         chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, dht_, dsn, dxp, dv_, dh0, dq_, dk_, dg_, dbeta_,
                          cfg["dstate"])
