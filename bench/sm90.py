@@ -468,7 +468,7 @@ def _op_body(name):
 
 def record_ours(rec, dims, dtype, modes, l2norm=False, h0=False, dht=False, gates=False):
     """gdn_packed's op bodies (torch.ops.gdn_packed.chunk_gdr_fwd / _bwd) with backend="triton" on meta
-    tensors: what the dispatcher launches."""
+    tensors: what the dispatcher launches; the backward gets the forward's `kept`, as under autograd."""
     import torch
     N, L, H, HV, K, V = dims
     q, k, v, g, beta = _meta_inputs(dims, dtype)
@@ -480,12 +480,15 @@ def record_ours(rec, dims, dtype, modes, l2norm=False, h0=False, dht=False, gate
                   cu_seqlens_padded=None, scale=K ** -0.5, use_qk_l2norm=l2norm, backend="triton")
     if gates:
         common.update(A_log=torch.empty(HV, device="meta"), dt_bias=torch.empty(HV, device="meta"))
-    if "fwd" in modes:
-        rec.phase = "fwd"
-        _op_body("chunk_gdr_fwd")(**common)
+    rec.phase = "fwd"
+    start = len(rec.launches)
+    _, _, kept = _op_body("chunk_gdr_fwd")(**common)
+    if "fwd" not in modes:      # run for its `kept` only (what autograd hands the backward)
+        del rec.launches[start:]
     if "bwd" in modes:
         rec.phase = "bwd"
-        _op_body("chunk_gdr_bwd")(**common, do=torch.empty_like(v), dht=state if dht else None)
+        _op_body("chunk_gdr_bwd")(**common, do=torch.empty_like(v), dht=state if dht else None,
+                                  kept=kept if kept.numel() else None)
 
 
 def record_fla(rec, dims, dtype, modes):

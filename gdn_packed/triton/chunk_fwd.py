@@ -199,36 +199,39 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mt, h0
         j = (c0 + it).to(tl.int64)
         start, length = chunk_rows(table, j, C)
         base = j * HV + hv
-        rows, live = start + rc, rc < length
-        qk_off = rows[:, None] * (H * K) + h * K + rk[None, :]
+        live = rc < length
+        # scalar int64 bases, int32 tile offsets (no per-element 64-bit address arithmetic)
+        p_k = k + start * (H * K) + h * K
+        qk_off = rc[:, None] * (H * K) + rk[None, :]
         qk_mask = live[:, None] & kmask[None, :]
-        b_k = tl.load(k + qk_off, mask=qk_mask, other=0.0)
-        vt_off = rows[None, :] * (HV * V) + hv * V + cv[:, None]
+        b_k = tl.load(p_k + qk_off, mask=qk_mask, other=0.0)
+        p_v = start * (HV * V) + hv * V
+        vt_off = rc[None, :] * (HV * V) + cv[:, None]
         vt_mask = vmask[:, None] & live[None, :]
-        b_vt = tl.load(v + vt_off, mask=vt_mask, other=0.0)
+        b_vt = tl.load(v + p_v + vt_off, mask=vt_mask, other=0.0)
         p_g = gates + base * (5 * C) + rc
         g_beta = tl.load(p_g)
         g_egk = tl.load(p_g + C)
         g_wk = tl.load(p_g + 3 * C)
-        cc = base * (C * C) + rc[:, None] * C + rc[None, :]
+        cc = rc[:, None] * C + rc[None, :]
         b_st_in = b_st.to(dt)
         if STORE_STATES:     # the state as the dots below use it (rounded to the input dtype)
-            tl.store(s_out + base * (K * V) + cv[:, None] * K + rk[None, :], b_st_in, mask=st_mask)
+            tl.store(s_out + base * (K * V) + (cv[:, None] * K + rk[None, :]), b_st_in, mask=st_mask)
         b_kst = tl.dot(b_st_in, tl.trans(b_k))                      # (K S)^T   [BV, C]
         b_xt = g_beta[None, :] * (b_vt.to(tl.float32) - g_egk[None, :] * b_kst)    # X'^T      [BV, C]
         b_xt_in = b_xt.to(dt)
-        b_ut = tl.dot(b_xt_in, tl.trans(tl.load(ts + cc)), b_xt)                # U^T = X'^T (I + Ts)^T
+        b_ut = tl.dot(b_xt_in, tl.trans(tl.load(ts + base * (C * C) + cc)), b_xt)    # U^T = X'^T (I + Ts)^T
         if STORE_STATES:
-            tl.store(x_out + base * (V * C) + cv[:, None] * C + rc[None, :], b_xt_in,
+            tl.store(x_out + base * (V * C) + (cv[:, None] * C + rc[None, :]), b_xt_in,
                      mask=vmask[:, None])
         elif not PROPAGATE:
-            b_q = tl.load(q + qk_off, mask=qk_mask, other=0.0)
+            b_q = tl.load(q + start * (H * K) + h * K + qk_off, mask=qk_mask, other=0.0)
             g_cq = tl.load(p_g + 2 * C)
             b_ot = tl.dot(b_st_in, tl.trans(b_q)) * g_cq[None, :]   # (Q S)^T scaled
-            b_ot = tl.dot(b_xt_in, tl.trans(tl.load(mt + cc)), b_ot)
-            tl.store(o + vt_off, b_ot.to(o.dtype.element_ty), mask=vt_mask)
+            b_ot = tl.dot(b_xt_in, tl.trans(tl.load(mt + base * (C * C) + cc)), b_ot)
+            tl.store(o + p_v + vt_off, b_ot.to(o.dtype.element_ty), mask=vt_mask)
         if RELOAD_K:    # (wide fp32 tiles: k read again, an L1/L2 hit, instead of kept live)
-            b_k = tl.load(k + qk_off, mask=qk_mask, other=0.0)
+            b_k = tl.load(p_k + qk_off, mask=qk_mask, other=0.0)
         b_st = b_st * tl.load(eg_last + base) + tl.dot((b_ut * g_wk[None, :]).to(dt), b_k)
     if PROPAGATE:       # the segment's end rows: S^T from a zero entering state, then P^T
         sg = (tl.program_id(2) * HV + hv).to(tl.int64) * (R * K) + cv[:, None] * K + rk[None, :]

@@ -44,11 +44,12 @@ def prep_config(K, dtype):
 def state_config(K, V, dtype, smem=227, store_states=False):
     """chunk_fwd_state_kernel: the transposed state block S^T [BV, BK] (BK = K padded to a power of
     two) in fp32 registers. bf16/fp16 with K <= 128: BV = 64 (the wgmma M of one warpgroup, so the S^T
-    products take the state from registers), smaller only when V is, 4 warps. The STORE_STATES variant
-    at BV = 64 (the backward's recompute; its stores of S^T and X'^T need registers) and K > 128 or fp32
-    inputs (a [64, K] fp32 state with tf32 operands does not fit next to the tiles) take 8 warps, the latter
-    with BV = 16. 2 stages (the next chunk's tiles copied while this one computes) when two fit in
-    shared memory, else 1; one stage holds q, k [C, BK], v [C, BV] and Ts, MT [C, C] in the input dtype."""
+    products take the state from registers), smaller only when V is, 4 warps. K > 128 or fp32 inputs (a
+    [64, K] fp32 state with tf32 operands does not fit next to the tiles): BV = 16 at 8 warps. 2 stages
+    (the next chunk's tiles copied while this one computes) when two fit in shared memory, else 1; one
+    stage holds q, k [C, BK], v [C, BV] and Ts, MT [C, C] in the input dtype. The STORE_STATES variant
+    at BV = 64 (the backward's recompute) takes 8 warps: its stores of S^T and X'^T need the registers
+    (sm_90, K = V = 128, 4 warps: 2 stages spill 72 B; 1 stage spills 16-24 B or not, by variant)."""
     BK = pow2(K)
     narrow = dtype == torch.float32 or BK > 128
     BV = max(16, min(16 if narrow else 64, pow2(V)))
