@@ -174,6 +174,19 @@ def _rowdot(a, b):
 
 
 @triton.jit
+def _u_dx(xp, dxp, b_ts, p_slot, i_v, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr):
+    """V-block i_v of chunk slot p_slot from the [V, C] scratch of X'^T and dX'^T (input dtype): its
+    columns o_v, their mask, U = X' + Ts X' [C, BV] (input dtype) and dX' [C, BV]."""
+    o_v = i_v + tl.arange(0, BV)
+    m_v = o_v < V
+    o_ct = o_v[None, :] * C + tl.arange(0, C)[:, None]                  # [C, BV] of a [V, C] buffer
+    b_xp = tl.load(xp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)     # X'
+    b_u = tl.dot(b_ts, b_xp, b_xp.to(tl.float32)).to(b_xp.dtype)     # U = X' + Ts X'
+    b_dx = tl.load(dxp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)
+    return o_v, m_v, b_u, b_dx
+
+
+@triton.jit
 def chunk_bwd_cc_kernel(q, k, v, g, do, gates, rn, ts, xp, dxp, dq_cc, dk_cc, dg_part, dbeta_part, table, scale, T,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SLOT: tl.constexpr,
@@ -187,7 +200,6 @@ def chunk_bwd_cc_kernel(q, k, v, g, do, gates, rn, ts, xp, dxp, dq_cc, dk_cc, dg
     if length == 0:
         return
     i_qh = i_h // (HV // H)
-    DT = k.dtype.element_ty
     o_c = tl.arange(0, C)
     rows, m_c = start + o_c, o_c < length
     p_slot = j * HV + i_h
@@ -197,12 +209,7 @@ def chunk_bwd_cc_kernel(q, k, v, g, do, gates, rn, ts, xp, dxp, dq_cc, dk_cc, dg
     b_dxv = tl.zeros([C], dtype=tl.float32)                           # dX' . v
     p_cv = start * (HV * V) + i_h * V
     for i_v in range(0, V, BV):
-        o_v = i_v + tl.arange(0, BV)
-        m_v = o_v < V
-        o_ct = o_v[None, :] * C + o_c[:, None]                        # [C, BV] of a [V, C] buffer
-        b_xp = tl.load(xp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)     # X'
-        b_u = tl.dot(b_ts, b_xp, b_xp.to(tl.float32)).to(DT)       # U = X' + Ts X'
-        b_dx = tl.load(dxp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)
+        o_v, m_v, b_u, b_dx = _u_dx(xp, dxp, b_ts, p_slot, i_v, V, C, BV)
         m_cv = m_c[:, None] & m_v[None, :]
         o_cv = o_c[:, None] * (HV * V) + o_v[None, :]
         b_do = tl.load(do + p_cv + o_cv, mask=m_cv, other=0.)
@@ -268,7 +275,6 @@ def chunk_bwd_grads_kernel(q, k, do, gates, eg_last, ts, xp, st, dsn, dxp, dq_cc
     if length == 0:
         return
     G = HV // H
-    DT = k.dtype.element_ty
     o_c = tl.arange(0, C)
     rows, m_c = start + o_c, o_c < length
     o_b = tl.arange(0, BK)
@@ -298,12 +304,7 @@ def chunk_bwd_grads_kernel(q, k, do, gates, eg_last, ts, xp, st, dsn, dxp, dq_cc
         p_cv = start * (HV * V) + i_h * V
         p_vk = p_slot * (V * K) + i_k * BK
         for i_v in range(0, V, BV):
-            o_v = i_v + tl.arange(0, BV)
-            m_v = o_v < V
-            o_ct = o_v[None, :] * C + o_c[:, None]                        # [C, BV] of a [V, C] buffer
-            b_xp = tl.load(xp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)     # X'
-            b_u = tl.dot(b_ts, b_xp, b_xp.to(tl.float32)).to(DT)       # U = X' + Ts X'
-            b_dx = tl.load(dxp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)
+            o_v, m_v, b_u, b_dx = _u_dx(xp, dxp, b_ts, p_slot, i_v, V, C, BV)
             b_do = tl.load(do + p_cv + o_c[:, None] * (HV * V) + o_v[None, :],
                            mask=m_c[:, None] & m_v[None, :], other=0.)
             o_vk = o_v[:, None] * K + o_b[None, :]                        # [BV, BK] of [V, K]
