@@ -216,7 +216,11 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mt, h0
         cc = rc[:, None] * C + rc[None, :]
         b_st_in = b_st.to(dt)
         if STORE_STATES:     # the state as the dots below use it (rounded to the input dtype)
-            tl.store(s_out + base * (K * V) + (cv[:, None] * K + rk[None, :]), b_st_in, mask=st_mask)
+            if K == BK:     # the block's rows are contiguous: offsets from one arange (fewer registers)
+                st_tile = iv * (BV * K) + tl.reshape(tl.arange(0, BV * BK), [BV, BK])
+            else:
+                st_tile = cv[:, None] * K + rk[None, :]
+            tl.store(s_out + base * (K * V) + st_tile, b_st_in, mask=st_mask)
         b_kst = tl.dot(b_st_in, tl.trans(b_k))                      # (K S)^T   [BV, C]
         b_xt = g_beta[None, :] * (b_vt.to(tl.float32) - g_egk[None, :] * b_kst)    # X'^T      [BV, C]
         b_xt_in = b_xt.to(dt)

@@ -48,16 +48,16 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     [64, K] fp32 state with tf32 operands does not fit next to the tiles): BV = 16 at 8 warps. 2 stages
     (the next chunk's tiles copied while this one computes) when two fit in shared memory, else 1; one
     stage holds q, k [C, BK], v [C, BV] and Ts, MT [C, C] in the input dtype. The STORE_STATES variant
-    at BV = 64 (the backward's recompute) takes 8 warps: its stores of S^T and X'^T need the registers
-    (sm_90, K = V = 128, 4 warps: 2 stages spill 72 B; 1 stage spills 16-24 B or not, by variant)."""
+    at BV = 64 (the backward's recompute) runs 1 stage: its stores of S^T and X'^T need the registers
+    (sm_90, K = V = 128, 4 warps: 2 stages spill 72 B; 1 stage 244-250 registers, 2 CTAs per SM)."""
     BK = pow2(K)
     narrow = dtype == torch.float32 or BK > 128
     BV = max(16, min(16 if narrow else 64, pow2(V)))
     esize = torch.finfo(dtype).bits // 8
     stage_kb = (2 * CHUNK * BK + CHUNK * BV + 2 * CHUNK * CHUNK) * esize / 1024
     return dict(BK=BK, BV=BV, RELOAD_K=esize == 4 and BK > 128,
-                num_warps=8 if narrow or (store_states and BV == 64) else 4,
-                num_stages=2 if 2 * stage_kb + 16 <= smem else 1)
+                num_warps=8 if narrow else 4,
+                num_stages=2 if 2 * stage_kb + 16 <= smem and not (store_states and BV == 64) else 1)
 
 
 def bwd_configs(K, V, dtype):
