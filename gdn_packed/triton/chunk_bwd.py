@@ -47,10 +47,13 @@ Deterministic: no atomics; every scratch element has one writer; every sum runs 
 
 Numerics: every tensor-core dot takes its operands in the input dtype with fp32 accumulation (fp32
 inputs: every fp32-operand dot at configs.dot_precision, tf32). Rounded to the input dtype only as dot
-operands: dS^T, dO^T scaled by its gate, dU^T, dX'^T scaled by its gate (dstate); U, dX', dSn^T
+operands: dS^T, dU^T, dX'^T scaled by its gate (dstate); U, dX', dSn^T
 (grads: dX' and dSn^T are stored in the input dtype, as the grads kernel's dots take them; dSn^T also
 enters the row dot <S, dSn> of dg, whose S^T is in the input dtype already); S^T is stored by the
 forward's state pass in the input dtype, exactly as its dots used it.
+dO^T scaled by its gate (scale e^gam rq) enters the dS update as two input-dtype operands, the
+rounded value and its rounding error (one more dot, 24 -> 28 HGMMA a chunk): rounded once, it put dh0
+at ~2x FLA's error on short sequences (bf16 4.76e-4 vs 2.36e-4; now 2.00e-4).
 Pm and DA enter their products with K^, Q^ as fp32 tf32 dots: dgam takes the row sums and the column sums of the same
 C x C products (Pm (.) Q^K^^T, DA (.) K^K^^T) from two different dots, and their difference, summed
 by the reverse cumsum, cancels only if both see Pm, DA at better than bf16 precision (bf16 operands
@@ -151,8 +154,11 @@ def chunk_bwd_dstate_kernel(q, k, do, gates, eg_last, ts, mm, dht, dsn, dxp, dv,
                      mask=m_v[:, None])
             tl.store(dv + p_vt, (b_dx * b_beta[None, :]).to(dv.dtype.element_ty), mask=m_vt)
         # dS^T <- egL dS^T + (dO^T (scale eg rq)) Q - (dX'^T (beta eg rk)) K
-        b_a = (b_dot.to(tl.float32) * _gate_row(gates, j, i_h, HV, 2, C)[None, :]).to(DT)
+        b_ag = b_dot.to(tl.float32) * _gate_row(gates, j, i_h, HV, 2, C)[None, :]
+        b_a = b_ag.to(DT)
         b_ds = tl.dot(b_a, b_q, b_ds * tl.load(eg_last + p_slot))
+        if DT != tl.float32:    # the rounding of the gated dO^T, taken back by a second product
+            b_ds = tl.dot((b_ag - b_a.to(tl.float32)).to(DT), b_q, b_ds)
         b_b = (b_dx * _gate_row(gates, j, i_h, HV, 4, C)[None, :]).to(DT)
         b_ds = tl.dot(-b_b, b_k, b_ds)
     if PROPAGATE:       # the segment's rows at its start: dS^T from a zero dS at its end, then the transition
