@@ -106,7 +106,7 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=
     if entering is not None:
         h0 = entering.view(N * S, HV, K, V) if S > 1 else h0
     elif S > 1:
-        out = None if kept is None or kept.numel() != N * S * HV * K * V else kept.view(N * S, HV, K, V)
+        out = None if kept is None or kept.numel() == 0 else kept.view(N * S, HV, K, V)   # (kept_shape's size)
         h0 = entering_states(pass_a, N, HV, K, V, S, h0, q.dtype, q.device, out=out)
     unused = s_out if store else ht         # stand-in for the pointers this variant does not touch
     pick = lambda x: unused if x is None else x   # noqa: E731
