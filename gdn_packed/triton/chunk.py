@@ -101,8 +101,8 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=
 
     def pass_a(programs, ends):     # writes only ends (the other pointers are stand-ins it never touches)
         chunk_fwd_state_kernel[(triton.cdiv(V + K, cfg_a["BV"]), HV, programs)](
-            *args, ends, ends, ends, ends, ends, T, S, HAS_H0=False, STORE_STATES=False, PROPAGATE=True,
-            **shape, **cfg_a)
+            *args, ends, ends, ends, ends, ends, ends, T, S, HAS_H0=False, STORE_STATES=False,
+            PROPAGATE=True, **shape, **cfg_a)
     if entering is not None:
         h0 = entering.view(N * S, HV, K, V) if S > 1 else h0
     elif S > 1:
@@ -111,19 +111,19 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=
     unused = s_out if store else ht         # stand-in for the pointers this variant does not touch
     pick = lambda x: unused if x is None else x   # noqa: E731
     chunk_fwd_state_kernel[(triton.cdiv(V, cfg["BV"]), HV, N * S)](
-        *args, pick(h0), pick(o), pick(ht), pick(s_out), pick(x_out), T, S, HAS_H0=h0 is not None,
+        *args, pick(h0), pick(o), pick(ht), pick(s_out), pick(x_out), unused, T, S, HAS_H0=h0 is not None,
         STORE_STATES=store, PROPAGATE=False, **shape, **cfg)
 
 
 def chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, cfg):
     """Launches chunk_bwd_dstate_kernel (the reverse dS pass), segmented as chunk_fwd_state (the
     segments walked from the last; pass A over the last S - 1 with PROPAGATE; S from
-    configs.state_segments with five dots per chunk in both passes)."""
+    configs.state_segments with six dots per chunk in both passes)."""
     T, H, K = q.shape
     HV, V = do.shape[1], do.shape[2]
     N = cu_chunks.numel() - 1
     gates, eg_last, _, ts, mm = prep
-    S = state_segments(T, N, HV, K, V, cfg, num_sms(q.device), dots=(5, 5))
+    S = state_segments(T, N, HV, K, V, cfg, num_sms(q.device), dots=(6, 6))
     head = (q, k, do, gates, eg_last, ts, mm)
     tail = dict(H=H, HV=HV, K=K, V=V, C=CHUNK, **cfg)
 

@@ -35,7 +35,7 @@ Kernels (`b_` = a block in registers):
       P = e^gam_last I - K^T diag(beta e^gam rk) (I + Ts)^T diag(w rk) K. Grid axis 2 is then
       (sequence, segment); PROPAGATE (pass A) walks one of the first segments - 1 segments with
       cdiv(V + K, BV) blocks of the rows of [S^T; P^T] (S^T from 0, P^T from I, v = 0 on those rows)
-      and writes its end rows [V + K, K] fp32; the pass proper starts each segment from the state
+      and writes its end rows [V + K, K] fp32 to ends; the pass proper starts each segment from the state
       chunk_combine_kernel formed, and the last segment writes the final state and the padding zeros.
   chunk_combine_kernel    grid (cdiv(V, BV), HV, N): the state entering every segment from pass A's
       end rows, one fp32 product [BV, K] x [K, K] per segment boundary (also the backward's dS pass,
@@ -162,7 +162,7 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mt, scal
 
 @triton.jit(do_not_specialize=["T_rows", "segments"])
 def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mt, h0, o, ht, s_out, x_out,
-                           T_rows, segments, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                           ends, T_rows, segments, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                            HAS_H0: tl.constexpr, STORE_STATES: tl.constexpr, PROPAGATE: tl.constexpr,
                            RELOAD_K: tl.constexpr):
@@ -239,7 +239,7 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mt, h0
         b_st = b_st * tl.load(eg_last + base) + tl.dot((b_ut * g_wk[None, :]).to(dt), b_k)
     if PROPAGATE:       # the segment's end rows: S^T from a zero entering state, then P^T
         sg = (tl.program_id(2) * HV + hv).to(tl.int64) * (R * K) + cv[:, None] * K + rk[None, :]
-        tl.store(s_out + sg, b_st, mask=(cv < R)[:, None] & kmask[None, :])
+        tl.store(ends + sg, b_st, mask=(cv < R)[:, None] & kmask[None, :])
     elif not STORE_STATES and s == segments - 1:
         tl.store(ht + (n * HV + hv).to(tl.int64) * (K * V) + rk[None, :] * V + cv[:, None], b_st,
                  mask=st_mask)

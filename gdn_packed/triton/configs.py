@@ -63,7 +63,7 @@ def state_config(K, V, dtype, smem=227, store_states=False):
 def bwd_configs(K, V, dtype):
     """Block sizes and warps of the backward kernels (gdn_packed/triton/chunk_bwd.py), one config each:
     - dstate: the whole K (padded to a power of two) x BV = 64 (wgmma M = 64 with dS^T as the register
-      A operand; at 1 x 32768, HV = 32, V = 128: 64 programs, one wave), 4 warps; fp32 inputs or
+      A operand; at 1 x 32768, HV = 32, V = 128: 64 programs per segment, S = 3), 4 warps; fp32 inputs or
       K > 128 (as the forward's state pass): BV = 16 at 8 warps.
     - cc (the C x C part, per value head and chunk): V-blocks of 32 for dM, dA, then K-blocks of 64
       for the products with K^, Q^ (fp32: 16 and 32), 8 warps.
@@ -99,7 +99,7 @@ def state_segments(T, N, HV, K, V, cfg, sms=132, dots=(5, 3), cfg_a=None):
     (each segment from a zero state, carrying the K x K transition: cdiv(V + K, BV) blocks) on S - 1
     segments, a short sequential combine of the segment boundary states, and the pass itself on all S
     segments from their true entering states. dots = (per chunk of the pass, of pass A): (5, 3) for the
-    forward state pass, (5, 5) for the backward's dS pass. S minimises waves x chunks per segment x dots
+    forward state pass, (6, 6) for the backward's dS pass. S minimises waves x chunks per segment x dots
     over both passes plus the combine's S - 1 steps (a larger S only for a 5% gain), from shapes only
     (T, N: an average sequence of
     T / N rows; never the values of cu_seqlens), with at least MIN_SEGMENT_CHUNKS chunks per segment;
