@@ -6,8 +6,8 @@ the number of chunk slots and the shapes, never on the values of cu_seqlens (no 
 import torch
 import triton
 
-from gdn_packed.triton.chunk_bwd import (chunk_bwd_cc_kernel, chunk_bwd_dstate_kernel, chunk_bwd_finalize_kernel,
-                                        chunk_bwd_grads_kernel)
+from gdn_packed.triton.chunk_bwd import (chunk_bwd_dk_kernel, chunk_bwd_dq_kernel, chunk_bwd_dstate_kernel,
+                                        chunk_bwd_finalize_kernel)
 from gdn_packed.triton.chunk_fwd import chunk_combine_kernel, chunk_fwd_prep_kernel, chunk_fwd_state_kernel
 from gdn_packed.triton.configs import (CHUNK, bwd_configs, combine_config, dot_precision, num_sms,
                                       prep_config, smem_kb, state_config, state_segments)
@@ -169,9 +169,11 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 
     Scratch per token x value head (K = V = 128, bf16, G = HV // H = 2): S^T 512 B and X'^T 256 B in
     the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 512 B and
-    dX'^T 256 B in the input dtype (dstate); the C x C part's dq, dk shares 1 kB fp32 (cc); dg / dbeta
-    partials 8 B per K-block and one more (24 B at NK = 2): ~2.8 kB; with l2norm the fp32 dq, dk
-    before the l2norm backward (1 kB per token x qk head); with segments, (V + K) K + K V floats per
+    dX'^T 256 B in the input dtype (dstate); the group's summed Pm for the dk kernel, 256 B fp32 per
+    token x qk head (128 B at G = 2); dg / dbeta partials 8 B per K-block of the dq and of the dk
+    kernel (16 B at one K-block each): ~2.0 kB (it was ~2.8 kB with per-value-head fp32 dq, dk shares
+    of the C x C part); with l2norm the fp32 dq, dk before the l2norm backward (1 kB per token x qk
+    head); with segments, (V + K) K + K V floats per
     segment and value head (the boundary rows)."""
     _check_chunk(C)
     T, H, K = q.shape
@@ -193,7 +195,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     prep = gates, eg_last, rn, ts, mm = chunk_fwd_prep(q, k, g, beta, table, HV, scale, l2, store_m=True)
     # S^T entering each chunk and X'^T, as the forward's dots used them; slots outside every
-    # sequence are never written here and never read (the grads kernel exits on empty slots)
+    # sequence are never written here and never read (the dq / dk kernels exit on empty slots)
     st = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
     xp = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
     dsn = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
@@ -205,21 +207,21 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
         chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, dht_, dsn, dxp, dv_, dh0, dq_, dk_, dg_, dbeta_,
                          cfg["dstate"])
     if NC > 0 and HV > 0:
-        c = cfg["grads"]
-        NK = triton.cdiv(K, c["BK"])
-        # dg / dbeta shares: one per K-block of the grads kernel, then the C x C part's (slot NK)
-        part = torch.empty(2, NK + 1, T, HV, **f32)
-        cc = torch.empty(2, NC, HV, C, K, **f32)
+        cq, ck = cfg["dq"], cfg["dk"]
+        nq, nk = triton.cdiv(K, cq["BK"]), triton.cdiv(K, ck["BK"])
+        # dg / dbeta shares: one per K-block of the dq kernel (slots [0, nq)), then of the dk kernel
+        part = torch.empty(2, nq + nk, T, HV, **f32)
+        pm = torch.empty(NC, H, C, C, **f32)        # sum over the group of Pm + diag(Pm), dq -> dk kernel
         pre = torch.empty(2, T, H, K, **f32) if l2 else None
-        chunk_bwd_cc_kernel[(HV, NC)](
-            q, k, v, g, do, gates, rn, ts, xp, dxp, cc[0], cc[1], part[0], part[1], table, scale, T, H=H, HV=HV,
-            K=K, V=V, C=C, SLOT=NK, **cfg["cc"])
-        chunk_bwd_grads_kernel[(NK, H, NC)](
-            q, k, do, gates, eg_last, ts, xp, st, dsn, dxp, cc[0], cc[1], pre[0] if l2 else dq_,
-            pre[1] if l2 else dk_, part[0], part[1], table, T, H=H, HV=HV, K=K, V=V, C=C, **c)
+        chunk_bwd_dq_kernel[(nq, H, NC)](
+            q, k, g, do, gates, rn, ts, xp, st, pre[0] if l2 else dq_, pm, part[0], part[1], table, scale, T,
+            H=H, HV=HV, K=K, V=V, C=C, **cq)
+        chunk_bwd_dk_kernel[(nk, H, NC)](
+            q, k, v, gates, rn, eg_last, ts, xp, st, dsn, dxp, pm, pre[1] if l2 else dk_, g, part[0], part[1],
+            table, T, nq, H=H, HV=HV, K=K, V=V, C=C, **ck)
         chunk_bwd_finalize_kernel[(H, NC)](
             q, k, pre[0] if l2 else dq_, pre[1] if l2 else dk_, rn, part[0], part[1], dq_, dk_, dg_,
-            dbeta_, table, T, H, HV, K=K, C=C, NK=NK + 1, USE_L2=l2, **cfg["finalize"])
+            dbeta_, table, T, H, HV, K=K, C=C, NK=nq + nk, USE_L2=l2, **cfg["finalize"])
     for x, y in zip(outs, work):
         if x is not y:
             x.copy_(y)

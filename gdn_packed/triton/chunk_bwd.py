@@ -12,11 +12,14 @@ Given dO and dSn (gradient of the state leaving the chunk), chunk by chunk in re
 and in parallel, with dM = dO U^T, dA = -dX' U^T, Pm = scale dM E (j <= i), DA = dA E (j < i):
     dQ^ = scale eg dO S^T + Pm K^
     dK^ = Pm^T Q^ - beta eg dX' S^T + w U dSn^T + beta DA K^ + DA^T (beta K^)
-    dbeta = dX'.v - eg k^.(dX' S^T) + k^.(DA K^)                 (row dots: no C x C Gram matrix)
-    dgam  = q^.dQ^ - k^.(Pm^T Q^) + beta k^.(DA K^) - k^.(DA^T beta K^) - beta eg k^.(dX' S^T),
-            tau_i = w_i k^_i.(U dSn^T)_i
+    dbeta = dX'.v - eg k^.(dX' S^T) + rowsum(DA (.) K^K^^T)
+    dgam  = q^.dQ^ - colsum(Pm (.) Q^K^^T) + beta rowsum(DA (.) K^K^^T) - colsum(diag(beta) DA (.) K^K^^T)
+            - beta eg k^.(dX' S^T),  tau_i = w_i k^_i.(U dSn^T)_i
+    (the C x C terms as row / column sums of Pm, DA times the Gram matrices Q^K^^T, K^K^^T: exact
+    products of the input-dtype q, k, one C x C dot each)
     dg_i = sum_{i' >= i} dgam_i' + sum_{i' < i} tau_i' + egL <S, dSn>   (in-chunk; Pm's diagonal,
-            E_ii = 1, cancels between the q^.dQ^ and k^.(Pm^T Q^) terms and is left out of both);  l2norm: dq = rq (dQ^ - q^ (q^.dQ^)) (same for k).
+            E_ii = 1, cancels between the q^.dQ^ and colsum terms and is left out of both);
+    l2norm: dq = rq (dQ^ - q^ (q^.dQ^)) (same for k).
 (Checked against autograd of the float64 recurrence to 1e-15 by a torch prototype of these formulas.)
 
 Launches (grids depend only on T, N and the shapes; unused chunk slots exit at once; fastest grid axis
@@ -32,33 +35,36 @@ first):
       register A operand of dS^T K^T). Writes dSn^T [NC, HV, V, K] and dX'^T [NC, HV, V, C] per chunk
       slot and dv = beta dX', all in the input dtype, dh0 (fp32, the first segment); and exact zeros
       on the padding rows of dv, dg, dbeta, dq, dk.
-  chunk_bwd_cc_kernel      grid (HV, NC): the C x C part, once per value head and chunk: dM = dO U^T and
-      dA = dX' U^T over the V-blocks, Pm and DA, then per K-block their products with K^ and Q^;
-      writes those shares of rq dQ^ and rk dK^ fp32 [NC, HV, C, K] and its dg / dbeta shares
-      (dX'.v, the row and column dots of Pm and DA) to the last partial slot.
-  chunk_bwd_grads_kernel   grid (cdiv(K, BK), H, NC): one program per K-block, qk head and chunk slot;
-      loops the G value heads of the qk head and the V-blocks for the state products (dO S^T, dX' S^T,
-      U dSn^T); dq, dk of the group summed in registers with the C x C shares (no GVA partials);
-      writes dq, dk (input dtype; fp32 pre-l2norm values with l2norm) and the dg / dbeta partials of
-      its K-block [NK + 1, T, HV] fp32 (dg's cumsums are linear: each part's share is summed already).
+  chunk_bwd_dq_kernel      grid (cdiv(K, BK), H, NC): one program per K-block, qk head and chunk slot,
+      looping the G value heads of the qk head and, per head, the V-blocks: dM = dO U^T (U = X' + Ts X'
+      from the X'^T scratch) and the state product dO S^T, straight into the dq accumulator; then Pm,
+      its dgam terms, and P = sum_g Pm_g (+ its diagonal) for ONE product P K^ for the group. Writes dq
+      (input dtype; fp32 pre-l2norm values with l2norm), P [NC, H, C, C] fp32 for the dk kernel, and
+      per value head its dg share (its dbeta share is 0) to partial slot i_k.
+  chunk_bwd_dk_kernel      grid (cdiv(K, BK), H, NC): the same for dk: dA' = dX' U^T and the state
+      products dX' S^T, U dSn^T per V-block; DA and its dgam / dbeta terms; (diag(beta) DA + DA^T
+      diag(beta)) K^ per value head and P^T Q^ (P from the dq kernel) once for the group. Writes dk
+      and its dg / dbeta shares to partial slots nq + i_k (nq: the dq kernel's K-blocks).
+      Neither kernel writes a per-value-head share of dq or dk: the group is summed in registers.
   chunk_bwd_finalize_kernel grid (H, NC): dg, dbeta = the sums of their partials, and
       the l2norm backward of dq, dk.
 Deterministic: no atomics; every scratch element has one writer; every sum runs in a fixed order.
 
 Numerics: every tensor-core dot takes its operands in the input dtype with fp32 accumulation (fp32
 inputs: every fp32-operand dot at configs.dot_precision, tf32). Rounded to the input dtype only as dot
-operands: dS^T, dU^T, dX'^T scaled by its gate (dstate); U, dX', dSn^T
-(grads: dX' and dSn^T are stored in the input dtype, as the grads kernel's dots take them; dSn^T also
-enters the row dot <S, dSn> of dg, whose S^T is in the input dtype already); S^T is stored by the
-forward's state pass in the input dtype, exactly as its dots used it.
-dO^T scaled by its gate (scale e^gam rq) enters the dS update as two input-dtype operands, the
-rounded value and its rounding error (one more dot, 24 -> 28 HGMMA a chunk): rounded once, it put dh0
-at ~2x FLA's error on short sequences (bf16 4.76e-4 vs 2.36e-4; now 2.00e-4).
-Pm and DA enter their products with K^, Q^ as fp32 tf32 dots: dgam takes the row sums and the column sums of the same
-C x C products (Pm (.) Q^K^^T, DA (.) K^K^^T) from two different dots, and their difference, summed
-by the reverse cumsum, cancels only if both see Pm, DA at better than bf16 precision (bf16 operands
-there put dg at ~1.2-1.5x FLA's error; tf32 keeps it below). Kept fp32: dS in registers, the
-combine of the segment boundaries, every accumulator, gate, exponential and row dot.
+operands: dS^T, dU^T, dX'^T scaled by its gate (dstate); U, dX', dSn^T (dq / dk: dX' and dSn^T are
+stored in the input dtype, as those kernels' dots take them; dSn^T also enters the row dot <S, dSn>
+of dg, whose S^T is in the input dtype already); S^T is stored by the forward's state pass in the
+input dtype, exactly as its dots used it.
+fp32 values that must enter a bf16/fp16 dot at better than input precision enter it as two operands,
+the rounded value and its rounding error (relative error ~2^-16): the gated dO^T of the dS update
+(rounded once, it put dh0 at ~2x FLA's error on short sequences: bf16 4.76e-4 vs 2.36e-4, now 2.00e-4),
+the gated dO of dq's state product, and P, DA in their products with K^, Q^ (_dot_hl: one dot over
+both halves concatenated along the inner dimension). dgam takes the row sums and the column sums of
+the same C x C products (Pm (.) Q^K^^T, DA (.) K^K^^T), whose difference the reverse cumsum sums: they
+are formed from one fp32 Gram matrix per kernel and fp32 Pm, DA, so the difference cancels to fp32
+rounding (bf16 operands for Pm, DA products put dg at ~1.2-1.5x FLA's error). Kept fp32: dS in
+registers, the combine of the segment boundaries, every accumulator, gate, exponential and row dot.
 Names: `b_` block values, `p_`/`o_` pointers/offsets, `m_` masks, as in FLA.
 """
 import torch
@@ -180,102 +186,98 @@ def _rowdot(a, b):
 
 
 @triton.jit
-def _u_dx(xp, dxp, b_ts, p_slot, i_v, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr):
-    """V-block i_v of chunk slot p_slot from the [V, C] scratch of X'^T and dX'^T (input dtype): its
-    columns o_v, their mask, U = X' + Ts X' [C, BV] (input dtype) and dX' [C, BV]."""
+def _xt(p, p_slot, i_v, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr):
+    """V-block i_v of chunk slot p_slot of a [NC, HV, V, C] scratch (X'^T or dX'^T, input dtype) as its
+    transpose [C, BV] (X' or dX'), 0 past V."""
     o_v = i_v + tl.arange(0, BV)
-    m_v = o_v < V
-    o_ct = o_v[None, :] * C + tl.arange(0, C)[:, None]                  # [C, BV] of a [V, C] buffer
-    b_xp = tl.load(xp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)     # X'
-    b_u = tl.dot(b_ts, b_xp, b_xp.to(tl.float32)).to(b_xp.dtype)     # U = X' + Ts X'
-    b_dx = tl.load(dxp + p_slot * (V * C) + o_ct, mask=m_v[None, :], other=0.)
-    return o_v, m_v, b_u, b_dx
+    return tl.load(p + p_slot * (V * C) + o_v[None, :] * C + tl.arange(0, C)[:, None],
+                   mask=(o_v < V)[None, :], other=0.)
 
 
 @triton.jit
-def chunk_bwd_cc_kernel(q, k, v, g, do, gates, rn, ts, xp, dxp, dq_cc, dk_cc, dg_part, dbeta_part, table, scale, T,
-                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SLOT: tl.constexpr,
-                        PREC: tl.constexpr):
-    """The C x C part of the gradients, once per (value head, chunk): dM = dO U^T, dA = dX' U^T over
-    the V-blocks, Pm and DA from them, then over K-blocks their products with K^ and Q^: rq dQ^ and
-    rk dK^ shares written fp32 to dq_cc, dk_cc [NC, HV, C, K], and this part's dg / dbeta shares to
-    partial slot SLOT."""
-    i_h, j = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    start, length = chunk_rows(table, j, C)
-    if length == 0:
-        return
-    i_qh = i_h // (HV // H)
+def _pm(b_dM, g, rows, length, i_h, HV, scale, C: tl.constexpr):
+    """From dM = dO U^T (fp32 [C, C]) of value head i_h: Pm = scale dM (.) E, its strict lower part and its
+    diagonal apart (E_ii = 1: no gate gradient; left in the products whose row and column sums make
+    dgam, it would enter as row sum - column sum of the same value, noise the reverse cumsum
+    accumulates)."""
     o_c = tl.arange(0, C)
-    rows, m_c = start + o_c, o_c < length
-    p_slot = j * HV + i_h
-    b_ts = _cc(ts, j, i_h, HV, C)
-    b_dM = tl.zeros([C, C], dtype=tl.float32)                         # dO U^T
-    b_dA = tl.zeros([C, C], dtype=tl.float32)                         # dX' U^T (= -dA)
-    b_dxv = tl.zeros([C], dtype=tl.float32)                           # dX' . v
-    p_cv = start * (HV * V) + i_h * V
-    for i_v in range(0, V, BV):
-        o_v, m_v, b_u, b_dx = _u_dx(xp, dxp, b_ts, p_slot, i_v, V, C, BV)
-        m_cv = m_c[:, None] & m_v[None, :]
-        o_cv = o_c[:, None] * (HV * V) + o_v[None, :]
-        b_do = tl.load(do + p_cv + o_cv, mask=m_cv, other=0.)
-        b_v = tl.load(v + p_cv + o_cv, mask=m_cv, other=0.)
-        b_dxv += _rowdot(b_dx, b_v)
-        b_dM = tl.dot(b_do, tl.trans(b_u), b_dM)
-        b_dA = tl.dot(b_dx, tl.trans(b_u), b_dA)
-    b_E = segment_decay(g, rows, length, HV, i_h, C)
-    b_beta = _gate_row(gates, j, i_h, HV, 0, C)
-    lower = o_c[:, None] > o_c[None, :]
-    # Pm split into its strict lower part and its diagonal: the diagonal (E_ii = 1) has no gate
-    # gradient, and left in the two dots below it would enter dgam as row sum - column sum of
-    # the same value from two roundings, noise the reverse cumsum accumulates (fast decay: the
-    # true dgam is tiny there, the noise is not)
-    b_pm = tl.where(lower, scale * b_dM * b_E, 0.)                    # Pm, strictly lower
-    b_pd = tl.sum(tl.where(o_c[:, None] == o_c[None, :], scale * b_dM * b_E, 0.), 1)   # Pm_ii
-    b_da = tl.where(lower, -b_dA * b_E, 0.)                           # DA
-    p_rn = p_slot * (2 * C)
-    b_rq = tl.load(rn + p_rn + o_c)
-    b_rk = tl.load(rn + p_rn + C + o_c)
-    b_qM = tl.zeros([C], dtype=tl.float32)
-    b_colP = tl.zeros([C], dtype=tl.float32)
-    b_rowA = tl.zeros([C], dtype=tl.float32)
-    b_colA = tl.zeros([C], dtype=tl.float32)
-    o_b = tl.arange(0, BK)
-    zero = tl.zeros([C, BK], dtype=tl.float32)
-    for i_k in range(0, K, BK):
-        m_qk = m_c[:, None] & (i_k + o_b < K)[None, :]
-        o_qk = start * (H * K) + i_qh * K + i_k + o_c[:, None] * (H * K) + o_b[None, :]
-        b_q = tl.load(q + o_qk, mask=m_qk, other=0.)
-        b_k = tl.load(k + o_qk, mask=m_qk, other=0.)
-        b_kf, b_qf = b_k.to(tl.float32), b_q.to(tl.float32)
-        b_t = tl.dot(b_pm * b_rk[None, :], b_kf, zero, input_precision=PREC)                 # Pm K^
-        b_qM += b_rq * _rowdot(b_q, b_t)
-        b_dq = b_rq[:, None] * (b_t + (b_pd * b_rk)[:, None] * b_kf)
-        b_t = tl.dot(tl.trans(b_pm * b_rq[:, None]), b_qf, zero, input_precision=PREC)       # Pm^T Q^
-        b_colP += b_rk * _rowdot(b_k, b_t)
-        b_dk = b_rk[:, None] * (b_t + (b_pd * b_rq)[:, None] * b_qf)
-        b_t = tl.dot(b_da * b_rk[None, :], b_kf, zero, input_precision=PREC)                 # DA K^
-        b_rowA += b_rk * _rowdot(b_k, b_t)
-        b_dk += (b_rk * b_beta)[:, None] * b_t
-        b_t = tl.dot(tl.trans(b_da * (b_beta * b_rk)[:, None]), b_kf, zero,
-                     input_precision=PREC)                                                     # DA^T beta K^
-        b_colA += b_rk * _rowdot(b_k, b_t)
-        b_dk += b_rk[:, None] * b_t
-        o_cc = p_slot * (C * K) + o_c[:, None] * K + i_k + o_b[None, :]
-        tl.store(dq_cc + o_cc, b_dq, mask=m_qk)
-        tl.store(dk_cc + o_cc, b_dk, mask=m_qk)
-    p_part = (SLOT * T + rows) * HV + i_h
-    tl.store(dg_part + p_part, tl.cumsum(b_qM - b_colP + b_beta * b_rowA - b_colA, 0, reverse=True), mask=m_c)
-    tl.store(dbeta_part + p_part, b_dxv + b_rowA, mask=m_c)
+    b_pm = scale * b_dM * segment_decay(g, rows, length, HV, i_h, C)
+    return tl.where(o_c[:, None] > o_c[None, :], b_pm, 0.), tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_pm, 0.), 1)
 
 
 @triton.jit
-def chunk_bwd_grads_kernel(q, k, do, gates, eg_last, ts, xp, st, dsn, dxp, dq_cc, dk_cc, dq, dk, dg_part,
-                           dbeta_part, table, T, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                           V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """The state-product part of the gradients per (K-block, qk head, chunk), the group's value heads
-    summed in registers, plus the C x C part from chunk_bwd_cc_kernel's dq_cc, dk_cc: writes dq, dk (rq dQ^,
-    rk dK^) and this K-block's dg / dbeta shares."""
+def _vk_block(p, base, i_v, col0, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
+    """Rows i_v.. (BV) and columns col0.. (BK) of the [V, K] block at base of a scratch (input dtype),
+    0 outside. With BK = K the rows are contiguous: offsets from one arange (fewer registers than a
+    row x column offset tile)."""
+    if BK == K:
+        o = i_v * K + tl.reshape(tl.arange(0, BV * BK), [BV, BK])
+        return tl.load(p + base + o, mask=o < V * K, other=0.)
+    o_v = i_v + tl.arange(0, BV)
+    o_b = col0 + tl.arange(0, BK)
+    return tl.load(p + base + o_v[:, None] * K + o_b[None, :], mask=(o_v < V)[:, None] & (o_b < K)[None, :],
+                   other=0.)
+
+
+@triton.jit
+def _store_rows(p, x, length, col0, stride, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    """p[r * stride + c] = x[r, c] for rows r < length and columns col0 + c < K of a [C, BK] tile, its
+    offsets and mask formed here from one arange (not the loads' offset tiles kept live to the end)."""
+    idx = tl.reshape(tl.arange(0, C * BK), [C, BK])
+    r, c = idx // BK, idx % BK
+    tl.store(p + r * stride + c, x.to(p.dtype.element_ty), mask=(r < length) & (col0 + c < K))
+
+
+@triton.jit
+def _k_cat(x, y):
+    """[M, 2 C] from two [M, C] tiles: x's columns, then y's (one dot over both, concatenated along K)."""
+    return tl.reshape(tl.permute(tl.join(x, y), (0, 2, 1)), [x.shape[0], 2 * x.shape[1]])
+
+
+@triton.jit
+def _rows_cat(x, y):
+    """[2 R, N] from two [R, N] tiles: x's rows, then y's."""
+    return tl.reshape(tl.permute(tl.join(x, y), (2, 0, 1)), [2 * x.shape[0], x.shape[1]])
+
+
+@triton.jit
+def _dot_hl(a1, b1, a2, b2, acc, PREC: tl.constexpr):
+    """(acc +) a1 b1 (+ a2 b2 unless a2 is None) for fp32 [M, C] a's and [C, N] b's in the input dtype,
+    as ONE tensor-core dot over the a's and b's concatenated along the inner dimension: bf16/fp16 b's
+    take each a as two input-dtype operands, its rounded value and its rounding error (relative error
+    ~2^-16, better than one tf32 pass, and no fp32 copy of the b's); fp32 b's: fp32 operands at PREC.
+    One dot, not a chain of dots through the accumulator (which on sm_90 takes a layout replicated
+    over the warpgroups: twice the registers)."""
+    if b1.dtype == tl.float32:
+        if a2 is None:
+            a, b = a1, b1
+        else:
+            a, b = _k_cat(a1, a2), _rows_cat(b1, b2)
+    else:
+        h1 = a1.to(b1.dtype)
+        a, b = _k_cat(h1, (a1 - h1.to(tl.float32)).to(b1.dtype)), _rows_cat(b1, b1)
+        if a2 is not None:
+            h2 = a2.to(b1.dtype)
+            a, b = _k_cat(a, _k_cat(h2, (a2 - h2.to(tl.float32)).to(b1.dtype))), _rows_cat(b, _rows_cat(b2, b2))
+    if acc is None:
+        r = tl.dot(a, b, input_precision=PREC)
+    else:
+        r = tl.dot(a, b, acc, input_precision=PREC)
+    return r
+
+
+@triton.jit
+def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ts, xp, st, dq, pm, dg_part, dbeta_part, table, scale, T,
+                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """rq dQ^ of K-block i_k, qk head i_qh, chunk slot j, the group's value heads g summed:
+        rq dQ^ = rq (P K^) + sum_g (scale eg rq)_g dO_g S_g^T,  P = sum_g (Pm_g + diag(Pm_g))
+    (Pm_g = scale (dO U^T) (.) E strictly lower; one product with K^ for the group), dO U^T and the
+    state product accumulated over the V-blocks (the gated dO as _dot_hl's two operands, straight
+    into the accumulator). Writes dq (fp32 before the l2norm backward with l2norm), P (K-block 0)
+    and per value head the dgam share rowsum(Pm (.) Q^K^^T) - colsum(Pm (.) Q^K^^T)
+    + (scale eg rq) q.(dO S^T) (this K-block's columns; the last as rowdot(gated dO, q S) per
+    V-block) as its reverse cumsum to partial slot i_k (dbeta share 0)."""
     i_k, i_qh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     start, length = chunk_rows(table, j, C)
     if length == 0:
@@ -284,62 +286,139 @@ def chunk_bwd_grads_kernel(q, k, do, gates, eg_last, ts, xp, st, dsn, dxp, dq_cc
     o_c = tl.arange(0, C)
     rows, m_c = start + o_c, o_c < length
     o_b = tl.arange(0, BK)
-    m_k = i_k * BK + o_b < K
-    m_qk = m_c[:, None] & m_k[None, :]
+    if BK == K:     # one K-block: its column mask is known at compile time
+        i_k = 0
+    m_qk = m_c[:, None] & (i_k * BK + o_b < K)[None, :]
     # scalar int64 bases and int32 tile offsets (no per-element 64-bit address arithmetic)
     p_qk = start * (H * K) + i_qh * K + i_k * BK
     o_qk = o_c[:, None] * (H * K) + o_b[None, :]
     b_q = tl.load(q + p_qk + o_qk, mask=m_qk, other=0.)               # raw q, k [C, BK]
     b_k = tl.load(k + p_qk + o_qk, mask=m_qk, other=0.)
-    b_dq = tl.zeros([C, BK], dtype=tl.float32)                        # rq dQ^ of the group
-    b_dk = tl.zeros([C, BK], dtype=tl.float32)                        # rk dK^ of the group
-    o_cck = o_c[:, None] * K + i_k * BK + o_b[None, :]
+    p_rn = (j * HV + i_qh * G) * (2 * C)                                # row factors of the qk head
+    b_rq = tl.load(rn + p_rn + o_c)
+    b_rk = tl.load(rn + p_rn + C + o_c)
+    b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * b_rq[:, None] * b_rk[None, :]   # q^_i.k^_j
+    b_dq = tl.zeros([C, BK], dtype=tl.float32)
+    b_pm = tl.zeros([C, C], dtype=tl.float32)                         # sum_g Pm_g, strictly lower
+    b_pd = tl.zeros([C], dtype=tl.float32)                            # sum_g diag(Pm_g)
+    o_cv = o_c[:, None] * (HV * V) + tl.arange(0, BV)[None, :]          # [C, BV] of dO's rows
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
         p_slot = j * HV + i_h
-        b_dq += tl.load(dq_cc + p_slot * (C * K) + o_cck, mask=m_qk, other=0.)
-        b_dk += tl.load(dk_cc + p_slot * (C * K) + o_cck, mask=m_qk, other=0.)
-        b_ts = _cc(ts, j, i_h, HV, C)
-        b_qF = tl.zeros([C], dtype=tl.float32)                        # q . (dO S^T)
+        b_ts = tl.load(ts + p_slot * (C * C) + tl.reshape(tl.arange(0, C * C), [C, C]))
+        b_g2 = _gate_row(gates, j, i_h, HV, 2, C)                       # scale eg rq
+        b_dM = tl.zeros([C, C], dtype=tl.float32)                     # dO U^T
+        b_dgam = tl.zeros([C], dtype=tl.float32)                      # (scale eg rq) q.(dO S^T)
+        p_cv = start * (HV * V) + i_h * V
+        for i_v in range(0, V, BV):
+            b_x = _xt(xp, p_slot, i_v, V, C, BV)
+            b_u = tl.dot(b_ts, b_x, b_x.to(tl.float32)).to(b_x.dtype)     # U = X' + Ts X'
+            m_v = i_v + tl.arange(0, BV) < V
+            b_do = tl.load(do + (p_cv + i_v) + o_cv, mask=m_c[:, None] & m_v[None, :], other=0.)
+            b_s = _vk_block(st, p_slot * (V * K), i_v, i_k * BK, V, K, BV, BK)   # S^T
+            b_dM = tl.dot(b_do, tl.trans(b_u), b_dM)
+            # rq dQ^ += (scale eg rq) dO S^T straight into the accumulator (the gated dO as its rounded
+            # value and rounding error), and its dgam share as rowdot(gated dO, q S) over this V-block
+            b_gdo = b_do.to(tl.float32) * b_g2[:, None]
+            b_dq = _dot_hl(b_gdo, b_s, None, None, b_dq, PREC)
+            b_dgam += tl.sum(b_gdo * tl.dot(b_q, tl.trans(b_s), input_precision=PREC), 1)
+        b_pmg, b_pdg = _pm(b_dM, g, rows, length, i_h, HV, scale, C)
+        b_pq = b_pmg * b_qk
+        b_dgam += tl.sum(b_pq, 1) - tl.sum(b_pq, 0)
+        b_pm += b_pmg
+        b_pd += b_pdg
+        p_part = (i_k * T + rows) * HV + i_h
+        tl.store(dg_part + p_part, tl.cumsum(b_dgam, 0, reverse=True), mask=m_c)
+        tl.store(dbeta_part + p_part, tl.zeros([C], dtype=tl.float32), mask=m_c)
+    b_pm += tl.where(o_c[:, None] == o_c[None, :], b_pd[:, None], 0.)    # P: the diagonal back in
+    b_dq += b_rq[:, None] * _dot_hl(b_pm * b_rk[None, :], b_k, None, None, None, PREC)     # P K^
+    if i_k == 0:        # for the dk kernel's P^T Q^
+        tl.store(pm + (j * H + i_qh) * (C * C) + tl.reshape(tl.arange(0, C * C), [C, C]), b_pm)
+    _store_rows(dq + p_qk, b_dq, length, i_k * BK, H * K, K, C, BK)
+
+
+@triton.jit
+def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ts, xp, st, dsn, dxp, pm, dk, g, dg_part, dbeta_part,
+                        table, T, slot0, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+    """rk dK^ of K-block i_k, qk head i_qh, chunk slot j, the group's value heads g summed:
+        rk dK^ = rk (P^T Q^ + B K^) + sum_g (-(beta eg rk) dX' S^T + (w rk) U dSn^T)_g
+    with P = sum_g (Pm_g + diag(Pm_g)) from the dq kernel (pm) and B = sum_g (diag(beta) DA + DA^T
+    diag(beta))_g, DA = -(dX' U^T) (.) E strictly lower; dX' U^T and the state products accumulated
+    over the V-blocks; one product of P^T, B with Q^, K^ for the group. Writes dk and per value head
+    this K-block's shares to partial slot slot0 + i_k: dgam beta rowsum(DA (.) K^K^^T)
+    - colsum(diag(beta) DA (.) K^K^^T) - (beta eg rk) k.(dX' S^T) (reverse cumsum), tau's exclusive
+    cumsum, egL <S, dSn>; dbeta rowsum(DA (.) K^K^^T) - (eg rk) k.(dX' S^T), and dX'.v from K-block 0."""
+    i_k, i_qh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    start, length = chunk_rows(table, j, C)
+    if length == 0:
+        return
+    G = HV // H
+    o_c = tl.arange(0, C)
+    rows, m_c = start + o_c, o_c < length
+    o_b = tl.arange(0, BK)
+    if BK == K:     # one K-block: its column mask is known at compile time
+        i_k = 0
+    m_qk = m_c[:, None] & (i_k * BK + o_b < K)[None, :]
+    p_qk = start * (H * K) + i_qh * K + i_k * BK
+    o_qk = o_c[:, None] * (H * K) + o_b[None, :]
+    b_k = tl.load(k + p_qk + o_qk, mask=m_qk, other=0.)               # raw k [C, BK]
+    p_rn = (j * HV + i_qh * G) * (2 * C)                                # row factors of the qk head
+    b_rk = tl.load(rn + p_rn + C + o_c)
+    b_dk = tl.zeros([C, BK], dtype=tl.float32)
+    o_cv = o_c[:, None] * (HV * V) + tl.arange(0, BV)[None, :]          # [C, BV] of v's rows
+    for i_g in range(0, G):
+        i_h = i_qh * G + i_g
+        p_slot = j * HV + i_h
+        b_ts = tl.load(ts + p_slot * (C * C) + tl.reshape(tl.arange(0, C * C), [C, C]))
+        b_g3 = _gate_row(gates, j, i_h, HV, 3, C)                       # w rk
+        b_g4 = _gate_row(gates, j, i_h, HV, 4, C)                       # beta eg rk
+        b_dA = tl.zeros([C, C], dtype=tl.float32)                     # dX' U^T (= -dA)
+        b_dxv = tl.zeros([C], dtype=tl.float32)                       # dX' . v
         b_kF1 = tl.zeros([C], dtype=tl.float32)                       # k . (dX' S^T)
         b_kF2 = tl.zeros([C], dtype=tl.float32)                       # k . (U dSn^T)
-        b_sds = tl.zeros([BK], dtype=tl.float32)                      # <S, dSn> over this K-block
-        b_g2 = _gate_row(gates, j, i_h, HV, 2, C)
-        b_g3 = _gate_row(gates, j, i_h, HV, 3, C)
-        b_g4 = _gate_row(gates, j, i_h, HV, 4, C)
+        b_sds = 0.                                                    # <S, dSn> over this K-block
         p_cv = start * (HV * V) + i_h * V
-        p_vk = p_slot * (V * K) + i_k * BK
+        p_vk = p_slot * (V * K)
         for i_v in range(0, V, BV):
-            o_v, m_v, b_u, b_dx = _u_dx(xp, dxp, b_ts, p_slot, i_v, V, C, BV)
-            b_do = tl.load(do + p_cv + o_c[:, None] * (HV * V) + o_v[None, :],
-                           mask=m_c[:, None] & m_v[None, :], other=0.)
-            o_vk = o_v[:, None] * K + o_b[None, :]                        # [BV, BK] of [V, K]
-            m_vk = m_v[:, None] & m_k[None, :]
-            b_s = tl.load(st + p_vk + o_vk, mask=m_vk, other=0.)          # S^T
-            b_dsn = tl.load(dsn + p_vk + o_vk, mask=m_vk, other=0.)       # dSn^T
-            b_sds += tl.sum(b_s.to(tl.float32) * b_dsn.to(tl.float32), 0)
-            b_f = tl.dot(b_do, b_s, tl.zeros([C, BK], dtype=tl.float32))
-            b_qF += _rowdot(b_q, b_f)
-            b_dq += b_g2[:, None] * b_f
+            b_x = _xt(xp, p_slot, i_v, V, C, BV)
+            b_u = tl.dot(b_ts, b_x, b_x.to(tl.float32)).to(b_x.dtype)     # U = X' + Ts X'
+            b_dx = _xt(dxp, p_slot, i_v, V, C, BV)                          # dX'
+            b_v = tl.load(v + (p_cv + i_v) + o_cv, mask=m_c[:, None] & (i_v + tl.arange(0, BV) < V)[None, :],
+                          other=0.)
+            b_dxv += _rowdot(b_dx, b_v)
+            b_dA = tl.dot(b_dx, tl.trans(b_u), b_dA)
+            b_s = _vk_block(st, p_vk, i_v, i_k * BK, V, K, BV, BK)          # S^T
+            b_dsn = _vk_block(dsn, p_vk, i_v, i_k * BK, V, K, BV, BK)       # dSn^T
+            b_sds += tl.sum(tl.sum(b_s.to(tl.float32) * b_dsn.to(tl.float32), 1), 0)
             b_f = tl.dot(b_dx, b_s, tl.zeros([C, BK], dtype=tl.float32))
             b_kF1 += _rowdot(b_k, b_f)
             b_dk -= b_g4[:, None] * b_f
             b_f = tl.dot(b_u, b_dsn, tl.zeros([C, BK], dtype=tl.float32))
             b_kF2 += _rowdot(b_k, b_f)
             b_dk += b_g3[:, None] * b_f
+        b_E = segment_decay(g, rows, length, HV, i_h, C)
         b_beta = _gate_row(gates, j, i_h, HV, 0, C)
-        b_eg = _gate_row(gates, j, i_h, HV, 1, C)                       # eg rk
+        b_da = tl.where(o_c[:, None] > o_c[None, :], -b_dA * b_E, 0.)  # DA
+        b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC) * b_rk[:, None] * b_rk[None, :]   # k^_i.k^_j
+        b_rowA = tl.sum(b_da * b_kk, 1)                                 # k^.(DA K^)
+        b_dab = b_da * b_beta[:, None]                                  # diag(beta) DA
+        b_dgam = b_beta * b_rowA - tl.sum(b_dab * b_kk, 0) - b_g4 * b_kF1
+        b_dk += b_rk[:, None] * _dot_hl((b_dab + tl.trans(b_dab)) * b_rk[None, :], b_k, None, None, None, PREC)
+        # tau's share sum_{i' < i} tau_i' as a forward cumsum (not sum(tau) - sum_{i' >= i} tau_i',
+        # which cancels when w puts all of tau on the last rows: fast decay), egL <S, dSn> on every row
         b_tau = b_g3 * b_kF2
-        # this K-block's share of dg: the reverse cumsum of its dgam terms, plus tau's share
-        # sum_{i' < i} tau_i' as a forward cumsum (not sum(tau) - sum_{i' >= i} tau_i', which cancels
-        # when w puts all of tau on the last rows: fast decay), plus egL <S, dSn> on every row
-        b_dg = (tl.cumsum(b_g2 * b_qF - b_beta * b_eg * b_kF1, 0, reverse=True) + (tl.cumsum(b_tau, 0) - b_tau)
-                + tl.load(eg_last + p_slot) * tl.sum(b_sds, 0))
-        p_part = (i_k * T + rows) * HV + i_h
+        b_dg = (tl.cumsum(b_dgam, 0, reverse=True) + (tl.cumsum(b_tau, 0) - b_tau)
+                + tl.load(eg_last + p_slot) * b_sds)
+        b_db = b_rowA - _gate_row(gates, j, i_h, HV, 1, C) * b_kF1 + tl.where(i_k == 0, b_dxv, 0.)
+        p_part = ((slot0 + i_k) * T + rows) * HV + i_h
         tl.store(dg_part + p_part, b_dg, mask=m_c)
-        tl.store(dbeta_part + p_part, -b_eg * b_kF1, mask=m_c)
-    tl.store(dq + p_qk + o_qk, b_dq.to(dq.dtype.element_ty), mask=m_qk)
-    tl.store(dk + p_qk + o_qk, b_dk.to(dk.dtype.element_ty), mask=m_qk)
+        tl.store(dbeta_part + p_part, b_db, mask=m_c)
+    b_q = tl.load(q + p_qk + o_qk, mask=m_qk, other=0.)               # raw q
+    b_rq = tl.load(rn + p_rn + o_c)
+    b_P = tl.load(pm + (j * H + i_qh) * (C * C) + tl.reshape(tl.arange(0, C * C), [C, C]))
+    b_dk += b_rk[:, None] * _dot_hl(tl.trans(b_P) * b_rq[None, :], b_q, None, None, None, PREC)    # P^T Q^
+    _store_rows(dk + p_qk, b_dk, length, i_k * BK, H * K, K, C, BK)
 
 
 @triton.jit

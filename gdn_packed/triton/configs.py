@@ -65,21 +65,25 @@ def bwd_configs(K, V, dtype):
     - dstate: the whole K (padded to a power of two) x BV = 64 (wgmma M = 64 with dS^T as the register
       A operand; at 1 x 32768, HV = 32, V = 128: 64 programs per segment, S = 3), 4 warps; fp32 inputs or
       K > 128 (as the forward's state pass): BV = 16 at 8 warps.
-    - cc (the C x C part, per value head and chunk): V-blocks of 32 for dM, dA, then K-blocks of 64
-      for the products with K^, Q^ (fp32: 16 and 32), 8 warps.
-    - grads (the state products, per K-block): K-blocks of 64 and V-blocks of 32 at 8 warps (fp32: 32
-      and 16), the largest without register spills on sm_90 (BK = 128 spills 80-96 B: the [C, BK] /
-      [BV, BK] tiles of the streamed operands and their addresses); every K-block recomputes U.
+    - dq, dk (chunk_bwd_dq_kernel, chunk_bwd_dk_kernel; per K-block, qk head and chunk, the C x C part
+      and the state products of one gradient): 8 warps, the widest K-block without register spills on
+      sm_90 (tests/test_sm90_aot.py, every variant): dq K-blocks of 128 and V-blocks of 16 (32
+      spills); dk K-blocks of 128 and V-blocks of 32, K-blocks of 32 and V-blocks of 16 when V < 32
+      (V-blocks of 16 with K-blocks of 64 or more spill 64-160 B there), V-blocks of 16 when K <= 64
+      (32 spills 8 B at K = V = 64); fp32 inputs: K-blocks of 64 and V-blocks of 8 (tf32's
+      inner dimension) for both (V-blocks of 16 spill from K-blocks of 32 on). Every K-block reads the
+      V-blocks again (dO, X', dX', S^T, dSn^T).
     - finalize: the whole K row, 4 warps (8 when K > 128; no dots)."""
     fp32 = dtype == torch.float32
     narrow = fp32 or pow2(K) > 128
     return dict(
         dstate=dict(BK=pow2(K), BV=min(16 if narrow else 64, pow2(V)), num_warps=8 if narrow else 4,
                     num_stages=1),
-        cc=dict(BK=min(32 if fp32 else 64, pow2(K)), BV=min(16 if fp32 else 32, pow2(V)),
-                PREC=dot_precision(dtype), num_warps=8, num_stages=1),
-        grads=dict(BK=min(32 if fp32 else 64, pow2(K)), BV=min(16 if fp32 else 32, pow2(V)), num_warps=8,
-                   num_stages=1),
+        dq=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=8 if fp32 else 16, PREC=dot_precision(dtype),
+                num_warps=8, num_stages=1),
+        dk=dict(BK=min(64 if fp32 else 128 if pow2(V) >= 32 else 32, pow2(K)),
+                BV=8 if fp32 else 32 if pow2(K) >= 128 and pow2(V) >= 32 else 16, PREC=dot_precision(dtype),
+                num_warps=8, num_stages=1),
         finalize=dict(BKP=pow2(K), num_warps=8 if pow2(K) > 128 else 4, num_stages=1),
     )
 
