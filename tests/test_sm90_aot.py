@@ -114,10 +114,10 @@ TITLE = "AOT sm_90: every launch of every variant (triton.compile + cuobjdump)"
 
 def known_spills(dt, K, V, flags):
     """The variants that still spill on sm_90 (2026-12-03, triton 3.9; bench/NOTES.md): fp32 inputs with
-    K = 256, whose [16, 256] fp32 state blocks do not fit next to the tiles: the state pass (256 B),
-    dstate (64 B) and finalize (56 B). Expected failures, not strict: which of them spill depends on the
-    Triton version, so a pass shows as XPASS in the summary. (The grads kernel's spills at V-blocks of
-    16 ended when its C x C part moved to chunk_bwd_cc_kernel.)"""
+    K > 128, whose [8, K] fp32 state blocks with the [C, K] fp32 tiles of k, q as register operands do
+    not fit: the forward state pass (24 B) and, at K = 192, dstate (8 B). Expected failures, not
+    strict: which of them spill depends on the Triton version, so a pass shows as XPASS in the summary.
+    (Down from 256, 64 and 56 B with state and dstate blocks of 16 rows and finalize's whole-row tiles.)"""
     return dt == "fp32" and K > 128
 
 

@@ -422,14 +422,27 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ts, xp, st, dsn, dxp, pm, d
 
 
 @triton.jit
-def _l2norm_bwd(x, dxr, r):
-    """Gradient of the raw rows x given dxr = r dX^ (the gradient with r held fixed): dxr - r^2 x (x.dxr)."""
-    return dxr - (r * r * _rowdot(x, dxr))[:, None] * x.to(tl.float32)
+def _l2norm_bwd(x, dx_pre, dx, r, rows, m_c, col0, stride, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    """dx = dxr - r^2 x (x.dxr) for the raw rows x (columns col0 + [0, K) at row stride `stride`) given
+    dxr = r dX^ (dx_pre: the gradient with r held fixed), over K-blocks of BK: the row dot first, then
+    the rows (two reads of x and dxr; no [C, K] fp32 tile live for K up to 256)."""
+    o_b = tl.arange(0, BK)
+    b_dot = tl.zeros([C], dtype=tl.float32)
+    for kb in range(0, K, BK):
+        p = rows[:, None] * stride + col0 + kb + o_b[None, :]
+        m = m_c[:, None] & (kb + o_b < K)[None, :]
+        b_dot += _rowdot(tl.load(x + p, mask=m, other=0.), tl.load(dx_pre + p, mask=m, other=0.))
+    for kb in range(0, K, BK):
+        p = rows[:, None] * stride + col0 + kb + o_b[None, :]
+        m = m_c[:, None] & (kb + o_b < K)[None, :]
+        b_x = tl.load(x + p, mask=m, other=0.).to(tl.float32)
+        b_d = tl.load(dx_pre + p, mask=m, other=0.) - (r * r * b_dot)[:, None] * b_x
+        tl.store(dx + p, b_d.to(dx.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def chunk_bwd_finalize_kernel(q, k, dq_pre, dk_pre, rn, dg_part, dbeta_part, dq, dk, dg, dbeta, table,
-                              T, H, HV, K: tl.constexpr, C: tl.constexpr, BKP: tl.constexpr,
+                              T, H, HV, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
                               NK: tl.constexpr, USE_L2: tl.constexpr):
     i_qh, j = tl.program_id(0), tl.program_id(1).to(tl.int64)
     start, length = chunk_rows(table, j, C)
@@ -449,13 +462,6 @@ def chunk_bwd_finalize_kernel(q, k, dq_pre, dk_pre, rn, dg_part, dbeta_part, dq,
         tl.store(dg + rows * HV + i_h, b_dg.to(dg.dtype.element_ty), mask=m_c)
         tl.store(dbeta + rows * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_c)
     if USE_L2:
-        o_k = tl.arange(0, BKP)
-        m_qk = m_c[:, None] & (o_k < K)[None, :]
-        p_qk = rows[:, None] * (H * K) + i_qh * K + o_k[None, :]
         p_rn = (j * HV + i_qh * G) * (2 * C)
-        b_dq = _l2norm_bwd(tl.load(q + p_qk, mask=m_qk, other=0.),
-                           tl.load(dq_pre + p_qk, mask=m_qk, other=0.), tl.load(rn + p_rn + o_c))
-        tl.store(dq + p_qk, b_dq.to(dq.dtype.element_ty), mask=m_qk)
-        b_dk = _l2norm_bwd(tl.load(k + p_qk, mask=m_qk, other=0.),
-                           tl.load(dk_pre + p_qk, mask=m_qk, other=0.), tl.load(rn + p_rn + C + o_c))
-        tl.store(dk + p_qk, b_dk.to(dk.dtype.element_ty), mask=m_qk)
+        _l2norm_bwd(q, dq_pre, dq, tl.load(rn + p_rn + o_c), rows, m_c, i_qh * K, H * K, K, C, BK)
+        _l2norm_bwd(k, dk_pre, dk, tl.load(rn + p_rn + C + o_c), rows, m_c, i_qh * K, H * K, K, C, BK)

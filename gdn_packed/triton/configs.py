@@ -52,7 +52,7 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     (sm_90, K = V = 128, 4 warps: 2 stages spill 72 B; 1 stage 244-250 registers, 2 CTAs per SM)."""
     BK = pow2(K)
     narrow = dtype == torch.float32 or BK > 128
-    BV = max(16, min(16 if narrow else 64, pow2(V)))
+    BV = 8 if dtype == torch.float32 and BK > 128 else max(16, min(16 if narrow else 64, pow2(V)))
     esize = torch.finfo(dtype).bits // 8
     stage_kb = (2 * CHUNK * BK + CHUNK * BV + 2 * CHUNK * CHUNK) * esize / 1024
     return dict(BK=BK, BV=BV, RELOAD_K=esize == 4 and BK > 128,
@@ -64,7 +64,8 @@ def bwd_configs(K, V, dtype):
     """Block sizes and warps of the backward kernels (gdn_packed/triton/chunk_bwd.py), one config each:
     - dstate: the whole K (padded to a power of two) x BV = 64 (wgmma M = 64 with dS^T as the register
       A operand; at 1 x 32768, HV = 32, V = 128: 64 programs per segment, S = 3), 4 warps; fp32 inputs or
-      K > 128 (as the forward's state pass): BV = 16 at 8 warps.
+      K > 128 (as the forward's state pass): BV = 16 at 8 warps; fp32 with K > 128: BV = 8 (16 spills
+      64 B on sm_90).
     - dq, dk (chunk_bwd_dq_kernel, chunk_bwd_dk_kernel; per K-block, qk head and chunk, the C x C part
       and the state products of one gradient): 8 warps, the widest K-block without register spills on
       sm_90 (tests/test_sm90_aot.py, every variant): dq K-blocks of 128 and V-blocks of 16 (32
@@ -73,18 +74,18 @@ def bwd_configs(K, V, dtype):
       (32 spills 8 B at K = V = 64); fp32 inputs: K-blocks of 64 and V-blocks of 8 (tf32's
       inner dimension) for both (V-blocks of 16 spill from K-blocks of 32 on). Every K-block reads the
       V-blocks again (dO, X', dX', S^T, dSn^T).
-    - finalize: the whole K row, 4 warps (8 when K > 128; no dots)."""
+    - finalize: K-blocks of 64 (the l2norm backward's row dot, then its rows), 4 warps (no dots)."""
     fp32 = dtype == torch.float32
     narrow = fp32 or pow2(K) > 128
     return dict(
-        dstate=dict(BK=pow2(K), BV=min(16 if narrow else 64, pow2(V)), num_warps=8 if narrow else 4,
-                    num_stages=1),
+        dstate=dict(BK=pow2(K), BV=min(8 if fp32 and pow2(K) > 128 else 16 if narrow else 64, pow2(V)),
+                    num_warps=8 if narrow else 4, num_stages=1),
         dq=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=8 if fp32 else 16, PREC=dot_precision(dtype),
                 num_warps=8, num_stages=1),
         dk=dict(BK=min(64 if fp32 else 128 if pow2(V) >= 32 else 32, pow2(K)),
                 BV=8 if fp32 else 32 if pow2(K) >= 128 and pow2(V) >= 32 else 16, PREC=dot_precision(dtype),
                 num_warps=8, num_stages=1),
-        finalize=dict(BKP=pow2(K), num_warps=8 if pow2(K) > 128 else 4, num_stages=1),
+        finalize=dict(BK=min(64, pow2(K)), num_warps=4, num_stages=1),
     )
 
 
