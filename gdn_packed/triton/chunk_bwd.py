@@ -267,6 +267,20 @@ def _dot_hl(a1, b1, a2, b2, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def _kblock(table, i_k, i_qh, j, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    """Chunk slot j's rows and the [C, BK] tile of K-block i_k of qk head i_qh in a [T, H, K] tensor:
+    start, length, i_k (0 at compile time when one block covers K, so its column mask folds), the
+    scalar int64 base p and int32 tile offsets o (no per-element 64-bit address arithmetic), the mask m."""
+    start, length = chunk_rows(table, j, C)
+    if BK == K:
+        i_k = 0
+    o_c = tl.arange(0, C)
+    o_b = tl.arange(0, BK)
+    m = (o_c < length)[:, None] & (i_k * BK + o_b < K)[None, :]
+    return start, length, i_k, start * (H * K) + i_qh * K + i_k * BK, o_c[:, None] * (H * K) + o_b[None, :], m
+
+
+@triton.jit
 def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ts, xp, st, dq, pm, dg_part, dbeta_part, table, scale, T,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
@@ -278,20 +292,13 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ts, xp, st, dq, pm, dg_part, dbe
     and per value head the dgam share rowsum(Pm (.) Q^K^^T) - colsum(Pm (.) Q^K^^T)
     + (scale eg rq) q.(dO S^T) (this K-block's columns; the last as rowdot(gated dO, q S) per
     V-block) as its reverse cumsum to partial slot i_k (dbeta share 0)."""
-    i_k, i_qh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    start, length = chunk_rows(table, j, C)
+    i_qh, j = tl.program_id(1), tl.program_id(2).to(tl.int64)
+    start, length, i_k, p_qk, o_qk, m_qk = _kblock(table, tl.program_id(0), i_qh, j, H, K, C, BK)
     if length == 0:
         return
     G = HV // H
     o_c = tl.arange(0, C)
     rows, m_c = start + o_c, o_c < length
-    o_b = tl.arange(0, BK)
-    if BK == K:     # one K-block: its column mask is known at compile time
-        i_k = 0
-    m_qk = m_c[:, None] & (i_k * BK + o_b < K)[None, :]
-    # scalar int64 bases and int32 tile offsets (no per-element 64-bit address arithmetic)
-    p_qk = start * (H * K) + i_qh * K + i_k * BK
-    o_qk = o_c[:, None] * (H * K) + o_b[None, :]
     b_q = tl.load(q + p_qk + o_qk, mask=m_qk, other=0.)               # raw q, k [C, BK]
     b_k = tl.load(k + p_qk + o_qk, mask=m_qk, other=0.)
     p_rn = (j * HV + i_qh * G) * (2 * C)                                # row factors of the qk head
@@ -349,19 +356,13 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ts, xp, st, dsn, dxp, pm, d
     this K-block's shares to partial slot slot0 + i_k: dgam beta rowsum(DA (.) K^K^^T)
     - colsum(diag(beta) DA (.) K^K^^T) - (beta eg rk) k.(dX' S^T) (reverse cumsum), tau's exclusive
     cumsum, egL <S, dSn>; dbeta rowsum(DA (.) K^K^^T) - (eg rk) k.(dX' S^T), and dX'.v from K-block 0."""
-    i_k, i_qh, j = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    start, length = chunk_rows(table, j, C)
+    i_qh, j = tl.program_id(1), tl.program_id(2).to(tl.int64)
+    start, length, i_k, p_qk, o_qk, m_qk = _kblock(table, tl.program_id(0), i_qh, j, H, K, C, BK)
     if length == 0:
         return
     G = HV // H
     o_c = tl.arange(0, C)
     rows, m_c = start + o_c, o_c < length
-    o_b = tl.arange(0, BK)
-    if BK == K:     # one K-block: its column mask is known at compile time
-        i_k = 0
-    m_qk = m_c[:, None] & (i_k * BK + o_b < K)[None, :]
-    p_qk = start * (H * K) + i_qh * K + i_k * BK
-    o_qk = o_c[:, None] * (H * K) + o_b[None, :]
     b_k = tl.load(k + p_qk + o_qk, mask=m_qk, other=0.)               # raw k [C, BK]
     p_rn = (j * HV + i_qh * G) * (2 * C)                                # row factors of the qk head
     b_rk = tl.load(rn + p_rn + C + o_c)
