@@ -171,7 +171,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 512 B and
     dX'^T 256 B in the input dtype (dstate); the group's summed Pm for the dk kernel, 256 B fp32 per
     token x qk head (128 B at G = 2); dg / dbeta partials 8 B per K-block of the dq and of the dk
-    kernel (16 B at one K-block each): ~2.0 kB (it was ~2.8 kB with per-value-head fp32 dq, dk shares
+    kernel (16 B at one K-block each; dq's dbeta slots allocated, never touched): ~2.0 kB (it was ~2.8 kB with per-value-head fp32 dq, dk shares
     of the C x C part); with l2norm the fp32 dq, dk before the l2norm backward (1 kB per token x qk
     head); with segments, (V + K) K + K V floats per
     segment and value head (the boundary rows)."""
@@ -209,19 +209,20 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     if NC > 0 and HV > 0:
         cq, ck = cfg["dq"], cfg["dk"]
         nq, nk = triton.cdiv(K, cq["BK"]), triton.cdiv(K, ck["BK"])
-        # dg / dbeta shares: one per K-block of the dq kernel (slots [0, nq)), then of the dk kernel
+        # dg shares: one per K-block of the dq kernel (slots [0, nq)), then of the dk kernel; dbeta
+        # shares: the dk kernel's only (slots [nq, nq + nk); the others are never written nor read)
         part = torch.empty(2, nq + nk, T, HV, **f32)
         pm = torch.empty(NC, H, C, C, **f32)        # sum over the group of Pm + diag(Pm), dq -> dk kernel
         pre = torch.empty(2, T, H, K, **f32) if l2 else None
         chunk_bwd_dq_kernel[(nq, H, NC)](
-            q, k, g, do, gates, rn, ts, xp, st, pre[0] if l2 else dq_, pm, part[0], part[1], table, scale, T,
+            q, k, g, do, gates, rn, ts, xp, st, pre[0] if l2 else dq_, pm, part[0], table, scale, T,
             H=H, HV=HV, K=K, V=V, C=C, **cq)
         chunk_bwd_dk_kernel[(nk, H, NC)](
             q, k, v, gates, rn, eg_last, ts, xp, st, dsn, dxp, pm, pre[1] if l2 else dk_, g, part[0], part[1],
             table, T, nq, H=H, HV=HV, K=K, V=V, C=C, **ck)
         chunk_bwd_finalize_kernel[(H, NC)](
             q, k, pre[0] if l2 else dq_, pre[1] if l2 else dk_, rn, part[0], part[1], dq_, dk_, dg_,
-            dbeta_, table, T, H, HV, K=K, C=C, NK=nq + nk, USE_L2=l2, **cfg["finalize"])
+            dbeta_, table, T, H, HV, K=K, C=C, NK=nq + nk, NQ=nq, USE_L2=l2, **cfg["finalize"])
     for x, y in zip(outs, work):
         if x is not y:
             x.copy_(y)

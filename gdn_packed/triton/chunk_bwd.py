@@ -40,7 +40,7 @@ first):
       from the X'^T scratch) and the state product dO S^T, straight into the dq accumulator; then Pm,
       its dgam terms, and P = sum_g Pm_g (+ its diagonal) for ONE product P K^ for the group. Writes dq
       (input dtype; fp32 pre-l2norm values with l2norm), P [NC, H, C, C] fp32 for the dk kernel, and
-      per value head its dg share (its dbeta share is 0) to partial slot i_k.
+      per value head its dg share to partial slot i_k (dq has no dbeta share).
   chunk_bwd_dk_kernel      grid (cdiv(K, BK), H, NC): the same for dk: dA' = dX' U^T and the state
       products dX' S^T, U dSn^T per V-block; DA and its dgam / dbeta terms; (diag(beta) DA + DA^T
       diag(beta)) K^ per value head and P^T Q^ (P from the dq kernel) once for the group. Writes dk
@@ -71,8 +71,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn_packed.triton.common import (chunk_rows, padding_after, padding_before_first, segment_chunks,
-                                      segment_decay, zero_rows)
+from gdn_packed.triton.common import (block_offsets, chunk_rows, padding_after, padding_before_first,
+                                      segment_chunks, segment_decay, zero_rows)
 
 
 @triton.jit
@@ -208,10 +208,9 @@ def _pm(b_dM, g, rows, length, i_h, HV, scale, C: tl.constexpr):
 @triton.jit
 def _vk_block(p, base, i_v, col0, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
     """Rows i_v.. (BV) and columns col0.. (BK) of the [V, K] block at base of a scratch (input dtype),
-    0 outside. With BK = K the rows are contiguous: offsets from one arange (fewer registers than a
-    row x column offset tile)."""
+    0 outside. With BK = K the rows are contiguous: block_offsets."""
     if BK == K:
-        o = i_v * K + tl.reshape(tl.arange(0, BV * BK), [BV, BK])
+        o = i_v * K + block_offsets(BV, BK)
         return tl.load(p + base + o, mask=o < V * K, other=0.)
     o_v = i_v + tl.arange(0, BV)
     o_b = col0 + tl.arange(0, BK)
@@ -222,8 +221,8 @@ def _vk_block(p, base, i_v, col0, V: tl.constexpr, K: tl.constexpr, BV: tl.const
 @triton.jit
 def _store_rows(p, x, length, col0, stride, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
     """p[r * stride + c] = x[r, c] for rows r < length and columns col0 + c < K of a [C, BK] tile, its
-    offsets and mask formed here from one arange (not the loads' offset tiles kept live to the end)."""
-    idx = tl.reshape(tl.arange(0, C * BK), [C, BK])
+    offsets and mask formed here from block_offsets (not the loads' offset tiles kept live to the end)."""
+    idx = block_offsets(C, BK)
     r, c = idx // BK, idx % BK
     tl.store(p + r * stride + c, x.to(p.dtype.element_ty), mask=(r < length) & (col0 + c < K))
 
@@ -281,7 +280,7 @@ def _kblock(table, i_k, i_qh, j, H: tl.constexpr, K: tl.constexpr, C: tl.constex
 
 
 @triton.jit
-def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ts, xp, st, dq, pm, dg_part, dbeta_part, table, scale, T,
+def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ts, xp, st, dq, pm, dg_part, table, scale, T,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """rq dQ^ of K-block i_k, qk head i_qh, chunk slot j, the group's value heads g summed:
@@ -291,7 +290,7 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ts, xp, st, dq, pm, dg_part, dbe
     into the accumulator). Writes dq (fp32 before the l2norm backward with l2norm), P (K-block 0)
     and per value head the dgam share rowsum(Pm (.) Q^K^^T) - colsum(Pm (.) Q^K^^T)
     + (scale eg rq) q.(dO S^T) (this K-block's columns; the last as rowdot(gated dO, q S) per
-    V-block) as its reverse cumsum to partial slot i_k (dbeta share 0)."""
+    V-block) as its reverse cumsum to dg partial slot i_k (dq has no dbeta share)."""
     i_qh, j = tl.program_id(1), tl.program_id(2).to(tl.int64)
     start, length, i_k, p_qk, o_qk, m_qk = _kblock(table, tl.program_id(0), i_qh, j, H, K, C, BK)
     if length == 0:
@@ -312,7 +311,7 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ts, xp, st, dq, pm, dg_part, dbe
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
         p_slot = j * HV + i_h
-        b_ts = tl.load(ts + p_slot * (C * C) + tl.reshape(tl.arange(0, C * C), [C, C]))
+        b_ts = tl.load(ts + p_slot * (C * C) + block_offsets(C, C))
         b_g2 = _gate_row(gates, j, i_h, HV, 2, C)                       # scale eg rq
         b_dM = tl.zeros([C, C], dtype=tl.float32)                     # dO U^T
         b_dgam = tl.zeros([C], dtype=tl.float32)                      # (scale eg rq) q.(dO S^T)
@@ -336,11 +335,10 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ts, xp, st, dq, pm, dg_part, dbe
         b_pd += b_pdg
         p_part = (i_k * T + rows) * HV + i_h
         tl.store(dg_part + p_part, tl.cumsum(b_dgam, 0, reverse=True), mask=m_c)
-        tl.store(dbeta_part + p_part, tl.zeros([C], dtype=tl.float32), mask=m_c)
     b_pm += tl.where(o_c[:, None] == o_c[None, :], b_pd[:, None], 0.)    # P: the diagonal back in
     b_dq += b_rq[:, None] * _dot_hl(b_pm * b_rk[None, :], b_k, None, None, None, PREC)     # P K^
     if i_k == 0:        # for the dk kernel's P^T Q^
-        tl.store(pm + (j * H + i_qh) * (C * C) + tl.reshape(tl.arange(0, C * C), [C, C]), b_pm)
+        tl.store(pm + (j * H + i_qh) * (C * C) + block_offsets(C, C), b_pm)
     _store_rows(dq + p_qk, b_dq, length, i_k * BK, H * K, K, C, BK)
 
 
@@ -371,7 +369,7 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ts, xp, st, dsn, dxp, pm, d
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
         p_slot = j * HV + i_h
-        b_ts = tl.load(ts + p_slot * (C * C) + tl.reshape(tl.arange(0, C * C), [C, C]))
+        b_ts = tl.load(ts + p_slot * (C * C) + block_offsets(C, C))
         b_g3 = _gate_row(gates, j, i_h, HV, 3, C)                       # w rk
         b_g4 = _gate_row(gates, j, i_h, HV, 4, C)                       # beta eg rk
         b_dA = tl.zeros([C, C], dtype=tl.float32)                     # dX' U^T (= -dA)
@@ -417,7 +415,7 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ts, xp, st, dsn, dxp, pm, d
         tl.store(dbeta_part + p_part, b_db, mask=m_c)
     b_q = tl.load(q + p_qk + o_qk, mask=m_qk, other=0.)               # raw q
     b_rq = tl.load(rn + p_rn + o_c)
-    b_P = tl.load(pm + (j * H + i_qh) * (C * C) + tl.reshape(tl.arange(0, C * C), [C, C]))
+    b_P = tl.load(pm + (j * H + i_qh) * (C * C) + block_offsets(C, C))
     b_dk += b_rk[:, None] * _dot_hl(tl.trans(b_P) * b_rq[None, :], b_q, None, None, None, PREC)    # P^T Q^
     _store_rows(dk + p_qk, b_dk, length, i_k * BK, H * K, K, C, BK)
 
@@ -444,7 +442,10 @@ def _l2norm_bwd(x, dx_pre, dx, r, rows, m_c, col0, stride, K: tl.constexpr, C: t
 @triton.jit
 def chunk_bwd_finalize_kernel(q, k, dq_pre, dk_pre, rn, dg_part, dbeta_part, dq, dk, dg, dbeta, table,
                               T, H, HV, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                              NK: tl.constexpr, USE_L2: tl.constexpr):
+                              NK: tl.constexpr, NQ: tl.constexpr, USE_L2: tl.constexpr):
+    """dg = the sum of partial slots [0, NK) (the dq kernel's, then the dk kernel's), dbeta = the sum of
+    slots [NQ, NK) (the dk kernel's: the dq kernel has no dbeta share), and with USE_L2 the l2norm
+    backward of dq, dk; one program per (qk head, chunk slot)."""
     i_qh, j = tl.program_id(0), tl.program_id(1).to(tl.int64)
     start, length = chunk_rows(table, j, C)
     if length == 0:
@@ -457,9 +458,9 @@ def chunk_bwd_finalize_kernel(q, k, dq_pre, dk_pre, rn, dg_part, dbeta_part, dq,
         b_dg = tl.zeros([C], dtype=tl.float32)
         b_db = tl.zeros([C], dtype=tl.float32)
         for i_k in range(0, NK):
-            p_part = (i_k * T + rows) * HV + i_h
-            b_dg += tl.load(dg_part + p_part, mask=m_c, other=0.)
-            b_db += tl.load(dbeta_part + p_part, mask=m_c, other=0.)
+            b_dg += tl.load(dg_part + (i_k * T + rows) * HV + i_h, mask=m_c, other=0.)
+        for i_k in range(NQ, NK):
+            b_db += tl.load(dbeta_part + (i_k * T + rows) * HV + i_h, mask=m_c, other=0.)
         tl.store(dg + rows * HV + i_h, b_dg.to(dg.dtype.element_ty), mask=m_c)
         tl.store(dbeta + rows * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_c)
     if USE_L2:

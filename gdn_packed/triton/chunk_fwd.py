@@ -50,8 +50,8 @@ fp32 operands (tf32 on the GPU, exact under the interpreter). o is rounded to v'
 import triton
 import triton.language as tl
 
-from gdn_packed.triton.common import (chunk_gate_sums, chunk_rows, padding_after, padding_before_first,
-                                      segment_chunks, zero_rows)
+from gdn_packed.triton.common import (block_offsets, chunk_gate_sums, chunk_rows, padding_after,
+                                      padding_before_first, segment_chunks, zero_rows)
 
 
 @triton.jit
@@ -217,7 +217,7 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mt, h0
         b_st_in = b_st.to(dt)
         if STORE_STATES:     # the state as the dots below use it (rounded to the input dtype)
             if K == BK:     # the block's rows are contiguous: offsets from one arange (fewer registers)
-                st_tile = iv * (BV * K) + tl.reshape(tl.arange(0, BV * BK), [BV, BK])
+                st_tile = iv * (BV * K) + block_offsets(BV, BK)
             else:
                 st_tile = cv[:, None] * K + rk[None, :]
             tl.store(s_out + base * (K * V) + st_tile, b_st_in, mask=st_mask)

@@ -1,4 +1,5 @@
-"""Jit helpers shared by the Triton kernels: the chunk table, padding rows, gate sums and masks.
+"""Jit helpers shared by the Triton kernels: the chunk table, padding rows, gate sums, masks and block
+offsets.
 
 The chunk table (gdn_packed/torch_ref/chunk_table.py) is int32 [NC, 4] rows (seq_id, chunk_idx,
 start_row, length); cu_chunks int32 [N+1] gives each sequence's slots. Real rows are exactly the union
@@ -97,3 +98,11 @@ def chunk_gate_sums(g, rows, length, HV, hv, C: tl.constexpr):
     suf = tl.cumsum(g_next, axis=0, reverse=True)
     tot = tl.sum(b_g, axis=0)
     return gam, suf, tot, segment_decay(g, rows, length, HV, hv, C)
+
+
+@triton.jit
+def block_offsets(M: tl.constexpr, N: tl.constexpr):
+    """Offsets [M, N] of a contiguous row-major M x N block, from one arange: every element's offset is a
+    thread's base plus a constant, so the compiler keeps no per-element offset registers (a row x column
+    offset tile costs a register an element on sm_90)."""
+    return tl.reshape(tl.arange(0, M * N), [M, N])

@@ -45,7 +45,8 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     """chunk_fwd_state_kernel: the transposed state block S^T [BV, BK] (BK = K padded to a power of
     two) in fp32 registers. bf16/fp16 with K <= 128: BV = 64 (the wgmma M of one warpgroup, so the S^T
     products take the state from registers), smaller only when V is, 4 warps. K > 128 or fp32 inputs (a
-    [64, K] fp32 state with tf32 operands does not fit next to the tiles): BV = 16 at 8 warps. 2 stages
+    [64, K] fp32 state with tf32 operands does not fit next to the tiles): BV = 16 at 8 warps; fp32 with
+    K > 128: BV = 8 (tf32's inner dimension; 16 spills 256-456 B on sm_90, 8 still 24 B). 2 stages
     (the next chunk's tiles copied while this one computes) when two fit in shared memory, else 1; one
     stage holds q, k [C, BK], v [C, BV] and Ts, MT [C, C] in the input dtype. The STORE_STATES variant
     at BV = 64 (the backward's recompute) runs 1 stage: its stores of S^T and X'^T need the registers
