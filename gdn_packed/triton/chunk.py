@@ -23,9 +23,9 @@ def _check_chunk(C):
         raise ValueError(f"the Triton kernels are written for chunk size {CHUNK}, got {C}")
 
 
-def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, store_m=False):
-    """Launches chunk_fwd_prep_kernel (grid (HV, NC)); returns (gates, eg_last, rn, Ts, MT) as laid out
-    in gdn_packed/triton/chunk_fwd.py (MT is M itself with store_m)."""
+def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm):
+    """Launches chunk_fwd_prep_kernel (grid (H, NC)); returns (gates, eg_last, rn, Ts, M) as laid out
+    in gdn_packed/triton/chunk_fwd.py (the forward and the backward use the same five)."""
     NC, (_, H, K) = table.shape[0], q.shape
     C = CHUNK
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -33,12 +33,11 @@ def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, store_m=False):
     eg_last = torch.empty(NC, HV, **f32)
     rn = torch.empty(NC, HV, 2, C, **f32)
     ts = torch.empty(NC, HV, C, C, dtype=q.dtype, device=q.device)        # input dtype
-    mt = torch.empty_like(ts)
+    mm = torch.empty_like(ts)
     if NC > 0 and HV > 0:
-        chunk_fwd_prep_kernel[(HV, NC)](q, k, g, beta, table, gates, eg_last, rn, ts, mt, scale, H=H,
-                                        HV=HV, K=K, C=C, USE_L2=bool(use_l2norm), STORE_M=store_m,
-                                        **prep_config(K, q.dtype))
-    return gates, eg_last, rn, ts, mt
+        chunk_fwd_prep_kernel[(H, NC)](q, k, g, beta, table, gates, eg_last, rn, ts, mm, scale, H=H,
+                                       HV=HV, K=K, C=C, USE_L2=bool(use_l2norm), **prep_config(K, q.dtype))
+    return gates, eg_last, rn, ts, mm
 
 
 def fwd_segments(T, N, HV, K, V, dtype, device):
@@ -95,8 +94,8 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=
         S = entering.numel() // max(1, N * HV * K * V)
     else:
         S = state_segments(T, N, HV, K, V, cfg, num_sms(q.device), cfg_a=cfg_a)
-    gates, eg_last, _, ts, mt = prep
-    args = (q, k, v, table, cu_chunks, gates, eg_last, ts, mt)
+    gates, eg_last, _, ts, mm = prep
+    args = (q, k, v, table, cu_chunks, gates, eg_last, ts, mm)
     shape = dict(H=H, HV=HV, K=K, V=V, C=CHUNK)
 
     def pass_a(programs, ends):     # writes only ends (the other pointers are stand-ins it never touches)
@@ -164,7 +163,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
                          do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None):
     """Backward of backend="triton" on flattened rows: writes every row of dq, dk [T, H, K], dv [T, HV, V],
     dg, dbeta [T, HV] (0 on padding rows) and dh0 [N, HV, K, V] fp32. The op saves the inputs and
-    `kept` (the states entering the forward's segments, when it ran in segments), so the forward's prep (with M instead of M T) and state pass (STORE_STATES) run again, then the
+    `kept` (the states entering the forward's segments, when it ran in segments), so the forward's prep and state pass (STORE_STATES) run again, then the
     backward kernels of chunk_bwd.py. Grids depend only on T, N, the chunk slots and the shapes.
 
     Scratch per token x value head (K = V = 128, bf16, G = HV // H = 2): S^T 512 B and X'^T 256 B in
@@ -193,7 +192,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     l2 = bool(use_l2norm)
     f32 = dict(dtype=torch.float32, device=dev)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    prep = gates, eg_last, rn, ts, mm = chunk_fwd_prep(q, k, g, beta, table, HV, scale, l2, store_m=True)
+    prep = gates, eg_last, rn, ts, mm = chunk_fwd_prep(q, k, g, beta, table, HV, scale, l2)
     # S^T entering each chunk and X'^T, as the forward's dots used them; slots outside every
     # sequence are never written here and never read (the dq / dk kernels exit on empty slots)
     st = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)

@@ -24,7 +24,7 @@ and in parallel, with dM = dO U^T, dA = -dX' U^T, Pm = scale dM E (j <= i), DA =
 
 Launches (grids depend only on T, N and the shapes; unused chunk slots exit at once; fastest grid axis
 first):
-  forward prep (store_m: M instead of M T) and state pass (STORE_STATES: S^T at chunk start
+  forward prep and state pass (STORE_STATES: S^T at chunk start
       [NC, HV, V, K] and X'^T [NC, HV, V, C], in the input dtype as the forward's dots used them);
       launched by gdn_packed/triton/chunk.py, chunk_gdr_bwd_triton
   chunk_bwd_dstate_kernel  grid (cdiv(V, BV), HV, N S): the reverse sequential pass per sequence (or

@@ -2,30 +2,32 @@
 sections 2 and 11). Per chunk of C = 64 rows (q^ = rq q, k^ = rk k, the l2norm row factors, 1 without
 l2norm; gam_i = sum of g over rows [0, i]; E_ij = exp(sum of g over (j, i]), j <= i):
     A   = strictly lower, A_ij = beta_i E_ij k^_i.k^_j        T = (I + A)^-1,  Ts = T - I
-    M   = lower incl. diagonal, M_ij = scale E_ij q^_i.k^_j   MT = M T
+    M   = lower incl. diagonal, M_ij = scale E_ij q^_i.k^_j
     X'  = beta (V - (e^gam rk) (K S))         (row-scaled; K raw)
     U   = T X' = X' + Ts X'                   (Vnew)
-    O   = (scale e^gam rq) (Q S) + MT X'
+    O   = (scale e^gam rq) (Q S) + M U
     S  <- e^gam_last S + K^T ((w rk) U),  w_i = exp(sum of g over (i, last])
 
 Kernels (`b_` = a block in registers):
-  chunk_fwd_prep_kernel   grid (HV, NC): one program per value head and chunk slot, all parallel
-      (value heads fastest, so the programs of one chunk share its q, k tiles through L2).
+  chunk_fwd_prep_kernel   grid (H, NC): one program per qk head and chunk slot, all parallel, for the
+      G = HV / H value heads of the head's group: q, k read and K K^T, Q K^T, the row norms formed once
+      for the group; then M for every value head of the group, then T for every one (so that Q K^T is
+      dead before the inverses: no register spills at G > 1).
       in  q, k [T, H, K], g, beta [T, HV], table [NC, 4]
       out gates fp32 [NC, HV, 5, C]: beta, e^gam rk, scale e^gam rq, w rk, beta e^gam rk (0 on dead rows);
           eg_last fp32 [NC, HV] (1 for an empty slot); rn fp32 [NC, HV, 2, C] (rq, rk; 0 on dead rows);
-          Ts [NC, HV, C, C] and MT [NC, HV, C, C] in the input dtype (fp32 for fp32 inputs); with
-          STORE_M (the backward) M instead of MT. Every slot is written, also empty ones, so no later
+          Ts [NC, HV, C, C] and M [NC, HV, C, C] in the input dtype (fp32 for fp32 inputs), the same
+          for the forward and the backward. Every slot is written, also empty ones, so no later
           kernel reads memory that nothing wrote.
       T by block doubling on tensor cores: with D_b the inverse of the b x b diagonal blocks,
       D_2b = D_b - D_b A_b D_b where A_b keeps A's entries in the lower-left b-block of each 2b-block
       (exact: A_b D_b A_b = 0); D_2 = I - A_1 directly, then b = 2..32 (five levels of two C x C dots).
   chunk_fwd_state_kernel  grid (cdiv(V, BV), HV, N): one program per V-block (fastest axis: the blocks
-      of one sequence and head run side by side and share q, k, Ts, MT through L2), value head and
+      of one sequence and head run side by side and share q, k, Ts, M through L2), value head and
       sequence, looping over the sequence's chunk slots with the transposed state S^T [BV, K] in fp32
       registers, so every state product takes S^T as the register operand of the tensor-core dot:
           KS^T = S^T K^T, X'^T = beta (V^T - (e^gam rk) KS^T), U^T = X'^T + X'^T Ts^T,
-          O^T  = (scale e^gam rq) S^T Q^T + X'^T MT^T,  S^T <- e^gam_last S^T + ((w rk) U^T) K
+          O^T  = (scale e^gam rq) S^T Q^T + U^T M^T,  S^T <- e^gam_last S^T + ((w rk) U^T) K
       (five dots per chunk). It writes o (every real row; zeros on the padding rows after the
       sequence, program n = 0 also before the first) and the final state. STORE_STATES (the
       backward's recompute): instead it writes S^T entering each chunk, [NC, HV, V, K], and X'^T,
@@ -43,15 +45,16 @@ Kernels (`b_` = a block in registers):
 
 Numerics: q, k, v enter the dots exactly (input dtype, fp32 accumulation); gate sums, exponentials,
 the row factors and the state are fp32; the state and X', U enter their dots rounded to the input
-dtype (bf16: 2^-9 relative, the price of one tensor-core pass per product); T and M T are formed from
-fp32 operands (configs.dot_precision) and stored once in the input dtype. fp32 inputs: every dot in
+dtype (bf16: 2^-9 relative, the price of one tensor-core pass per product); T is formed from
+fp32 operands (configs.dot_precision) and stored once in the input dtype, as is M (an fp32 product
+of the bf16 q, k, rounded once). fp32 inputs: every dot in
 fp32 operands (tf32 on the GPU, exact under the interpreter). o is rounded to v's dtype once.
 """
 import triton
 import triton.language as tl
 
 from gdn_packed.triton.common import (block_offsets, chunk_gate_sums, chunk_rows, padding_after,
-                                      padding_before_first, segment_chunks, zero_rows)
+                                      padding_before_first, segment_chunks, segment_decay, zero_rows)
 
 
 @triton.jit
@@ -100,17 +103,16 @@ def inv_unit_lower(a, PREC: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mt, scale,
+def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scale,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                          C: tl.constexpr, USE_L2: tl.constexpr, STORE_M: tl.constexpr,
-                          PREC: tl.constexpr):
-    hv = tl.program_id(0)
+                          C: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr):
+    h = tl.program_id(0)
     j = tl.program_id(1).to(tl.int64)
-    h = hv // (HV // H)
     start, length = chunk_rows(table, j, C)
     rc = tl.arange(0, C)
     rows, live = start + rc, rc < length
 
+    # the qk head's Gram matrices K K^T, Q K^T and row norms: once for the G value heads of its group
     kk = tl.zeros([C, C], dtype=tl.float32)
     qk = tl.zeros([C, C], dtype=tl.float32)
     ssq = tl.zeros([C], dtype=tl.float32)
@@ -132,36 +134,39 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mt, scal
     else:
         rk = tl.where(live, 1.0, 0.0)
         rq = rk
-
-    gam, suf, tot, dec = chunk_gate_sums(g, rows, length, HV, hv, C)
-    b_beta = tl.load(beta + rows * HV + hv, mask=live, other=0.0).to(tl.float32)
-    eg = tl.where(live, tl.exp(gam), 0.0)
     strict = rc[:, None] > rc[None, :]
     causal = rc[:, None] >= rc[None, :]
-    base = (j * HV + hv)
-    cc = base * (C * C) + rc[:, None] * C + rc[None, :]
-    m = tl.where(causal, (scale * rq)[:, None] * qk * rk[None, :] * dec, 0.0)
-    if STORE_M:         # stored before the inverse: fewer C x C tiles live through it
-        tl.store(mt + cc, m.to(mt.dtype.element_ty))
-    a = tl.where(strict, (b_beta * rk)[:, None] * kk * rk[None, :] * dec, 0.0)
-    t = inv_unit_lower(a, PREC, C)
-    p_g = gates + base * (5 * C) + rc
-    tl.store(p_g, b_beta)
-    tl.store(p_g + C, eg * rk)
-    tl.store(p_g + 2 * C, scale * eg * rq)
-    tl.store(p_g + 3 * C, tl.where(live, tl.exp(suf), 0.0) * rk)
-    tl.store(p_g + 4 * C, b_beta * eg * rk)
-    tl.store(eg_last + base, tl.exp(tot))
-    tl.store(rn + base * (2 * C) + rc, rq)
-    tl.store(rn + base * (2 * C) + C + rc, rk)
     eye = rc[:, None] == rc[None, :]
-    tl.store(ts + cc, tl.where(eye, 0.0, t).to(ts.dtype.element_ty))
-    if not STORE_M:
-        tl.store(mt + cc, tl.dot(m, t, input_precision=PREC).to(mt.dtype.element_ty))
+    kk = (rk[:, None] * kk) * rk[None, :]
+    qk = ((scale * rq)[:, None] * qk) * rk[None, :]
+
+    G: tl.constexpr = HV // H
+    for i_g in range(0, G):     # M per value head first, so Q K^T is dead before the inverses
+        hv = h * G + i_g
+        cc = (j * HV + hv) * (C * C) + rc[:, None] * C + rc[None, :]
+        tl.store(mm + cc, tl.where(causal, qk * segment_decay(g, rows, length, HV, hv, C), 0.0)
+                 .to(mm.dtype.element_ty))
+    for i_g in range(0, G):
+        hv = h * G + i_g
+        gam, suf, tot, dec = chunk_gate_sums(g, rows, length, HV, hv, C)
+        b_beta = tl.load(beta + rows * HV + hv, mask=live, other=0.0).to(tl.float32)
+        eg = tl.where(live, tl.exp(gam), 0.0)
+        base = (j * HV + hv)
+        t = inv_unit_lower(tl.where(strict, b_beta[:, None] * kk * dec, 0.0), PREC, C)
+        p_g = gates + base * (5 * C) + rc
+        tl.store(p_g, b_beta)
+        tl.store(p_g + C, eg * rk)
+        tl.store(p_g + 2 * C, scale * eg * rq)
+        tl.store(p_g + 3 * C, tl.where(live, tl.exp(suf), 0.0) * rk)
+        tl.store(p_g + 4 * C, b_beta * eg * rk)
+        tl.store(eg_last + base, tl.exp(tot))
+        tl.store(rn + base * (2 * C) + rc, rq)
+        tl.store(rn + base * (2 * C) + C + rc, rk)
+        tl.store(ts + base * (C * C) + rc[:, None] * C + rc[None, :], tl.where(eye, 0.0, t).to(ts.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["T_rows", "segments"])
-def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mt, h0, o, ht, s_out, x_out,
+def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0, o, ht, s_out, x_out,
                            ends, T_rows, segments, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                            HAS_H0: tl.constexpr, STORE_STATES: tl.constexpr, PROPAGATE: tl.constexpr,
@@ -232,7 +237,7 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mt, h0
             b_q = tl.load(q + start * (H * K) + h * K + qk_off, mask=qk_mask, other=0.0)
             g_cq = tl.load(p_g + 2 * C)
             b_ot = tl.dot(b_st_in, tl.trans(b_q)) * g_cq[None, :]   # (Q S)^T scaled
-            b_ot = tl.dot(b_xt_in, tl.trans(tl.load(mt + base * (C * C) + cc)), b_ot)
+            b_ot = tl.dot(b_ut.to(dt), tl.trans(tl.load(mm + base * (C * C) + cc)), b_ot)   # + (M U)^T
             tl.store(o + p_v + vt_off, b_ot.to(o.dtype.element_ty), mask=vt_mask)
         if RELOAD_K:    # (wide fp32 tiles: k read again, an L1/L2 hit, instead of kept live)
             b_k = tl.load(p_k + qk_off, mask=qk_mask, other=0.0)

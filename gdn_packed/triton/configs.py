@@ -26,7 +26,7 @@ def smem_kb(device):
 
 def dot_precision(dtype):
     """input_precision of every dot with fp32 operands: the C x C products of prep (T's doubling
-    steps, M T) for every input dtype, and every dot of fp32 inputs. "tf32" (one tensor-core pass, as
+    steps) for every input dtype, and every dot of fp32 inputs. "tf32" (one tensor-core pass, as
     Triton's default and FLA): the products are stored in the input dtype afterwards, and bf16/fp16
     rounding (2^-9 / 2^-11) is not smaller than tf32's (2^-11); "tf32x3" spills registers in prep.
     So fp32 inputs run at tf32 accuracy on a GPU and are held to the GPU fp32 budgets of
@@ -48,7 +48,7 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     [64, K] fp32 state with tf32 operands does not fit next to the tiles): BV = 16 at 8 warps; fp32 with
     K > 128: BV = 8 (tf32's inner dimension; 16 spills 256-456 B on sm_90, 8 still 24 B). 2 stages
     (the next chunk's tiles copied while this one computes) when two fit in shared memory, else 1; one
-    stage holds q, k [C, BK], v [C, BV] and Ts, MT [C, C] in the input dtype. The STORE_STATES variant
+    stage holds q, k [C, BK], v [C, BV] and Ts, M [C, C] in the input dtype. The STORE_STATES variant
     at BV = 64 (the backward's recompute) runs 1 stage: its stores of S^T and X'^T need the registers
     (sm_90, K = V = 128, 4 warps: 2 stages spill 72 B; 1 stage 244-250 registers, 2 CTAs per SM)."""
     BK = pow2(K)
