@@ -70,11 +70,11 @@ def entering_states(pass_a, N, HV, K, V, S, h0, dtype, device, reverse=False, ou
     return ent
 
 
-def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=None, x_out=None,
+def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=None, u_out=None,
                     kept=None, entering=None):
     """Launches chunk_fwd_state_kernel on chunk_fwd_prep's outputs `prep`. Forward: writes o [T, HV, V]
-    (every row) and ht [N, HV, K, V] fp32. With s_out [NC, HV, V, K] and x_out [NC, HV, V, C] in the
-    input dtype (the backward's recompute) it writes S^T entering each chunk and X'^T instead, and
+    (every row) and ht [N, HV, K, V] fp32. With s_out [NC, HV, V, K] and u_out [NC, HV, V, C] in the
+    input dtype (the backward's recompute) it writes S^T entering each chunk and U^T instead, and
     neither o nor ht.
 
     Segments (configs.state_segments, from shapes): with S > 1 every sequence's chunk slots are split
@@ -110,7 +110,7 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=
     unused = s_out if store else ht         # stand-in for the pointers this variant does not touch
     pick = lambda x: unused if x is None else x   # noqa: E731
     chunk_fwd_state_kernel[(triton.cdiv(V, cfg["BV"]), HV, N * S)](
-        *args, pick(h0), pick(o), pick(ht), pick(s_out), pick(x_out), unused, T, S, HAS_H0=h0 is not None,
+        *args, pick(h0), pick(o), pick(ht), pick(s_out), pick(u_out), unused, T, S, HAS_H0=h0 is not None,
         STORE_STATES=store, PROPAGATE=False, **shape, **cfg)
 
 
@@ -166,7 +166,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     `kept` (the states entering the forward's segments, when it ran in segments), so the forward's prep and state pass (STORE_STATES) run again, then the
     backward kernels of chunk_bwd.py. Grids depend only on T, N, the chunk slots and the shapes.
 
-    Scratch per token x value head (K = V = 128, bf16, G = HV // H = 2): S^T 512 B and X'^T 256 B in
+    Scratch per token x value head (K = V = 128, bf16, G = HV // H = 2): S^T 512 B and U^T 256 B in
     the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 512 B and
     dX'^T 256 B in the input dtype (dstate); the group's summed Pm for the dk kernel, 256 B fp32 per
     token x qk head (128 B at G = 2); dg / dbeta partials 8 B per K-block of the dq and of the dk
@@ -193,14 +193,14 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     f32 = dict(dtype=torch.float32, device=dev)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     prep = gates, eg_last, rn, ts, mm = chunk_fwd_prep(q, k, g, beta, table, HV, scale, l2)
-    # S^T entering each chunk and X'^T, as the forward's dots used them; slots outside every
+    # S^T entering each chunk and U^T, as the forward's dots used them; slots outside every
     # sequence are never written here and never read (the dq / dk kernels exit on empty slots)
     st = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
-    xp = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
+    up = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
     dsn = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
     dxp = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
     if HV > 0:
-        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, s_out=st, x_out=xp,
+        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, s_out=st, u_out=up,
                         entering=kept if kept is not None and kept.numel() else None)
         dht_ = None if dht is None else dht.to(torch.float32).contiguous()
         chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, dht_, dsn, dxp, dv_, dh0, dq_, dk_, dg_, dbeta_,
@@ -214,10 +214,10 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
         pm = torch.empty(NC, H, C, C, **f32)        # sum over the group of Pm + diag(Pm), dq -> dk kernel
         pre = torch.empty(2, T, H, K, **f32) if l2 else None
         chunk_bwd_dq_kernel[(nq, H, NC)](
-            q, k, g, do, gates, rn, ts, xp, st, pre[0] if l2 else dq_, pm, part[0], table, scale, T,
+            q, k, g, do, gates, rn, up, st, pre[0] if l2 else dq_, pm, part[0], table, scale, T,
             H=H, HV=HV, K=K, V=V, C=C, **cq)
         chunk_bwd_dk_kernel[(nk, H, NC)](
-            q, k, v, gates, rn, eg_last, ts, xp, st, dsn, dxp, pm, pre[1] if l2 else dk_, g, part[0], part[1],
+            q, k, v, gates, rn, eg_last, up, st, dsn, dxp, pm, pre[1] if l2 else dk_, g, part[0], part[1],
             table, T, nq, H=H, HV=HV, K=K, V=V, C=C, **ck)
         chunk_bwd_finalize_kernel[(H, NC)](
             q, k, pre[0] if l2 else dq_, pre[1] if l2 else dk_, rn, part[0], part[1], dq_, dk_, dg_,

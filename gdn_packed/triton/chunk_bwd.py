@@ -25,7 +25,7 @@ and in parallel, with dM = dO U^T, dA = -dX' U^T, Pm = scale dM E (j <= i), DA =
 Launches (grids depend only on T, N and the shapes; unused chunk slots exit at once; fastest grid axis
 first):
   forward prep and state pass (STORE_STATES: S^T at chunk start
-      [NC, HV, V, K] and X'^T [NC, HV, V, C], in the input dtype as the forward's dots used them);
+      [NC, HV, V, K] and U^T [NC, HV, V, C], in the input dtype as the forward's dots used them);
       launched by gdn_packed/triton/chunk.py, chunk_gdr_bwd_triton
   chunk_bwd_dstate_kernel  grid (cdiv(V, BV), HV, N S): the reverse sequential pass per sequence (or
       segment of S, chunk.py's chunk_bwd_dstate: dS is affine in the dS entering from the right,
@@ -36,8 +36,8 @@ first):
       slot and dv = beta dX', all in the input dtype, dh0 (fp32, the first segment); and exact zeros
       on the padding rows of dv, dg, dbeta, dq, dk.
   chunk_bwd_dq_kernel      grid (cdiv(K, BK), H, NC): one program per K-block, qk head and chunk slot,
-      looping the G value heads of the qk head and, per head, the V-blocks: dM = dO U^T (U = X' + Ts X'
-      from the X'^T scratch) and the state product dO S^T, straight into the dq accumulator; then Pm,
+      looping the G value heads of the qk head and, per head, the V-blocks: dM = dO U^T (U from the U^T
+      scratch) and the state product dO S^T, straight into the dq accumulator; then Pm,
       its dgam terms, and P = sum_g Pm_g (+ its diagonal) for ONE product P K^ for the group. Writes dq
       (input dtype; fp32 pre-l2norm values with l2norm), P [NC, H, C, C] fp32 for the dk kernel, and
       per value head its dg share to partial slot i_k (dq has no dbeta share).
@@ -52,8 +52,8 @@ Deterministic: no atomics; every scratch element has one writer; every sum runs 
 
 Numerics: every tensor-core dot takes its operands in the input dtype with fp32 accumulation (fp32
 inputs: every fp32-operand dot at configs.dot_precision, tf32). Rounded to the input dtype only as dot
-operands: dS^T, dU^T, dX'^T scaled by its gate (dstate); U, dX', dSn^T (dq / dk: dX' and dSn^T are
-stored in the input dtype, as those kernels' dots take them; dSn^T also enters the row dot <S, dSn>
+operands: dS^T, dU^T, dX'^T scaled by its gate (dstate); U, dX', dSn^T (dq / dk: U, dX' and dSn^T
+are stored in the input dtype, as those kernels' dots take them, U as the forward's output dot took it; dSn^T also enters the row dot <S, dSn>
 of dg, whose S^T is in the input dtype already); S^T is stored by the forward's state pass in the
 input dtype, exactly as its dots used it.
 fp32 values that must enter a bf16/fp16 dot at better than input precision enter it as two operands,
@@ -187,8 +187,8 @@ def _rowdot(a, b):
 
 @triton.jit
 def _xt(p, p_slot, i_v, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr):
-    """V-block i_v of chunk slot p_slot of a [NC, HV, V, C] scratch (X'^T or dX'^T, input dtype) as its
-    transpose [C, BV] (X' or dX'), 0 past V."""
+    """V-block i_v of chunk slot p_slot of a [NC, HV, V, C] scratch (U^T or dX'^T, input dtype) as its
+    transpose [C, BV] (U or dX'), 0 past V."""
     o_v = i_v + tl.arange(0, BV)
     return tl.load(p + p_slot * (V * C) + o_v[None, :] * C + tl.arange(0, C)[:, None],
                    mask=(o_v < V)[None, :], other=0.)
@@ -280,7 +280,7 @@ def _kblock(table, i_k, i_qh, j, H: tl.constexpr, K: tl.constexpr, C: tl.constex
 
 
 @triton.jit
-def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ts, xp, st, dq, pm, dg_part, table, scale, T,
+def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, up, st, dq, pm, dg_part, table, scale, T,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """rq dQ^ of K-block i_k, qk head i_qh, chunk slot j, the group's value heads g summed:
@@ -311,14 +311,12 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ts, xp, st, dq, pm, dg_part, tab
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
         p_slot = j * HV + i_h
-        b_ts = tl.load(ts + p_slot * (C * C) + block_offsets(C, C))
         b_g2 = _gate_row(gates, j, i_h, HV, 2, C)                       # scale eg rq
         b_dM = tl.zeros([C, C], dtype=tl.float32)                     # dO U^T
         b_dgam = tl.zeros([C], dtype=tl.float32)                      # (scale eg rq) q.(dO S^T)
         p_cv = start * (HV * V) + i_h * V
         for i_v in range(0, V, BV):
-            b_x = _xt(xp, p_slot, i_v, V, C, BV)
-            b_u = tl.dot(b_ts, b_x, b_x.to(tl.float32)).to(b_x.dtype)     # U = X' + Ts X'
+            b_u = _xt(up, p_slot, i_v, V, C, BV)                            # U
             m_v = i_v + tl.arange(0, BV) < V
             b_do = tl.load(do + (p_cv + i_v) + o_cv, mask=m_c[:, None] & m_v[None, :], other=0.)
             b_s = _vk_block(st, p_slot * (V * K), i_v, i_k * BK, V, K, BV, BK)   # S^T
@@ -343,7 +341,7 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ts, xp, st, dq, pm, dg_part, tab
 
 
 @triton.jit
-def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ts, xp, st, dsn, dxp, pm, dk, g, dg_part, dbeta_part,
+def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, up, st, dsn, dxp, pm, dk, g, dg_part, dbeta_part,
                         table, T, slot0, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """rk dK^ of K-block i_k, qk head i_qh, chunk slot j, the group's value heads g summed:
@@ -369,7 +367,6 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ts, xp, st, dsn, dxp, pm, d
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
         p_slot = j * HV + i_h
-        b_ts = tl.load(ts + p_slot * (C * C) + block_offsets(C, C))
         b_g3 = _gate_row(gates, j, i_h, HV, 3, C)                       # w rk
         b_g4 = _gate_row(gates, j, i_h, HV, 4, C)                       # beta eg rk
         b_dA = tl.zeros([C, C], dtype=tl.float32)                     # dX' U^T (= -dA)
@@ -380,8 +377,7 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ts, xp, st, dsn, dxp, pm, d
         p_cv = start * (HV * V) + i_h * V
         p_vk = p_slot * (V * K)
         for i_v in range(0, V, BV):
-            b_x = _xt(xp, p_slot, i_v, V, C, BV)
-            b_u = tl.dot(b_ts, b_x, b_x.to(tl.float32)).to(b_x.dtype)     # U = X' + Ts X'
+            b_u = _xt(up, p_slot, i_v, V, C, BV)                            # U
             b_dx = _xt(dxp, p_slot, i_v, V, C, BV)                          # dX'
             b_v = tl.load(v + (p_cv + i_v) + o_cv, mask=m_c[:, None] & (i_v + tl.arange(0, BV) < V)[None, :],
                           other=0.)

@@ -30,8 +30,10 @@ Kernels (`b_` = a block in registers):
           O^T  = (scale e^gam rq) S^T Q^T + U^T M^T,  S^T <- e^gam_last S^T + ((w rk) U^T) K
       (five dots per chunk). It writes o (every real row; zeros on the padding rows after the
       sequence, program n = 0 also before the first) and the final state. STORE_STATES (the
-      backward's recompute): instead it writes S^T entering each chunk, [NC, HV, V, K], and X'^T,
-      [NC, HV, V, C], both as the dots use them: in the input dtype (fp32 for fp32 inputs).
+      backward's recompute): instead it writes S^T entering each chunk, [NC, HV, V, K], as the dots
+      use it, and U^T = X'^T (I + Ts)^T of the rounded X' (one more C x C dot: the dq / dk kernels'
+      U, with which dg's cancelling terms stay consistent; U from the fp32 X' measured dg at 1.3x
+      FLA's error), [NC, HV, V, C], both in the input dtype (fp32 for fp32 inputs).
       Segments (launched by chunk.py's chunk_fwd_state when configs.state_segments > 1): the chunk
       step is affine, S^T <- S^T P + E^T with the K x K transition
       P = e^gam_last I - K^T diag(beta e^gam rk) (I + Ts)^T diag(w rk) K. Grid axis 2 is then
@@ -166,7 +168,7 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scal
 
 
 @triton.jit(do_not_specialize=["T_rows", "segments"])
-def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0, o, ht, s_out, x_out,
+def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0, o, ht, s_out, u_out,
                            ends, T_rows, segments, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                            HAS_H0: tl.constexpr, STORE_STATES: tl.constexpr, PROPAGATE: tl.constexpr,
@@ -229,10 +231,11 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
         b_kst = tl.dot(b_st_in, tl.trans(b_k))                      # (K S)^T   [BV, C]
         b_xt = g_beta[None, :] * (b_vt.to(tl.float32) - g_egk[None, :] * b_kst)    # X'^T      [BV, C]
         b_xt_in = b_xt.to(dt)
-        b_ut = tl.dot(b_xt_in, tl.trans(tl.load(ts + base * (C * C) + cc)), b_xt)    # U^T = X'^T (I + Ts)^T
-        if STORE_STATES:
-            tl.store(x_out + base * (V * C) + (cv[:, None] * C + rc[None, :]), b_xt_in,
-                     mask=vmask[:, None])
+        b_ts = tl.load(ts + base * (C * C) + cc)
+        b_ut = tl.dot(b_xt_in, tl.trans(b_ts), b_xt)    # U^T = X'^T (I + Ts)^T
+        if STORE_STATES:    # the backward's U^T: X'^T (I + Ts)^T of the rounded X', in the input dtype
+            tl.store(u_out + base * (V * C) + (cv[:, None] * C + rc[None, :]),
+                     tl.dot(b_xt_in, tl.trans(b_ts), b_xt_in.to(tl.float32)).to(dt), mask=vmask[:, None])
         elif not PROPAGATE:
             b_q = tl.load(q + start * (H * K) + h * K + qk_off, mask=qk_mask, other=0.0)
             g_cq = tl.load(p_g + 2 * C)

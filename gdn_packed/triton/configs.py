@@ -46,14 +46,19 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     two) in fp32 registers. bf16/fp16 with K <= 128: BV = 64 (the wgmma M of one warpgroup, so the S^T
     products take the state from registers), smaller only when V is, 4 warps. K > 128 or fp32 inputs (a
     [64, K] fp32 state with tf32 operands does not fit next to the tiles): BV = 16 at 8 warps; fp32 with
-    K > 128: BV = 8 (tf32's inner dimension; 16 spills 256-456 B on sm_90, 8 still 24 B). 2 stages
-    (the next chunk's tiles copied while this one computes) when two fit in shared memory, else 1; one
-    stage holds q, k [C, BK], v [C, BV] and Ts, M [C, C] in the input dtype. The STORE_STATES variant
-    at BV = 64 (the backward's recompute) runs 1 stage: its stores of S^T and X'^T need the registers
-    (sm_90, K = V = 128, 4 warps: 2 stages spill 72 B; 1 stage 244-250 registers, 2 CTAs per SM)."""
+    K > 128: BV = 8 (tf32's inner dimension; 16 spills 256-456 B on sm_90, 8 still 24-80 B by variant:
+    tests/test_sm90_aot.py's known_spills). 2 stages (the next chunk's tiles
+    copied while this one computes) when two fit in shared memory, else 1; one stage holds q, k [C, BK],
+    v [C, BV] and Ts, M [C, C] in the input dtype.
+    The STORE_STATES variant (the backward's recompute; store_states) with V >= 128: BV = 128 at 8 warps,
+    1 stage, each warpgroup one 64-row half of S^T (the same registers per thread as BV = 64 at 4
+    warps), so k and Ts are read once per value head and segment instead of once per 64-row V-block
+    (1 CTA of 8 warps per SM: the warps per SM of two 4-warp CTAs)."""
     BK = pow2(K)
     narrow = dtype == torch.float32 or BK > 128
     BV = 8 if dtype == torch.float32 and BK > 128 else max(16, min(16 if narrow else 64, pow2(V)))
+    if store_states and BV == 64 and pow2(V) >= 128:
+        return dict(BK=BK, BV=128, RELOAD_K=False, num_warps=8, num_stages=1)
     esize = torch.finfo(dtype).bits // 8
     stage_kb = (2 * CHUNK * BK + CHUNK * BV + 2 * CHUNK * CHUNK) * esize / 1024
     return dict(BK=BK, BV=BV, RELOAD_K=esize == 4 and BK > 128,
@@ -63,10 +68,11 @@ def state_config(K, V, dtype, smem=227, store_states=False):
 
 def bwd_configs(K, V, dtype):
     """Block sizes and warps of the backward kernels (gdn_packed/triton/chunk_bwd.py), one config each:
-    - dstate: the whole K (padded to a power of two) x BV = 64 (wgmma M = 64 with dS^T as the register
-      A operand; at 1 x 32768, HV = 32, V = 128: 64 programs per segment, S = 3), 4 warps; fp32 inputs or
-      K > 128 (as the forward's state pass): BV = 16 at 8 warps; fp32 with K > 128: BV = 8 (16 spills
-      64 B on sm_90).
+    - dstate: the whole K (padded to a power of two) x BV = 128 at 8 warps when V >= 128 (each
+      warpgroup one 64-row half of dS^T, the register A operand of its wgmma: q, k, dO, M, Ts read once
+      per value head and segment; at 1 x 32768, HV = 32, V = 128: 32 programs per segment, S = 3),
+      BV = 64 at 4 warps when V = 64, smaller when V is; fp32 inputs or K > 128 (as the forward's
+      state pass): BV = 16 at 8 warps; fp32 with K > 128: BV = 8 (16 spills 64 B on sm_90).
     - dq, dk (chunk_bwd_dq_kernel, chunk_bwd_dk_kernel; per K-block, qk head and chunk, the C x C part
       and the state products of one gradient): 8 warps, the widest K-block without register spills on
       sm_90 (tests/test_sm90_aot.py, every variant): dq K-blocks of 128 and V-blocks of 16 (32
@@ -79,8 +85,8 @@ def bwd_configs(K, V, dtype):
     fp32 = dtype == torch.float32
     narrow = fp32 or pow2(K) > 128
     return dict(
-        dstate=dict(BK=pow2(K), BV=min(8 if fp32 and pow2(K) > 128 else 16 if narrow else 64, pow2(V)),
-                    num_warps=8 if narrow else 4, num_stages=1),
+        dstate=dict(BK=pow2(K), BV=min(8 if fp32 and pow2(K) > 128 else 16 if narrow else 128, pow2(V)),
+                    num_warps=8 if narrow or pow2(V) >= 128 else 4, num_stages=1),
         dq=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=8 if fp32 else 16, PREC=dot_precision(dtype),
                 num_warps=8, num_stages=1),
         dk=dict(BK=min(64 if fp32 else 128 if pow2(V) >= 32 else 32, pow2(K)),
