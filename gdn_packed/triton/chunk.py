@@ -193,7 +193,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     f32 = dict(dtype=torch.float32, device=dev)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     prep = gates, eg_last, rn, ts, mm = chunk_fwd_prep(q, k, g, beta, table, HV, scale, l2)
-    # S^T entering each chunk and U^T, as the forward's dots used them; slots outside every
+    # S^T entering each chunk (as the forward's dots used it) and U^T; slots outside every
     # sequence are never written here and never read (the dq / dk kernels exit on empty slots)
     st = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
     up = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)

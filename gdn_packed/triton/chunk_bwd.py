@@ -24,8 +24,8 @@ and in parallel, with dM = dO U^T, dA = -dX' U^T, Pm = scale dM E (j <= i), DA =
 
 Launches (grids depend only on T, N and the shapes; unused chunk slots exit at once; fastest grid axis
 first):
-  forward prep and state pass (STORE_STATES: S^T at chunk start
-      [NC, HV, V, K] and U^T [NC, HV, V, C], in the input dtype as the forward's dots used them);
+  forward prep and state pass (STORE_STATES: S^T at chunk start [NC, HV, V, K], as the forward's dots
+      used it, and U^T [NC, HV, V, C], U = X' + Ts X' of the rounded X', both in the input dtype);
       launched by gdn_packed/triton/chunk.py, chunk_gdr_bwd_triton
   chunk_bwd_dstate_kernel  grid (cdiv(V, BV), HV, N S): the reverse sequential pass per sequence (or
       segment of S, chunk.py's chunk_bwd_dstate: dS is affine in the dS entering from the right,
@@ -53,8 +53,9 @@ Deterministic: no atomics; every scratch element has one writer; every sum runs 
 Numerics: every tensor-core dot takes its operands in the input dtype with fp32 accumulation (fp32
 inputs: every fp32-operand dot at configs.dot_precision, tf32). Rounded to the input dtype only as dot
 operands: dS^T, dU^T, dX'^T scaled by its gate (dstate); U, dX', dSn^T (dq / dk: U, dX' and dSn^T
-are stored in the input dtype, as those kernels' dots take them, U as the forward's output dot took it; dSn^T also enters the row dot <S, dSn>
-of dg, whose S^T is in the input dtype already); S^T is stored by the forward's state pass in the
+are stored in the input dtype, as those kernels' dots take them; U formed from the rounded X', which
+keeps dg's cancelling terms consistent; dSn^T also enters the row dot <S, dSn> of dg, whose S^T is in
+the input dtype already); S^T is stored by the forward's state pass in the
 input dtype, exactly as its dots used it.
 fp32 values that must enter a bf16/fp16 dot at better than input precision enter it as two operands,
 the rounded value and its rounding error (relative error ~2^-16): the gated dO^T of the dS update
