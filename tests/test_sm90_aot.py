@@ -9,8 +9,8 @@ a subprocess without TRITON_INTERPRET, which replaces @triton.jit with something
 Cases (cases()): the full sweep (GDN_PACKED_AOT=full, `make test-aot`) is every variant (l2norm,
 initial state, final-state gradient dht, gates from raw a/b: all 16 combinations) in bf16, fp16 and
 fp32 at K = V = 128; the default and the all-on variant at K = V in {16, 64, 256}; the all-on variant
-at (K, V) = (16, 256), (256, 16), (64, 128): every block/warp/stage config the dispatcher picks for
-head sizes 16 to 256, about 250 distinct kernels (~10 minutes cold on 2 cores). `make test` runs a
+at (K, V) = (16, 256), (256, 16), (64, 128), and in fp32 at (192, 64) (a K > 128 that is not a power of
+two: masked state columns): every block/warp/stage config the dispatcher picks for head sizes 16 to 256, about 250 distinct kernels (~10 minutes cold on 2 cores). `make test` runs a
 subset that still reaches every config (see cases()). Asserted per case: every kernel compiles,
 shared memory <= 227 KB, no register spills, warpgroup MMA (HGMMA) in the bf16/fp16 kernels of the
 K = V = 128 path; and the fp32 kernels' dots use the input precision that the launcher declares."""
@@ -30,6 +30,7 @@ HOT = (2, 128, 16, 32)          # N, L, H, HV: head counts only change index con
 LONG = (1, 4096, 2, 4)          # few long sequences: the segmented state passes (configs.state_segments)
 SQUARE = (16, 64, 256)                   # K = V, default and all-on variants (128: every variant)
 MIXED = [(16, 256), (256, 16), (64, 128)]  # K != V, all-on variant
+ODD_K = [(192, 64)]                        # K > 128 not a power of two (masked state columns), fp32, all-on
 
 
 def _case_id(dt, K, V, flags):
@@ -49,6 +50,7 @@ def cases(full=None):
     out = [(dt, 128, 128, fl) for dt in DTYPES for fl in (every if full or dt == "bf16" else plain_on)]
     out += [(dt, K, K, fl) for dt in DTYPES for K in SQUARE for fl in (plain_on if full else plain_on[1:])]
     out += [(dt, K, V, (True,) * 4) for dt in (DTYPES if full else ("bf16",)) for K, V in MIXED]
+    out += [("fp32", K, V, (True,) * 4) for K, V in ODD_K]
     return out
 
 
@@ -114,11 +116,11 @@ TITLE = "AOT sm_90: every launch of every variant (triton.compile + cuobjdump)"
 
 def known_spills(dt, K, V, flags):
     """The variants that still spill on sm_90 (2026-12-03, triton 3.9; bench/NOTES.md): fp32 inputs with
-    K > 128, whose [8, K] fp32 state blocks with the [C, K] fp32 tiles of k, q as register operands do
-    not fit: the forward state pass (24 B) and, at K = 192, dstate (8 B). Expected failures, not
-    strict: which of them spill depends on the Triton version, so a pass shows as XPASS in the summary.
-    (Down from 256, 64 and 56 B with state and dstate blocks of 16 rows and finalize's whole-row tiles.)"""
-    return dt == "fp32" and K > 128
+    a K > 128 that is not a power of two (192: the upper half of the [8, 256] fp32 state block masked),
+    the forward state pass with h0 or at V = 64 (8 B) and dstate with dht at V = 64 (8 B). Expected
+    failures, not strict: which of them spill depends on the Triton version, so a pass shows as XPASS.
+    (fp32 with K = 256 spilled 24-80 B in the state pass until its K-products ran over the halves of K.)"""
+    return dt == "fp32" and K > 128 and K & (K - 1) != 0
 
 
 def _variant_param(c):

@@ -163,8 +163,9 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
                          do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None):
     """Backward of backend="triton" on flattened rows: writes every row of dq, dk [T, H, K], dv [T, HV, V],
     dg, dbeta [T, HV] (0 on padding rows) and dh0 [N, HV, K, V] fp32. The op saves the inputs and
-    `kept` (the states entering the forward's segments, when it ran in segments), so the forward's prep and state pass (STORE_STATES) run again, then the
-    backward kernels of chunk_bwd.py. Grids depend only on T, N, the chunk slots and the shapes.
+    `kept` (the states entering the forward's segments, when it ran in segments), so the forward's prep
+    and state pass (STORE_STATES) run again, then the backward kernels of chunk_bwd.py. Grids depend
+    only on T, N, the chunk slots and the shapes.
 
     Scratch per token x value head (K = V = 128, bf16, G = HV // H = 2): S^T 512 B and U^T 256 B in
     the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 512 B and

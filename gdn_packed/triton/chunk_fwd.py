@@ -28,7 +28,8 @@ Kernels (`b_` = a block in registers):
       registers, so every state product takes S^T as the register operand of the tensor-core dot:
           KS^T = S^T K^T, X'^T = beta (V^T - (e^gam rk) KS^T), U^T = X'^T + X'^T Ts^T,
           O^T  = (scale e^gam rq) S^T Q^T + U^T M^T,  S^T <- e^gam_last S^T + ((w rk) U^T) K
-      (five dots per chunk). It writes o (every real row; zeros on the padding rows after the
+      (five dots per chunk; fp32 with K > 128, SPLIT_K: the products with k and q over the two halves
+      of K, _split_dot_t / _split_dot). It writes o (every real row; zeros on the padding rows after the
       sequence, program n = 0 also before the first) and the final state. STORE_STATES (the
       backward's recompute): instead it writes S^T entering each chunk, [NC, HV, V, K], as the dots
       use it, and U^T = X'^T (I + Ts)^T of the rounded X' (one more C x C dot: the dq / dk kernels'
@@ -164,7 +165,45 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scal
         tl.store(eg_last + base, tl.exp(tot))
         tl.store(rn + base * (2 * C) + rc, rq)
         tl.store(rn + base * (2 * C) + C + rc, rk)
-        tl.store(ts + base * (C * C) + rc[:, None] * C + rc[None, :], tl.where(eye, 0.0, t).to(ts.dtype.element_ty))
+        tl.store(ts + base * (C * C) + rc[:, None] * C + rc[None, :],
+                 tl.where(eye, 0.0, t).to(ts.dtype.element_ty))
+
+
+@triton.jit
+def _halves(x, BK: tl.constexpr):
+    """The column halves [M, BK / 2] of x [M, BK]."""
+    return tl.split(tl.permute(tl.reshape(x, [x.shape[0], 2, BK // 2]), (0, 2, 1)))
+
+
+@triton.jit
+def _half_tiles(p, o_r, m_r, K: tl.constexpr, BK: tl.constexpr):
+    """The two column halves [C, BK / 2] of the [C, BK] tile at p + o_r[:, None] + column (rows where m_r,
+    columns < K; 0 elsewhere), BK / 2 < K: the first half has no masked column."""
+    HK: tl.constexpr = BK // 2
+    o_h = tl.arange(0, HK)
+    t0 = tl.load(p + o_r[:, None] + o_h[None, :], mask=m_r[:, None], other=0.0)
+    if K == BK:
+        t1 = tl.load(p + HK + o_r[:, None] + o_h[None, :], mask=m_r[:, None], other=0.0)
+    else:
+        t1 = tl.load(p + HK + o_r[:, None] + o_h[None, :], mask=m_r[:, None] & (o_h + HK < K)[None, :],
+                     other=0.0)
+    return t0, t1
+
+
+@triton.jit
+def _split_dot_t(a, p, o_r, m_r, K: tl.constexpr, BK: tl.constexpr):
+    """a [M, BK] times the transpose of the [C, BK] tile of _half_tiles, as two products over the halves
+    of BK: [M, C] fp32. (fp32 with K > 128: a whole [C, BK] fp32 tile as a register operand spills.)"""
+    a0, a1 = _halves(a, BK)
+    t0, t1 = _half_tiles(p, o_r, m_r, K, BK)
+    return tl.dot(a1, tl.trans(t1), tl.dot(a0, tl.trans(t0)))
+
+
+@triton.jit
+def _split_dot(a, p, o_r, m_r, K: tl.constexpr, BK: tl.constexpr):
+    """a [M, C] times the [C, BK] tile of _half_tiles, one half of BK at a time: [M, BK] fp32."""
+    t0, t1 = _half_tiles(p, o_r, m_r, K, BK)
+    return tl.reshape(tl.permute(tl.join(tl.dot(a, t0), tl.dot(a, t1)), (0, 2, 1)), [a.shape[0], BK])
 
 
 @triton.jit(do_not_specialize=["T_rows", "segments"])
@@ -172,7 +211,7 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
                            ends, T_rows, segments, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                            HAS_H0: tl.constexpr, STORE_STATES: tl.constexpr, PROPAGATE: tl.constexpr,
-                           RELOAD_K: tl.constexpr):
+                           SPLIT_K: tl.constexpr):
     iv = tl.program_id(0)
     hv = tl.program_id(1)
     # sequence n, segment s of `segments` (pass A: of the first segments - 1)
@@ -211,7 +250,8 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
         p_k = k + start * (H * K) + h * K
         qk_off = rc[:, None] * (H * K) + rk[None, :]
         qk_mask = live[:, None] & kmask[None, :]
-        b_k = tl.load(p_k + qk_off, mask=qk_mask, other=0.0)
+        if not SPLIT_K:
+            b_k = tl.load(p_k + qk_off, mask=qk_mask, other=0.0)
         p_v = start * (HV * V) + hv * V
         vt_off = rc[None, :] * (HV * V) + cv[:, None]
         vt_mask = vmask[:, None] & live[None, :]
@@ -228,7 +268,10 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
             else:
                 st_tile = cv[:, None] * K + rk[None, :]
             tl.store(s_out + base * (K * V) + st_tile, b_st_in, mask=st_mask)
-        b_kst = tl.dot(b_st_in, tl.trans(b_k))                      # (K S)^T   [BV, C]
+        if SPLIT_K:
+            b_kst = _split_dot_t(b_st_in, p_k, rc * (H * K), live, K, BK)
+        else:
+            b_kst = tl.dot(b_st_in, tl.trans(b_k))                  # (K S)^T   [BV, C]
         b_xt = g_beta[None, :] * (b_vt.to(tl.float32) - g_egk[None, :] * b_kst)    # X'^T      [BV, C]
         b_xt_in = b_xt.to(dt)
         b_ts = tl.load(ts + base * (C * C) + cc)
@@ -237,14 +280,20 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
             tl.store(u_out + base * (V * C) + (cv[:, None] * C + rc[None, :]),
                      tl.dot(b_xt_in, tl.trans(b_ts), b_xt_in.to(tl.float32)).to(dt), mask=vmask[:, None])
         elif not PROPAGATE:
-            b_q = tl.load(q + start * (H * K) + h * K + qk_off, mask=qk_mask, other=0.0)
             g_cq = tl.load(p_g + 2 * C)
-            b_ot = tl.dot(b_st_in, tl.trans(b_q)) * g_cq[None, :]   # (Q S)^T scaled
+            if SPLIT_K:
+                b_ot = _split_dot_t(b_st_in, q + start * (H * K) + h * K, rc * (H * K), live, K, BK)
+            else:
+                b_ot = tl.dot(b_st_in, tl.trans(tl.load(q + start * (H * K) + h * K + qk_off, mask=qk_mask,
+                                                        other=0.0)))
+            b_ot = b_ot * g_cq[None, :]                             # (Q S)^T scaled
             b_ot = tl.dot(b_ut.to(dt), tl.trans(tl.load(mm + base * (C * C) + cc)), b_ot)   # + (M U)^T
             tl.store(o + p_v + vt_off, b_ot.to(o.dtype.element_ty), mask=vt_mask)
-        if RELOAD_K:    # (wide fp32 tiles: k read again, an L1/L2 hit, instead of kept live)
-            b_k = tl.load(p_k + qk_off, mask=qk_mask, other=0.0)
-        b_st = b_st * tl.load(eg_last + base) + tl.dot((b_ut * g_wk[None, :]).to(dt), b_k)
+        b_uw = (b_ut * g_wk[None, :]).to(dt)
+        if SPLIT_K:     # (k read again, an L1/L2 hit, half a tile at a time: fp32 with K > 128)
+            b_st = b_st * tl.load(eg_last + base) + _split_dot(b_uw, p_k, rc * (H * K), live, K, BK)
+        else:
+            b_st = b_st * tl.load(eg_last + base) + tl.dot(b_uw, b_k)
     if PROPAGATE:       # the segment's end rows: S^T from a zero entering state, then P^T
         sg = (tl.program_id(2) * HV + hv).to(tl.int64) * (R * K) + cv[:, None] * K + rk[None, :]
         tl.store(ends + sg, b_st, mask=(cv < R)[:, None] & kmask[None, :])

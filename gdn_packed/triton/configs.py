@@ -46,10 +46,11 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     two) in fp32 registers. bf16/fp16 with K <= 128: BV = 64 (the wgmma M of one warpgroup, so the S^T
     products take the state from registers), smaller only when V is, 4 warps. K > 128 or fp32 inputs (a
     [64, K] fp32 state with tf32 operands does not fit next to the tiles): BV = 16 at 8 warps; fp32 with
-    K > 128: BV = 8 (tf32's inner dimension; 16 spills 256-456 B on sm_90, 8 still 24-80 B by variant:
-    tests/test_sm90_aot.py's known_spills). 2 stages (the next chunk's tiles
-    copied while this one computes) when two fit in shared memory, else 1; one stage holds q, k [C, BK],
-    v [C, BV] and Ts, M [C, C] in the input dtype.
+    K > 128: BV = 8 (tf32's inner dimension) and SPLIT_K, the K-products over the two halves of K, each
+    half's [C, BK / 2] fp32 tile loaded for its product (whole [C, 256] fp32 tiles as register operands
+    spilled 24-80 B by variant on sm_90; split: 0 at K = 256, 8 B left at K = 192: tests/test_sm90_aot.py's
+    known_spills). 2 stages (the next chunk's tiles copied while this one computes) when two fit in
+    shared memory, else 1; one stage holds q, k [C, BK], v [C, BV] and Ts, M [C, C] in the input dtype.
     The STORE_STATES variant (the backward's recompute; store_states) with V >= 128: BV = 128 at 8 warps,
     1 stage, each warpgroup one 64-row half of S^T (the same registers per thread as BV = 64 at 4
     warps), so k and Ts are read once per value head and segment instead of once per 64-row V-block
@@ -58,10 +59,10 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     narrow = dtype == torch.float32 or BK > 128
     BV = 8 if dtype == torch.float32 and BK > 128 else max(16, min(16 if narrow else 64, pow2(V)))
     if store_states and BV == 64 and pow2(V) >= 128:
-        return dict(BK=BK, BV=128, RELOAD_K=False, num_warps=8, num_stages=1)
+        return dict(BK=BK, BV=128, SPLIT_K=False, num_warps=8, num_stages=1)
     esize = torch.finfo(dtype).bits // 8
     stage_kb = (2 * CHUNK * BK + CHUNK * BV + 2 * CHUNK * CHUNK) * esize / 1024
-    return dict(BK=BK, BV=BV, RELOAD_K=esize == 4 and BK > 128,
+    return dict(BK=BK, BV=BV, SPLIT_K=esize == 4 and BK > 128,
                 num_warps=8 if narrow else 4,
                 num_stages=2 if 2 * stage_kb + 16 <= smem and not (store_states and BV == 64) else 1)
 
