@@ -140,15 +140,15 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scal
     strict = rc[:, None] > rc[None, :]
     causal = rc[:, None] >= rc[None, :]
     eye = rc[:, None] == rc[None, :]
+    o_cc = block_offsets(C, C)                  # a [C, C] tile of a value head's Ts / M
     kk = (rk[:, None] * kk) * rk[None, :]
     qk = ((scale * rq)[:, None] * qk) * rk[None, :]
 
     G: tl.constexpr = HV // H
     for i_g in range(0, G):     # M per value head first, so Q K^T is dead before the inverses
         hv = h * G + i_g
-        cc = (j * HV + hv) * (C * C) + rc[:, None] * C + rc[None, :]
-        tl.store(mm + cc, tl.where(causal, qk * segment_decay(g, rows, length, HV, hv, C), 0.0)
-                 .to(mm.dtype.element_ty))
+        m = tl.where(causal, qk * segment_decay(g, rows, length, HV, hv, C), 0.0)
+        tl.store(mm + (j * HV + hv) * (C * C) + o_cc, m.to(mm.dtype.element_ty))
     for i_g in range(0, G):
         hv = h * G + i_g
         gam, suf, tot, dec = chunk_gate_sums(g, rows, length, HV, hv, C)
@@ -165,8 +165,7 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scal
         tl.store(eg_last + base, tl.exp(tot))
         tl.store(rn + base * (2 * C) + rc, rq)
         tl.store(rn + base * (2 * C) + C + rc, rk)
-        tl.store(ts + base * (C * C) + rc[:, None] * C + rc[None, :],
-                 tl.where(eye, 0.0, t).to(ts.dtype.element_ty))
+        tl.store(ts + base * (C * C) + o_cc, tl.where(eye, 0.0, t).to(ts.dtype.element_ty))
 
 
 @triton.jit

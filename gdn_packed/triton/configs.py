@@ -81,7 +81,7 @@ def bwd_configs(K, V, dtype):
       (V-blocks of 16 with K-blocks of 64 or more spill 64-160 B there), V-blocks of 16 when K <= 64
       (32 spills 8 B at K = V = 64); fp32 inputs: K-blocks of 64 and V-blocks of 8 (tf32's
       inner dimension) for both (V-blocks of 16 spill from K-blocks of 32 on). Every K-block reads the
-      V-blocks again (dO, X', dX', S^T, dSn^T).
+      V-blocks again (dO, U, dX', S^T, dSn^T).
     - finalize: K-blocks of 64 (the l2norm backward's row dot, then its rows), 4 warps (no dots)."""
     fp32 = dtype == torch.float32
     narrow = fp32 or pow2(K) > 128
