@@ -297,11 +297,14 @@ def sass_loop(ins):
     (HGMMA: warpgroup MMA; HMMA: a warp's mma.sync, what Triton emits with fewer than 4 warps), inner
     loops counted once: HGMMA, HMMA, instructions (NOPs left out), wgmma waits, CTA barriers, conversions
     to bf16/fp16 (F2FP), and mma_cycles, the tensor-pipe issue cycles of those MMAs (HGMMA 64xNxk: N/2;
-    HMMA m16n8k16: 8, m16n8k8: 4). {} when no loop holds one."""
+    HMMA m16n8k16: 8, m16n8k8: 4). {} when no loop holds one. A backward branch placed after the
+    kernel's last EXIT is not a loop: it returns from an out-of-line slow path (ptxas moves an mbarrier
+    try-wait's retry, e.g. of a TMA load, to the end of the kernel) to the instruction after the wait."""
     best = None
+    last_exit = max((a for a, op, _ in ins if op == "EXIT"), default=math.inf)
     for a, op, rest in ins:
         m = re.match(r"(0x[0-9a-f]+)", rest)
-        if op == "BRA" and m and int(m.group(1), 16) < a:
+        if op == "BRA" and m and int(m.group(1), 16) < a < last_exit:
             lo = int(m.group(1), 16)
             body = [o for x, o, _ in ins if lo <= x <= a]
             if any(o.startswith(("HGMMA", "HMMA")) for o in body) and (best is None or a - lo > best[0]):

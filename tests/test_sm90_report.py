@@ -126,6 +126,16 @@ def test_sass_loop_counts_one_iteration():
     assert loop == dict(hgmma=2, hmma=0, mma_cycles=16 + 32, instr=6, waits=1, bars=1, f2fp=1)
 
 
+def test_sass_loop_skips_out_of_line_waits():
+    # a try-wait retry stub after the last EXIT branches back into the loop: not the loop itself
+    sass = SASS.replace("        /*0080*/                   EXIT ;", """        /*0080*/                   EXIT ;
+        /*0090*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R5+URZ], R4 ;
+        /*00a0*/              @!P0 BRA 0x90 ;
+        /*00b0*/                   BRA 0x20 ;""")
+    loop = sm90.sass_loop(sm90.sass_instructions(sass))
+    assert loop == dict(hgmma=2, hmma=0, mma_cycles=16 + 32, instr=6, waits=1, bars=1, f2fp=1)
+
+
 def test_sass_loop_of_mma_sync_kernels():
     sass = SASS.replace("HGMMA.64x32x16.F32.BF16", "HMMA.16816.F32.BF16").replace("HGMMA.64x64x16.F32.BF16",
                                                                                   "HMMA.16816.F32.BF16")
