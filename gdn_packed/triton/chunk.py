@@ -171,9 +171,9 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 512 B and
     dX'^T 256 B in the input dtype (dstate); the group's summed Pm for the dk kernel, 256 B fp32 per
     token x qk head (128 B at G = 2); dg / dbeta partials 8 B per K-block of the dq and of the dk
-    kernel (16 B at one K-block each; dq's dbeta slots allocated, never touched): ~2.0 kB (it was ~2.8 kB with per-value-head fp32 dq, dk shares
-    of the C x C part); with l2norm the fp32 dq, dk before the l2norm backward (1 kB per token x qk
-    head); with segments, (V + K) K + K V floats per
+    kernel (16 B at one K-block each; dq's dbeta slots allocated, never touched): ~2.0 kB (it was
+    ~2.8 kB with per-value-head fp32 dq, dk shares of the C x C part); with l2norm the fp32 dq, dk
+    before the l2norm backward (1 kB per token x qk head); with segments, (V + K) K + K V floats per
     segment and value head (the boundary rows)."""
     _check_chunk(C)
     T, H, K = q.shape
