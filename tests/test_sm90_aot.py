@@ -4,14 +4,16 @@
 The launches are not listed here: bench/sm90.py runs the op bodies (backend="triton") on meta tensors
 with JITFunction.run recording each launch (kernel, signature, constexprs, options, grid) instead of
 running it, for every case below at two shapes (HOT: many programs, every sequence one pass; LONG: few
-long sequences, the segmented passes with their pass A and combine kernels), and compiles each distinct launch with triton.compile for sm_90 (in
-a subprocess without TRITON_INTERPRET, which replaces @triton.jit with something AOT cannot compile).
+long sequences, the segmented passes with their pass A and combine kernels), and compiles each
+distinct launch with triton.compile for sm_90 (in a subprocess without TRITON_INTERPRET, which
+replaces @triton.jit with something AOT cannot compile).
 Cases (cases()): the full sweep (GDN_PACKED_AOT=full, `make test-aot`) is every variant (l2norm,
 initial state, final-state gradient dht, gates from raw a/b: all 16 combinations) in bf16, fp16 and
 fp32 at K = V = 128; the default and the all-on variant at K = V in {16, 64, 256}; the all-on variant
 at (K, V) = (16, 256), (256, 16), (64, 128), and in fp32 at (192, 64) (a K > 128 that is not a power of
-two: masked state columns): every block/warp/stage config the dispatcher picks for head sizes 16 to 256, about 250 distinct kernels (~10 minutes cold on 2 cores). `make test` runs a
-subset that still reaches every config (see cases()). Asserted per case: every kernel compiles,
+two: masked state columns): every block/warp/stage config the dispatcher picks for head sizes 16
+to 256, about 250 distinct kernels (~10 minutes cold on 2 cores). `make test` runs a subset that
+still reaches every config (see cases()). Asserted per case: every kernel compiles,
 shared memory <= 227 KB, no register spills, warpgroup MMA (HGMMA) in the bf16/fp16 kernels of the
 K = V = 128 path; and the fp32 kernels' dots use the input precision that the launcher declares."""
 import functools

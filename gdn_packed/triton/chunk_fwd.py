@@ -259,7 +259,7 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
         g_beta = tl.load(p_g)
         g_egk = tl.load(p_g + C)
         g_wk = tl.load(p_g + 3 * C)
-        cc = block_offsets(C, C)
+        cc = rc[:, None] * C + rc[None, :]
         b_st_in = b_st.to(dt)
         if STORE_STATES:     # the state as the dots below use it (rounded to the input dtype)
             if K == BK:     # the block's rows are contiguous: offsets from one arange (fewer registers)
