@@ -20,7 +20,9 @@ Guards
     no_host_sync(): raises on any read-back of a tensor to the host inside (CPU stand-in for CUDA's
     sync debug mode).
 """
+import threading
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import NamedTuple
 
 import torch
@@ -232,26 +234,42 @@ def reference_gdr(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
     return torch.cat(pieces, dim=1), final
 
 
+_SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+_trapped = ContextVar("gdn_packed_no_host_sync", default=False)
+_traps = {"users": 0, "saved": {}, "lock": threading.Lock()}
+
+
+def _trap(name, original):
+    def f(self, *a, **kw):
+        if _trapped.get():
+            raise AssertionError(f"host sync: Tensor.{name}() called on the hot path")
+        return original(self, *a, **kw)
+    return f
+
+
 @contextmanager
 def no_host_sync():
     """Raise if the code inside reads a tensor's values back to the host (.item(), .tolist(),
     .cpu(), .numpy(), bool()/int()/float() of a tensor): the CPU stand-in for
     torch.cuda.set_sync_debug_mode('error'). The ops run the schedule they use on CUDA tensors
     inside (gdn_packed.ops._common.device_schedule): on CPU tensors the torch backend otherwise
-    plans its loops from cu_seqlens read on the host, which costs nothing there."""
-    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-
-    def trap(name):
-        def f(self, *a, **kw):
-            raise AssertionError(f"host sync: Tensor.{name}() called on the hot path")
-        return f
+    plans its loops from cu_seqlens read on the host, which costs nothing there. Both belong to the
+    thread that enters the block: other threads read back and schedule as before."""
     from gdn_packed.ops._common import device_schedule
+    with _traps["lock"]:
+        if _traps["users"] == 0:
+            _traps["saved"] = {n: getattr(torch.Tensor, n) for n in _SYNC_METHODS}
+            for n, fn in _traps["saved"].items():
+                setattr(torch.Tensor, n, _trap(n, fn))
+        _traps["users"] += 1
+    token = _trapped.set(True)
     try:
-        for n in names:
-            setattr(torch.Tensor, n, trap(n))
         with device_schedule():
             yield
     finally:
-        for n, fn in saved.items():
-            setattr(torch.Tensor, n, fn)
+        _trapped.reset(token)
+        with _traps["lock"]:
+            _traps["users"] -= 1
+            if _traps["users"] == 0:
+                for n, fn in _traps["saved"].items():
+                    setattr(torch.Tensor, n, fn)

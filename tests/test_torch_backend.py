@@ -190,3 +190,115 @@ def test_backward_from_kept_matches_recompute():
         assert rel_err(a, b) <= 1e-6, name
     torch.library.opcheck(chunk_gdr_fwd, args + (None, None, True))
     torch.library.opcheck(chunk_gdr_bwd, bwd + (None, None, kept))
+
+
+# -- the schedule switch (issue 29): per thread, and a kept valid whichever schedule the backward runs
+
+SWITCH_CASE = dict(lengths=[0, 1, 63, 64, 65, 70, 5], gaps=[0, 2, 0, 1, 0, 3, 0], tail=2)
+
+
+def _switch_inputs():
+    cu, pad, rows = layout(**SWITCH_CASE)
+    q, k, v, g, beta, h0 = gdr_inputs(rows, 2, 4, 32, 16, N=7, initial_state=True, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    do, dht = torch.randn(1, rows, 4, 16, generator=gen), torch.randn(7, 4, 32, 16, generator=gen)
+    return (q, k, v, g, beta, h0), do, dht, cu, pad
+
+
+def _fwd_bwd(fwd_ctx, bwd_ctx):
+    """Forward of the torch backend under fwd_ctx, its backward under bwd_ctx: o, state and the six
+    input gradients."""
+    xs0, do, dht, cu, pad = _switch_inputs()
+    xs = [x.clone().requires_grad_() for x in xs0]
+    with poisoned_outputs():
+        with fwd_ctx():
+            o, fs = gdn_packed.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
+                                                      cu_seqlens=cu, cu_seqlens_padded=pad,
+                                                      use_qk_l2norm_in_kernel=True, backend="torch")
+        with bwd_ctx():
+            torch.autograd.backward([o, fs], [do, dht])
+    return [o.detach(), fs.detach()] + [x.grad for x in xs]
+
+
+@pytest.mark.parametrize("where", ["fwd-host-bwd-device", "fwd-device-bwd-host"])
+def test_schedule_switch_between_forward_and_backward(where):
+    """A forward on one schedule and its backward on the other (device_schedule entered or left
+    between them): the backward takes the forward's kept whichever schedule made it, matches the
+    float64 reference and gives the same bits when rerun."""
+    import contextlib
+    from gdn_packed.ops._common import device_schedule
+    host, device = contextlib.nullcontext, device_schedule
+    fwd, bwd = (host, device) if where == "fwd-host-bwd-device" else (device, host)
+    got = _fwd_bwd(fwd, bwd)
+    assert all(torch.equal(a, b) for a, b in zip(got, _fwd_bwd(fwd, bwd)))
+    xs, do, dht, cu, pad = _switch_inputs()
+    rs = [x.double().requires_grad_() for x in xs]
+    ro, rf = reference_gdr(*rs[:5], initial_state=rs[5], cu_seqlens=cu, cu_seqlens_padded=pad,
+                           use_qk_l2norm_in_kernel=True)
+    torch.autograd.backward([ro, rf], [do.double(), dht.double()])
+    for name, a, b in zip(("o", "state", "dq", "dk", "dv", "dg", "dbeta", "dh0"), got,
+                          [ro, rf] + [x.grad for x in rs]):
+        assert rel_err(a, b) <= 1e-5, name
+
+
+def test_device_schedule_is_per_thread_when_interleaved():
+    """Two threads entering and leaving device_schedule interleaved (A in, B in, A out, B out): each
+    sees its own switch, and once both have left no thread is left on the device schedule."""
+    import threading
+    from gdn_packed.ops._common import device_schedule, host_schedule
+    cpu = torch.device("cpu")
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen, errors = {}, []
+
+    def thread_a():
+        with device_schedule():
+            a_in.set()
+            b_in.wait(10)
+            seen["a-inside"] = host_schedule(cpu)
+        a_out.set()
+
+    def thread_b():
+        a_in.wait(10)
+        seen["b-before"] = host_schedule(cpu)
+        with device_schedule():
+            b_in.set()
+            a_out.wait(10)
+            seen["b-inside-after-a-left"] = host_schedule(cpu)
+        seen["b-after"] = host_schedule(cpu)
+
+    threads = [threading.Thread(target=f) for f in (thread_a, thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert seen == {"a-inside": False, "b-before": True, "b-inside-after-a-left": False, "b-after": True}
+    assert host_schedule(cpu)
+    after = []
+    t = threading.Thread(target=lambda: after.append(host_schedule(cpu)))
+    t.start()
+    t.join(30)
+    assert after == [True]
+
+
+def test_device_schedule_leaves_other_threads_alone():
+    """While one thread is inside device_schedule (and no_host_sync), another thread's forward and
+    backward run the host schedule: the same bits as with nobody inside, and host reads allowed."""
+    import contextlib
+    import threading
+    from gdn_packed.testing import no_host_sync
+    alone = _fwd_bwd(contextlib.nullcontext, contextlib.nullcontext)
+    got, errors = [], []
+
+    def other():
+        try:
+            got.extend(_fwd_bwd(contextlib.nullcontext, contextlib.nullcontext))
+        except Exception as e:          # reported below, with the main thread's switch off again
+            errors.append(e)
+
+    with no_host_sync():
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(120)
+    assert not errors, errors
+    assert len(got) == len(alone) and all(torch.equal(a, b) for a, b in zip(got, alone))

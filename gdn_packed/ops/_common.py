@@ -4,12 +4,14 @@ the Triton interpreter), "cuda" (csrc/ through gdn_packed._C). Which function im
 a backend is in the dispatch table, gdn_packed/ops/_dispatch.py."""
 import os
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
 BACKENDS = ("auto", "torch", "triton", "cuda")
 _poison = False
-_device_schedule = False
+# per thread (and asyncio task): a switch one thread holds never changes another's schedule
+_device_schedule = ContextVar("gdn_packed_device_schedule", default=False)
 
 
 @contextmanager
@@ -28,19 +30,19 @@ def host_schedule(device) -> bool:
     """Whether the torch backend may read index tensors (cu_seqlens, chunk tables) back to the host
     to plan its loops: on CPU tensors that costs nothing (there is no device to wait for); on any
     other device, or inside `device_schedule()`, loops run to static bounds with no read-back."""
-    return device.type == "cpu" and not _device_schedule
+    return device.type == "cpu" and not _device_schedule.get()
 
 
 @contextmanager
 def device_schedule():
     """Within this block the torch backend runs CPU tensors with the schedule it uses on CUDA
-    tensors (static loop bounds, no host read-back), so tests can check that schedule on a CPU."""
-    global _device_schedule
-    old, _device_schedule = _device_schedule, True
+    tensors (static loop bounds, no host read-back), so tests can check that schedule on a CPU.
+    The switch belongs to the thread that enters the block; other threads keep their schedule."""
+    token = _device_schedule.set(True)
     try:
         yield
     finally:
-        _device_schedule = old
+        _device_schedule.reset(token)
 
 
 def new_output(shape, dtype, device):

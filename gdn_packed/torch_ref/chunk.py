@@ -99,8 +99,9 @@ class Kept:
     def of(cls, kept, sc, H, HV, K, V):
         """A Kept over kept, or None when nothing is kept: other schedules, or more chunks than
         kept_shape's bound, which only corrupt cu_seqlens give. The forward and the backward decide
-        alike from the same inputs."""
-        if kept is None or kept.numel() == 0:
+        alike from the same inputs. A backward on the device schedule ignores a kept made by the
+        host schedule (device_schedule() entered between forward and backward): it recomputes."""
+        if kept is None or kept.numel() == 0 or sc.steps is None:
             return None
         m2, m, C = sc.T // (2 * sc.C) + sc.N, sc.T // sc.C + sc.N, sc.C
         if kept.numel() != m2 * HV * K * V + m * HV * C * V:
