@@ -4,8 +4,10 @@
 //
 // Every kernel entry point takes keyword arguments only, from a declared list (ARGS below): an
 // unknown name, a missing one, a positional argument or a value of the wrong type is a TypeError that
-// names it, before anything runs. Optional pointers are passed explicitly (None -> null). A kernel's
-// Status maps to one exception: kInvalidValue -> ValueError, kCudaError -> RuntimeError.
+// names it, before anything runs. Optional pointers are passed explicitly (None -> null); a required
+// pointer (`ptr` below) that is null while the kernel would touch it is a ValueError that names it,
+// also before anything runs. A kernel's Status maps to one exception: kInvalidValue -> ValueError,
+// kCudaError -> RuntimeError.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -94,19 +96,35 @@ bool cast_arg<bool>(py::handle h, const std::string& fn, const char* name) {
   return h.cast<bool>();
 }
 
-// One declared keyword argument: its name and how it is stored into a Call<P>.
+// One declared keyword argument: its name, how it is stored into a Call<P> and, for a required
+// pointer, whether the parsed call leaves it null although the kernel would read or write through it.
 template <typename P>
 struct Arg {
   const char* name;
   std::function<void(Call<P>&, py::handle, const std::string&)> set;
+  std::function<bool(const P&)> null_but_used = nullptr;
 };
 
+// A scalar, or an optional pointer (None -> null: "no such tensor").
 template <typename P, typename M>
 Arg<P> arg(const char* name, M P::*member) {
   return {name, [name, member](Call<P>& c, py::handle h, const std::string& fn) {
             c.p.*member = cast_arg<M>(h, fn, name);
           }};
 }
+
+// A required pointer: null (None or 0) is a ValueError naming it whenever `used(p)` says the kernel
+// touches the tensor, i.e. it has elements (an empty tensor may have a null data pointer).
+template <typename P, typename Used>
+Arg<P> ptr(const char* name, std::uintptr_t P::*member, Used used) {
+  Arg<P> a = arg(name, member);
+  a.null_but_used = [member, used](const P& p) { return p.*member == 0 && used(p); };
+  return a;
+}
+
+// `used` of a pointer the kernel always touches (cu_seqlens: N + 1 >= 1 elements).
+template <typename P>
+bool always(const P&) { return true; }
 
 // The declared list plus `device` and `stream` (the device launch; the host mirror takes neither).
 template <typename P>
@@ -149,6 +167,10 @@ Call<P> parse(const std::string& fn, const std::vector<Arg<P>>& args, const py::
                          quoted_list(missing) + " (pass None for an absent optional pointer)");
   Call<P> c;
   for (const auto& a : args) a.set(c, kw[a.name], fn);
+  for (const auto& a : args)
+    if (a.null_but_used && a.null_but_used(c.p))
+      throw py::value_error(fn + "(): argument '" + a.name + "' is a null pointer (None) but the kernel "
+                            "reads or writes it (pass the tensor's data_ptr())");
   return c;
 }
 
@@ -199,36 +221,46 @@ using gdn::RecurrentParams;
 
 std::vector<Arg<ChunkTableParams>> chunk_table_args() {
   using P = ChunkTableParams;
-  return {arg("cu_seqlens", &P::cu_seqlens), arg("cu_seqlens_padded", &P::cu_seqlens_padded),
+  auto slots = [](const P& p) { return p.chunk_size > 0 && p.T / p.chunk_size + p.N > 0; };
+  return {ptr("cu_seqlens", &P::cu_seqlens, always<P>), arg("cu_seqlens_padded", &P::cu_seqlens_padded),
           arg("index_int64", &P::index_int64), arg("N", &P::N), arg("T", &P::T),
-          arg("chunk_size", &P::chunk_size), arg("table", &P::table), arg("cu_chunks", &P::cu_chunks)};
+          arg("chunk_size", &P::chunk_size), ptr("table", &P::table, slots),
+          ptr("cu_chunks", &P::cu_chunks, always<P>)};
 }
 
 std::vector<Arg<ConvParams>> conv_args(bool bwd) {
   using P = ConvParams;
+  auto rows = [](const P& p) { return p.T > 0 && p.D > 0; };
+  auto states = [](const P& p) { return p.N > 0 && p.D > 0 && p.W > 1; };
+  auto channels = [](const P& p) { return p.D > 0 && p.W > 0; };
   std::vector<Arg<P>> a = {
-      arg("x", &P::x), arg("weight", &P::weight), arg("bias", &P::bias),
-      arg("initial_state", &P::initial_state), arg("cu_seqlens", &P::cu_seqlens),
+      ptr("x", &P::x, rows), ptr("weight", &P::weight, channels), arg("bias", &P::bias),
+      arg("initial_state", &P::initial_state), ptr("cu_seqlens", &P::cu_seqlens, always<P>),
       arg("cu_seqlens_padded", &P::cu_seqlens_padded), arg("N", &P::N), arg("T", &P::T), arg("D", &P::D),
       arg("W", &P::W), arg("dtype", &P::dtype), arg("silu", &P::silu), arg("tile_rows", &P::tile_rows)};
   if (bwd) {
-    for (auto x : {arg("dy", &P::dy), arg("dfinal", &P::dfinal), arg("dx", &P::dx), arg("partial", &P::partial),
-                   arg("dweight_bias", &P::dweight_bias), arg("dinitial_state", &P::dinitial_state)})
+    for (auto x : {ptr("dy", &P::dy, rows), arg("dfinal", &P::dfinal), ptr("dx", &P::dx, rows),
+                   ptr("partial", &P::partial, rows), ptr("dweight_bias", &P::dweight_bias, channels),
+                   ptr("dinitial_state", &P::dinitial_state, states)})
       a.push_back(x);
   } else {
-    a.push_back(arg("y", &P::y));
-    a.push_back(arg("final_state", &P::final_state));
+    a.push_back(ptr("y", &P::y, rows));
+    a.push_back(ptr("final_state", &P::final_state, states));
   }
   return a;
 }
 
 std::vector<Arg<RecurrentParams>> recurrent_args() {
   using P = RecurrentParams;
-  return {arg("q", &P::q), arg("k", &P::k), arg("v", &P::v), arg("g", &P::g), arg("beta", &P::beta),
-          arg("cu_seqlens", &P::cu_seqlens), arg("cu_seqlens_padded", &P::cu_seqlens_padded),
+  auto qk = [](const P& p) { return p.T > 0 && p.H > 0 && p.K > 0; };
+  auto vo = [](const P& p) { return p.T > 0 && p.HV > 0 && p.V > 0; };
+  auto gates = [](const P& p) { return p.T > 0 && p.HV > 0; };
+  return {ptr("q", &P::q, qk), ptr("k", &P::k, qk), ptr("v", &P::v, vo), ptr("g", &P::g, gates),
+          ptr("beta", &P::beta, gates), ptr("cu_seqlens", &P::cu_seqlens, always<P>),
+          arg("cu_seqlens_padded", &P::cu_seqlens_padded),
           arg("initial_state", &P::initial_state), arg("final_state", &P::final_state),
           arg("state_indices", &P::state_indices), arg("pool_size", &P::pool_size),
-          arg("slot_roles", &P::slot_roles), arg("o", &P::o), arg("N", &P::N), arg("T", &P::T), arg("H", &P::H),
+          arg("slot_roles", &P::slot_roles), ptr("o", &P::o, vo), arg("N", &P::N), arg("T", &P::T), arg("H", &P::H),
           arg("HV", &P::HV), arg("K", &P::K), arg("V", &P::V), arg("dtype", &P::dtype), arg("scale", &P::scale),
           arg("l2norm", &P::l2norm)};
 }

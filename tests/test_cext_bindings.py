@@ -80,7 +80,8 @@ ENTRY_POINTS = {
 OPTIONAL_POINTERS = {"chunk_table": ["cu_seqlens_padded"],
                      "conv1d_varlen_fwd": ["cu_seqlens_padded", "bias", "initial_state"],
                      "conv1d_varlen_bwd": ["cu_seqlens_padded", "bias", "initial_state", "dfinal"],
-                     "recurrent_gdr_fwd": ["cu_seqlens_padded", "initial_state", "state_indices", "slot_roles"]}
+                     "recurrent_gdr_fwd": ["cu_seqlens_padded", "initial_state", "final_state", "state_indices",
+                                           "slot_roles"]}
 
 
 def optional_pointers(entry):
@@ -165,6 +166,43 @@ def test_invalid_values_raise_value_error(entry):
     args["cu_seqlens"] = None          # a required pointer passed as None
     with pytest.raises(ValueError, match="cu_seqlens"):
         getattr(C, entry)(**args)
+
+
+# the arguments of an entry point that are not pointers (entry points add device= and stream=)
+SCALARS = {"index_int64", "N", "T", "chunk_size", "D", "W", "dtype", "silu", "tile_rows", "pool_size", "H", "HV",
+           "K", "V", "scale", "l2norm", "device", "stream"}
+
+
+def required_pointers(entry):
+    return [n for n in ENTRY_POINTS[entry]() if n not in SCALARS and n not in optional_pointers(entry)]
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_every_required_pointer_passed_as_none_is_a_value_error(entry):
+    """None (a null pointer) for any pointer the kernel reads or writes is a ValueError naming it,
+    raised before any launch (on 738aed4 a None q, k, v, g or beta crashed recurrent_gdr_fwd_host)."""
+    names = required_pointers(entry)
+    assert "cu_seqlens" in names or "x" in names
+    for name in names:
+        args = ENTRY_POINTS[entry]()
+        args[name] = None
+        with pytest.raises(ValueError, match=f"^{entry}\\(\\): argument '{name}' "):
+            getattr(C, entry)(**args)
+
+
+@pytest.mark.parametrize("entry", [e for e in ENTRY_POINTS if e.endswith("_host")])
+def test_null_pointers_of_empty_tensors_are_accepted(entry):
+    """An empty tensor may have a null data pointer: with T = 0 (and no sequence) the row tensors
+    may be None."""
+    args = ENTRY_POINTS[entry]()
+    cu = torch.zeros(1, dtype=torch.int64 if "conv" in entry or "recurrent" in entry else torch.int32)
+    KEEP.append(cu)
+    args.update(cu_seqlens=cu.data_ptr(), N=0, T=0)
+    for name in ("x", "y", "dy", "dx", "partial", "q", "k", "v", "g", "beta", "o", "final_state", "table",
+                 "dinitial_state"):
+        if name in args and name not in optional_pointers(entry):
+            args[name] = None
+    getattr(C, entry)(**args)
 
 
 @pytest.mark.skipif(_cext.cuda_available(), reason="a GPU is usable here")
