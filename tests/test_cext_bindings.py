@@ -242,3 +242,106 @@ def test_launcher_makes_inputs_contiguous():
     table, cc = chunk_table_cuda(cu, None, 80, 64, host=True)
     ref_t, ref_cc = chunk_table_torch(cu, None, 80, 64)
     assert torch.equal(table, ref_t) and torch.equal(cc, ref_cc)
+
+
+# ---- the launchers (gdn_packed/cuda/*.py) check shapes and dtypes before any launch --------------------
+def _recurrent_call(T=7, N=2, H=1, HV=2, K=16, V=8):
+    """A complete, valid set of recurrent_fwd_cuda arguments (host mirror, CPU tensors)."""
+    z = torch.zeros
+    return dict(q=z(T, H, K), k=z(T, H, K), v=z(T, HV, V), g=z(T, HV), beta=z(T, HV),
+                cu_seqlens=torch.tensor([0, 3, T]), cu_seqlens_padded=None, initial_state=z(N, HV, K, V),
+                state_indices=None, scale=0.25, use_qk_l2norm=False, o=z(T, HV, V), final_state=z(N, HV, K, V))
+
+
+def _conv_call(bwd, T=7, N=2, D=8, W=4):
+    """A complete, valid set of conv1d_fwd_cuda / conv1d_bwd_cuda arguments (host mirror)."""
+    z = torch.zeros
+    a = dict(x=z(1, T, D), weight=z(D, W), bias=z(D), initial_state=z(N, D, W - 1),
+             cu_seqlens=torch.tensor([0, 3, T]), cu_seqlens_padded=None, silu=True)
+    if bwd:
+        a.update(dy=z(1, T, D), dfinal=z(N, D, W - 1), dx=z(1, T, D), dweight=z(D, W), dbias=z(D),
+                 dinitial_state=z(N, D, W - 1))
+    else:
+        a.update(y=z(1, T, D), final_state=z(N, D, W - 1))
+    return a
+
+
+def _launcher(name):
+    from gdn_packed import cuda
+    return getattr(cuda, name)
+
+
+# (launcher, argument, bad value, error, message): one wrong argument in an otherwise valid call
+BAD_LAUNCHES = [
+    ("recurrent_fwd_cuda", "o", torch.zeros(6, 2, 8), ValueError, "o must have shape \\(7, 2, 8\\)"),
+    ("recurrent_fwd_cuda", "o", torch.zeros(7, 2, 8, dtype=torch.bfloat16), TypeError, "o must have dtype"),
+    ("recurrent_fwd_cuda", "v", torch.zeros(7, 2, 8, dtype=torch.bfloat16), TypeError, "v must have dtype"),
+    ("recurrent_fwd_cuda", "q", torch.zeros(7, 1, 16, dtype=torch.float64), TypeError, "q must have dtype"),
+    ("recurrent_fwd_cuda", "k", torch.zeros(7, 1, 8), ValueError, "k must have shape"),
+    ("recurrent_fwd_cuda", "v", torch.zeros(5, 2, 8), ValueError, "v must have shape"),
+    ("recurrent_fwd_cuda", "q", torch.zeros(7, 3, 16), ValueError, "multiple"),
+    ("recurrent_fwd_cuda", "g", torch.zeros(7, 1), ValueError, "g must have shape"),
+    ("recurrent_fwd_cuda", "beta", torch.zeros(6, 2), ValueError, "beta must have shape"),
+    ("recurrent_fwd_cuda", "initial_state", torch.zeros(1, 2, 16, 8), ValueError, "initial_state must have shape"),
+    ("recurrent_fwd_cuda", "initial_state", torch.zeros(2, 2, 16, 8, dtype=torch.float16), TypeError,
+     "initial_state must have dtype"),
+    ("recurrent_fwd_cuda", "final_state", torch.zeros(2, 2, 8, 8), ValueError, "final_state must have shape"),
+    ("recurrent_fwd_cuda", "cu_seqlens", torch.tensor([[0, 3, 7]]), ValueError, "cu_seqlens must be 1-D"),
+    ("recurrent_fwd_cuda", "cu_seqlens", torch.tensor([0.0, 3, 7]), TypeError, "cu_seqlens must be int32"),
+    ("recurrent_fwd_cuda", "cu_seqlens_padded", torch.tensor([0, 7]), ValueError, "cu_seqlens_padded must have"),
+    ("recurrent_fwd_cuda", "state_indices", torch.tensor([0, 1, 1]), ValueError, "state_indices must have shape"),
+    ("conv1d_fwd_cuda", "y", torch.zeros(1, 6, 8), ValueError, "y must have shape \\(1, 7, 8\\)"),
+    ("conv1d_fwd_cuda", "y", torch.zeros(1, 7, 8, dtype=torch.bfloat16), TypeError, "y must have dtype"),
+    ("conv1d_fwd_cuda", "x", torch.zeros(1, 7, 8, dtype=torch.float64), TypeError, "x must have dtype"),
+    ("conv1d_fwd_cuda", "x", torch.zeros(7, 8), ValueError, "x must be 3-D"),
+    ("conv1d_fwd_cuda", "final_state", torch.zeros(2, 8, 2), ValueError, "final_state must have shape"),
+    ("conv1d_fwd_cuda", "weight", torch.zeros(4, 4), ValueError, "weight must have shape"),
+    ("conv1d_fwd_cuda", "weight", torch.zeros(8, 9), ValueError, "weight"),
+    ("conv1d_fwd_cuda", "bias", torch.zeros(7), ValueError, "bias must have shape"),
+    ("conv1d_fwd_cuda", "initial_state", torch.zeros(3, 8, 3), ValueError, "initial_state must have shape"),
+    ("conv1d_bwd_cuda", "dx", torch.zeros(1, 6, 8), ValueError, "dx must have shape"),
+    ("conv1d_bwd_cuda", "dy", torch.zeros(1, 5, 8), ValueError, "dy must have shape"),
+    ("conv1d_bwd_cuda", "dfinal", torch.zeros(2, 8, 4), ValueError, "dfinal must have shape"),
+    ("conv1d_bwd_cuda", "dweight", torch.zeros(8, 3), ValueError, "dweight must have shape"),
+    ("conv1d_bwd_cuda", "dbias", torch.zeros(9), ValueError, "dbias must have shape"),
+    ("conv1d_bwd_cuda", "dinitial_state", torch.zeros(1, 8, 3), ValueError, "dinitial_state must have shape"),
+]
+
+
+def _bad_launch_id(case):
+    name, arg, bad, _, _ = case
+    return f"{name}-{arg}-{'x'.join(map(str, bad.shape))}-{str(bad.dtype).removeprefix('torch.')}"
+
+
+@pytest.mark.parametrize("case", BAD_LAUNCHES, ids=[_bad_launch_id(c) for c in BAD_LAUNCHES])
+def test_launcher_checks_shapes_and_dtypes(case):
+    """A wrong shape or dtype is an error naming the argument, before the kernel runs: on 738aed4 an
+    output smaller than its input was written past its end (heap corruption) and float32 q with
+    bf16 v returned garbage."""
+    name, arg, bad, error, message = case
+    call = _recurrent_call() if name.startswith("recurrent") else _conv_call(name == "conv1d_bwd_cuda")
+    if arg == "state_indices":
+        call.update(initial_state=torch.zeros(4, 2, 16, 8), final_state=None)
+    call[arg] = bad
+    fn = _launcher(name)
+    with pytest.raises(error, match=message):
+        fn(*call.values(), host=True)
+
+
+@pytest.mark.parametrize("name", ["recurrent_fwd_cuda", "conv1d_fwd_cuda", "conv1d_bwd_cuda"])
+def test_launcher_takes_the_valid_call(name):
+    """The argument sets of test_launcher_checks_shapes_and_dtypes are valid: the errors above come
+    from the one change."""
+    call = _recurrent_call() if name.startswith("recurrent") else _conv_call(name == "conv1d_bwd_cuda")
+    _launcher(name)(*call.values(), host=True)
+
+
+@pytest.mark.parametrize("cu, pad, error, message", [
+    (torch.tensor([0.0, 4.0]), None, TypeError, "cu_seqlens must be int32"),
+    (torch.tensor([0, 4]), torch.tensor([0, 4, 8]), ValueError, "cu_seqlens_padded must have the same shape"),
+    (torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4]), TypeError, "cu_seqlens_padded must have the same dtype"),
+], ids=["float-cu", "padded-shape", "padded-dtype"])
+def test_chunk_table_launcher_checks_offsets(cu, pad, error, message):
+    from gdn_packed.cuda import chunk_table_cuda
+    with pytest.raises(error, match=message):
+        chunk_table_cuda(cu, pad, 8, 4, host=True)

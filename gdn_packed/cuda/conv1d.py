@@ -5,15 +5,27 @@ the outputs are allocated by the caller (gdn_packed/ops/conv1d.py) and written i
 dweight/dbias are reduced from per-tile partial sums in a fixed order (deterministic)."""
 import torch
 
-from gdn_packed.cuda.launch import launch
+from gdn_packed.cuda.launch import KERNEL_DTYPES, check_offsets, check_tensors, launch
 from gdn_packed.segments import segments_or_rows
 
 FWD_TILE_ROWS = 16    # rows per thread in the CUDA forward (sliding window along the rows)
 BWD_TILE_ROWS = 64    # rows per thread (and per dweight/dbias partial sum) in the CUDA backward
+MAX_WIDTH = 8         # csrc/conv1d_varlen.cu's widths
 
 
-def _common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded):
-    """(reads, scalars) shared by the forward and the backward."""
+def _common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, **outputs):
+    """(reads, scalars) shared by the forward and the backward, after checking the inputs and the
+    `outputs` name=(tensor, shape, dtype), whose shapes may use D, W, N and x.shape (as 'x')."""
+    check_tensors(x=(x, (None,) * 3, KERNEL_DTYPES), weight=(weight, (None, None), None))
+    B, L, D = x.shape
+    W = weight.shape[1]
+    if not 1 <= W <= MAX_WIDTH:
+        raise ValueError(f"weight must be [D, W] with 1 <= W <= {MAX_WIDTH}, got {tuple(weight.shape)}")
+    N = B if cu_seqlens is None else check_offsets(cu_seqlens, cu_seqlens_padded)
+    sizes = {"x": tuple(x.shape), "D": (D,), "DW": (D, W), "state": (N, D, W - 1)}
+    check_tensors(weight=(weight, (D, W), None), bias=(bias, (D,), None),
+                  initial_state=(initial_state, (N, D, W - 1), None),
+                  **{name: (t, sizes[shape], dtype) for name, (t, shape, dtype) in outputs.items()})
     cu = segments_or_rows(x, cu_seqlens)[0].to(torch.int64)
     reads = dict(x=x, weight=weight.to(torch.float32), bias=None if bias is None else bias.to(torch.float32),
                  initial_state=None if initial_state is None else initial_state.to(x.dtype), cu_seqlens=cu,
@@ -26,7 +38,8 @@ def conv1d_fwd_cuda(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padde
                     *, host=False):
     """The csrc/ forward into y (x's shape) and final_state [N, D, W-1]; host=True runs the same
     per-thread bodies in a CPU loop (CPU tensors)."""
-    reads, scalars = _common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded)
+    reads, scalars = _common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded,
+                             y=(y, "x", x.dtype), final_state=(final_state, "state", x.dtype))
     launch("conv1d_varlen_fwd", x.device, host=host, reads=reads, writes=dict(y=y, final_state=final_state),
            silu=bool(silu), tile_rows=FWD_TILE_ROWS, **scalars)
 
@@ -35,7 +48,10 @@ def conv1d_bwd_cuda(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padde
                     dx, dweight, dbias, dinitial_state, *, host=False):
     """The csrc/ backward: dx, dinitial_state (x's dtype) directly; dweight/dbias [D, W]/[D] float32
     through per-tile partial sums [ceil(T / BWD_TILE_ROWS), D, W+1] and a fixed-order reduction."""
-    reads, scalars = _common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded)
+    reads, scalars = _common(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded,
+                             dy=(dy, "x", None), dfinal=(dfinal, "state", None), dx=(dx, "x", x.dtype),
+                             dweight=(dweight, "DW", None), dbias=(dbias, "D", None),
+                             dinitial_state=(dinitial_state, "state", None))
     T, D, W = scalars["T"], scalars["D"], scalars["W"]
     tiles = (T + BWD_TILE_ROWS - 1) // BWD_TILE_ROWS
     partial = torch.empty((tiles, D, W + 1), dtype=torch.float32, device=x.device)

@@ -7,10 +7,17 @@ call returns (it runs asynchronously on the stream, which orders it before any l
 are the outputs it fills in place: they must be contiguous already. None is a null pointer. A
 torch.dtype among the scalars becomes its dtype code. host=False launches on the current stream of
 `device` (a CUDA device); host=True calls the `<entry>_host` mirror on CPU tensors.
+
+    check_tensors(name=(tensor, shape, dtypes), ...)
+
+is what every launcher runs first: the kernels trust the sizes they are given, so a tensor smaller
+than they say would be read or written past its end. Only metadata is read (no host sync).
 """
 from __future__ import annotations
 
 import torch
+
+from gdn_packed.segments import check_cu_seqlens_meta, check_padded_meta
 
 # dtype codes of csrc/dtypes.cuh (enum DType)
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -20,6 +27,38 @@ def dtype_code(dtype: torch.dtype) -> int:
     if dtype not in DTYPE_CODES:
         raise TypeError(f"the cuda backend takes float32, float16 or bfloat16, got {dtype}")
     return DTYPE_CODES[dtype]
+
+
+# the element types of the csrc/ kernels' activations (q, k, v, o; x, y, ...)
+KERNEL_DTYPES = tuple(DTYPE_CODES)
+
+
+def check_tensors(**specs):
+    """Each name=(tensor, shape, dtypes): an absent tensor (None) passes; otherwise a ValueError
+    naming it unless it has `shape` (a None entry: any size), a TypeError unless its dtype is
+    `dtypes` (a dtype or a tuple of them; None: any floating dtype, for inputs the launcher
+    converts itself)."""
+    for name, (t, shape, dtypes) in specs.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if len(t.shape) != len(shape):
+            raise ValueError(f"{name} must be {len(shape)}-D, got shape {tuple(t.shape)}")
+        if any(want is not None and n != want for n, want in zip(t.shape, shape)):
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+        allowed = (dtypes,) if isinstance(dtypes, torch.dtype) else dtypes
+        if allowed is None and not t.dtype.is_floating_point or allowed is not None and t.dtype not in allowed:
+            want = "a floating dtype" if allowed is None else " or ".join(map(str, allowed))
+            raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
+
+
+def check_offsets(cu_seqlens, cu_seqlens_padded):
+    """The metadata checks of cu_seqlens [N+1] and cu_seqlens_padded (int32/int64); returns N."""
+    check_cu_seqlens_meta(cu_seqlens)
+    if cu_seqlens_padded is not None:
+        check_padded_meta(cu_seqlens, cu_seqlens_padded)
+    return cu_seqlens.shape[0] - 1
 
 
 def _pointer(name, t, device, *, output):

@@ -2,7 +2,7 @@
 states or a state pool updated in place."""
 import torch
 
-from gdn_packed.cuda.launch import launch
+from gdn_packed.cuda.launch import KERNEL_DTYPES, check_offsets, check_tensors, launch
 
 SLOT_OWN, SLOT_READ_ONLY, SLOT_LAST_WRITER = 0, 1, 2     # kSlot* in csrc/recurrent_gdr.cu
 
@@ -29,12 +29,25 @@ def recurrent_fwd_cuda(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, initial_
     unpacked batch passes its row offsets); host=True runs the same per-thread body
     in a CPU loop (CPU tensors). Pool mode: state_indices given, initial_state = final_state = pool,
     updated in place (so it must be contiguous)."""
+    check_tensors(q=(q, (None,) * 3, KERNEL_DTYPES), v=(v, (None,) * 3, q.dtype))
     T, H, K = q.shape
-    HV, Vd = v.shape[1], v.shape[2]
-    cu = cu_seqlens.to(torch.int64)
+    HV, Vd = v.shape[1:]
+    if H == 0 or HV % H:
+        raise ValueError(f"the value heads of v (v.shape[1] = {HV}) must be a multiple of the qk heads of q "
+                         f"(q.shape[1] = {H})")
+    N = check_offsets(cu_seqlens, cu_seqlens_padded)
     pool = state_indices is not None
+    states = (initial_state.shape[0] if pool and initial_state is not None else N, HV, K, Vd)
+    check_tensors(q=(q, (T, H, K), KERNEL_DTYPES), k=(k, (T, H, K), q.dtype), v=(v, (T, HV, Vd), q.dtype),
+                  g=(g, (T, HV), None), beta=(beta, (T, HV), None), o=(o, (T, HV, Vd), q.dtype),
+                  initial_state=(initial_state, states, torch.float32),
+                  final_state=(final_state, states, torch.float32),
+                  state_indices=(state_indices, (N,), (torch.int32, torch.int64)))
+    if pool and initial_state is None:
+        raise ValueError("state_indices needs the state pool as initial_state")
     if pool and not initial_state.is_contiguous():
         raise ValueError("the state pool must be contiguous")
+    cu = cu_seqlens.to(torch.int64)
     idx = None if not pool else state_indices.to(torch.int64)
     reads = dict(q=q, k=k, v=v, g=g.to(torch.float32), beta=beta.to(torch.float32), cu_seqlens=cu,
                  cu_seqlens_padded=None if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64),
