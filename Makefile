@@ -40,6 +40,7 @@ $(DEPS_STAMP): $(VPY) pyproject.toml Makefile
 	  echo "torch already importable: $$($(VPY) -c 'import torch; print(torch.__version__)')"; \
 	else $(PIP) install torch==2.13.0; fi
 	$(PIP) install triton numpy pybind11 cmake setuptools wheel
+	$(PIP) install --no-deps nvidia-cutlass==4.2.0.0   # CUTLASS / CuTe headers only (pyproject build-system)
 	$(PIP) install -v --no-build-isolation -e ".[test]"
 	$(PIP) install --no-deps --ignore-requires-python megatron-core==0.19.2
 	touch $@
@@ -73,7 +74,7 @@ gpu-check:
 
 # wheels for the GPU machine's python 3.12 (pure Python: fla-core; the image has einops, packaging)
 WHEEL_DIR := .whl
-GPU_WHEELS ?= fla-core==0.6.0
+GPU_WHEELS ?= fla-core==0.6.0 nvidia-cutlass==4.2.0.0
 gpu-wheels:
 	$(GPU_PY) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $(WHEEL_DIR) $(GPU_WHEELS)

@@ -5,6 +5,9 @@ Environment knobs:
   GDN_PACKED_NO_CUDA=1          skip the extension (the package installs without `_C`)
   GDN_PACKED_CUDA_ARCHS="80;90a" CMAKE_CUDA_ARCHITECTURES (default "80;90a")
   GDN_PACKED_CUDA_OPTIONAL=1    a failed CUDA build only warns instead of failing the install
+  GDN_PACKED_CUTLASS_INCLUDE=D  the CUTLASS / CuTe headers (default: those of the `nvidia-cutlass` wheel,
+                                a pinned build requirement); without them, or without 90a among the
+                                archs, the sm_90a chunked kernel is left out of _C (it says why)
   MAX_JOBS=N                    parallel compile jobs (default: number of CPUs)
   CUDACXX / CUDA_HOME           where to find nvcc (else PATH, else /usr/local/cuda/bin/nvcc)
 
@@ -41,6 +44,26 @@ def find_nvcc():
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return os.path.realpath(c), ""
     return None, "nvcc not found (not on PATH, not at /usr/local/cuda/bin/nvcc, CUDACXX/CUDA_HOME unset)"
+
+
+CUTLASS_PIN = "nvidia-cutlass==4.2.0.0"     # pyproject.toml [build-system] requires it
+
+
+def find_cutlass_include():
+    """Return (directory or None, reason): the CUTLASS / CuTe C++ headers of the nvidia-cutlass wheel
+    (cutlass_library/source/include), located without importing the package (its __init__ imports
+    scipy, networkx, ...), or GDN_PACKED_CUTLASS_INCLUDE."""
+    import importlib.util
+
+    d = os.environ.get("GDN_PACKED_CUTLASS_INCLUDE")
+    if not d:
+        spec = importlib.util.find_spec("cutlass_library")
+        if spec is None or not spec.submodule_search_locations:
+            return None, f"the {CUTLASS_PIN} wheel (CUTLASS / CuTe headers) is not installed"
+        d = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
+    if not os.path.isfile(os.path.join(d, "cute", "arch", "mma_sm90_gmma.hpp")):
+        return None, f"no CuTe headers (cute/arch/mma_sm90_gmma.hpp) under {d}"
+    return d, ""
 
 
 def find_cmake():
@@ -91,8 +114,13 @@ class CMakeBuild(build_ext):
         suffix = os.path.basename(fullpath)[len(ext.name.split(".")[-1]):]
         archs = os.environ.get("GDN_PACKED_CUDA_ARCHS", DEFAULT_ARCHS)
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 2)
+        cutlass, why_not = find_cutlass_include()
+        if cutlass is None:
+            banner(f"gdn_packed: building _C WITHOUT the sm_90a chunked kernel: {why_not}\n"
+                   f"  (pip install {CUTLASS_PIN}; backend='cuda' of chunk_gated_delta_rule then says so)")
         # a persistent build dir keyed on the toolchain makes re-installs incremental
-        tag = hashlib.sha1("|".join([sys.prefix, self._nvcc, cmake, archs, suffix]).encode()).hexdigest()[:10]
+        tag = hashlib.sha1("|".join([sys.prefix, self._nvcc, cmake, archs, suffix, cutlass or ""]).encode()
+                           ).hexdigest()[:10]
         build_dir = os.path.join(ROOT, "build", "cmake", tag)
         os.makedirs(build_dir, exist_ok=True)
         os.makedirs(extdir, exist_ok=True)
@@ -105,6 +133,8 @@ class CMakeBuild(build_ext):
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DGDN_EXT_SUFFIX={suffix}",
             f"-DGDN_OUTPUT_DIR={extdir}",
+            f"-DGDN_CUTLASS_INCLUDE={cutlass or ''}",
+            f"-DGDN_NO_SM90_WHY={why_not}",
         ]
         build = [cmake, "--build", build_dir, "--verbose", "-j", jobs]
         banner(f"gdn_packed: building CUDA extension {ext.name}\n  nvcc: {self._nvcc}\n"
