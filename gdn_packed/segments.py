@@ -5,8 +5,9 @@ checked (docs/DESIGN.md section 3).
   rank, size, device. They never read the values, so they never synchronise; every public op runs
   them once, before any launch, and the internals trust their result.
 * The value check `validate_cu_seqlens`: starts at 0, non-decreasing, slots hold their sequences,
-  within the rows. It copies the offsets to the host (**[sync]**); ops run it only with
-  `validate=True` or GDN_PACKED_VALIDATE=1.
+  within the rows. It copies the offsets to the host (**[sync]**); ops run it
+  (`check_values_where_free`) with `validate=True` or GDN_PACKED_VALIDATE=1, and always on CPU tensors,
+  where the copy costs nothing.
 * Locating rows (`locate_rows`, `real_rows`, `padding_row_mask`) and `segments_or_rows` (the
   cu_seqlens of an unpacked batch): vectorised, no synchronisation.
 
@@ -19,9 +20,11 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from gdn_packed._validate import INDEX_DTYPES, check_int
+from gdn_packed._runtime import host_schedule
+from gdn_packed._validate import INDEX_DTYPES, check_int, want_validate
 
 __all__ = ["check_cu_seqlens_meta", "check_padded_meta", "check_cu_seqlens", "validate_cu_seqlens",
+           "check_values_where_free",
            "locate_rows", "real_rows", "padding_row_mask", "offsets_and_rows", "segments_or_rows"]
 
 
@@ -100,7 +103,11 @@ def validate_cu_seqlens(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor] 
         check_padded_meta(cu_seqlens, cu_seqlens_padded, name, padded_name)
     if total_rows is not None:
         total_rows = check_int(total_rows, "total_rows")
+    _check_values(cu_seqlens, cu_seqlens_padded, total_rows, name, padded_name)
 
+
+def _check_values(cu_seqlens, cu_seqlens_padded, total_rows, name="cu_seqlens", padded_name="cu_seqlens_padded"):
+    """The value part of validate_cu_seqlens, on offsets whose metadata was checked. **[sync]**"""
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     if int(cu[0]) != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
@@ -126,6 +133,21 @@ def validate_cu_seqlens(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor] 
         raise ValueError(
             f"{last_name}[-1] = {last} exceeds total_rows = {total_rows} "
             f"(the tensor has only {total_rows} rows)")
+
+
+def check_values_where_free(cu_seqlens: Optional[Tensor], cu_seqlens_padded: Optional[Tensor],
+                            total_rows: int, validate: bool = False) -> None:
+    """validate_cu_seqlens where the caller asks for it (validate=True, GDN_PACKED_VALIDATE=1) and
+    wherever it is free: CPU tensors, which have no device to wait for, unless torch.compile is
+    tracing or the thread runs the device schedule (gdn_packed._runtime.device_schedule, as
+    testing.no_host_sync does). Every public op runs it, so bad values on CPU are a ValueError
+    naming cu_seqlens, never a loop or an allocation sized by a corrupt offset. The metadata
+    checks (check_cu_seqlens) ran before."""
+    if cu_seqlens is None:
+        return
+    free = not torch.compiler.is_compiling() and host_schedule(cu_seqlens.device)
+    if free or want_validate(validate):
+        _check_values(cu_seqlens, cu_seqlens_padded, total_rows)
 
 
 def _check_non_decreasing(offsets: Tensor, steps: Tensor, name: str) -> None:

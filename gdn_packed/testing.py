@@ -252,10 +252,10 @@ def no_host_sync():
     """Raise if the code inside reads a tensor's values back to the host (.item(), .tolist(),
     .cpu(), .numpy(), bool()/int()/float() of a tensor): the CPU stand-in for
     torch.cuda.set_sync_debug_mode('error'). The ops run the schedule they use on CUDA tensors
-    inside (gdn_packed.ops._common.device_schedule): on CPU tensors the torch backend otherwise
+    inside (gdn_packed._runtime.device_schedule): on CPU tensors the torch backend otherwise
     plans its loops from cu_seqlens read on the host, which costs nothing there. Both belong to the
     thread that enters the block: other threads read back and schedule as before."""
-    from gdn_packed.ops._common import device_schedule
+    from gdn_packed._runtime import device_schedule
     with _traps["lock"]:
         if _traps["users"] == 0:
             _traps["saved"] = {n: getattr(torch.Tensor, n) for n in _SYNC_METHODS}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import gdn_packed
+from gdn_packed._runtime import device_schedule
 from gdn_packed.ops.chunk_gdr import chunk_gdr_bwd, chunk_gdr_fwd
 from gdn_packed.testing import backend_params, gdr_inputs, layout, no_host_sync, poisoned_outputs, rel_err
 
@@ -151,8 +152,9 @@ def embedded(t, pad=64):
 
 
 def check_corrupt_cu_seqlens(cu, backend):
-    """The op on corrupt cu_seqlens (validate off) with every input a view inside a NaN-filled buffer and
-    outputs NaN-poisoned: no error, the sentinels around the inputs untouched, o and the final state
+    """The op on corrupt cu_seqlens (validate off; on the device schedule, which CPU tensors otherwise
+    leave for a ValueError: segments.check_values_where_free) with every input a view inside a
+    NaN-filled buffer and outputs NaN-poisoned: no error, the sentinels around the inputs untouched, o and the final state
     finite (a read outside an input brings NaN in; a row nobody wrote stays NaN), the rows that
     no sequence covers exactly 0, and the same for the backward (finite gradients, sentinels intact)."""
     kw = _good()
@@ -161,7 +163,7 @@ def check_corrupt_cu_seqlens(cu, backend):
         kw[name], views[name] = embedded(kw[name])
         kw[name].requires_grad_()
     kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
-    with poisoned_outputs():
+    with poisoned_outputs(), device_schedule():
         o, fs = gdn_packed.chunk_gated_delta_rule(**kw, output_final_state=True, backend=backend)
         (o.float().sum() + fs.sum()).backward()
     assert all(torch.isfinite(kw[name].grad).all() for name in views), "non-finite gradient"

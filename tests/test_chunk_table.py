@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from gdn_packed import _cext
+from gdn_packed._runtime import device_schedule
 from gdn_packed.cuda.launch import launch
 from gdn_packed.ops import chunk_table as op_mod
 from gdn_packed.ops.chunk_table import build_chunk_table
@@ -229,8 +230,9 @@ SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__floa
 
 
 def test_op_never_syncs(monkeypatch):
-    """At run time: no host read of any tensor while the op runs (CPU path; the CUDA path has the
-    same Python code around one _C call). Statically: no .item()/.tolist()/.cpu() in the op source."""
+    """At run time: no host read of any tensor while the op runs (CPU tensors on the device schedule,
+    the CUDA path's Python around one _C call; on the host schedule CPU tensors get the value check,
+    free there). Statically: no .item()/.tolist()/.cpu() in the op source."""
     cu, pad, T = SANE["padded_gaps"]
     cu_t, pad_t = _t(cu, torch.int64), _t(pad, torch.int64)
     chunk_table_torch(cu_t, pad_t, T, 64)  # import outside the patch
@@ -240,7 +242,8 @@ def test_op_never_syncs(monkeypatch):
 
     for m in SYNC_METHODS:
         monkeypatch.setattr(torch.Tensor, m, boom)
-    table, cc = build_chunk_table(cu_t, pad_t, T, 64)
+    with device_schedule():
+        table, cc = build_chunk_table(cu_t, pad_t, T, 64)
     monkeypatch.undo()
     assert cc.tolist() == ref_chunk_table(cu, pad, T, 64)[1]
 

@@ -505,7 +505,7 @@ def test_public_ops_check_cu_seqlens_once(monkeypatch, padded):
     torch.manual_seed(0)
     c = cu([0, 3, 3, 70])
     pd = P.pad_cu_seqlens(c, 8) if padded else None
-    R = 72 if padded else 70
+    R = 80 if padded else 70          # rows: the last padded offset (pad_cu_seqlens: [0, 8, 8, 80])
     H, HV, K, V = 1, 2, 8, 8
     q, k = (torch.randn(1, R, H, K, requires_grad=True) for _ in range(2))
     v = torch.randn(1, R, HV, V, requires_grad=True)

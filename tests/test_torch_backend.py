@@ -302,3 +302,67 @@ def test_device_schedule_leaves_other_threads_alone():
         t.join(120)
     assert not errors, errors
     assert len(got) == len(alone) and all(torch.equal(a, b) for a, b in zip(got, alone))
+
+
+# -- bad cu_seqlens values on CPU tensors (issue 29): a ValueError naming them, never a hang ----------
+
+BAD_OFFSETS = {    # (cu_seqlens, cu_seqlens_padded or None) for T = 20 rows
+    "past-rows": ([0, 5, 10 ** 6], None),
+    "huge-int64": ([0, 5, 10 ** 15], None),
+    "decreasing": ([0, 15, 3, 20], None),
+    "negative": ([0, -5, 10], None),
+    "not-from-0": ([7, 12], None),
+    "padded-past-rows": ([0, 5, 10], [0, 10 ** 9, 10 ** 9 + 5]),
+    "padded-negative": ([0, 5, 10], [-10 ** 6, 0, 5]),
+}
+
+
+def _call_op(op, cu, pad, T=20, backend="torch"):
+    if op in ("chunk", "recurrent"):
+        q, k, v, g, beta, _ = gdr_inputs(T, 1, 1, 16, 16)
+        f = gdn_packed.chunk_gated_delta_rule if op == "chunk" else gdn_packed.fused_recurrent_gated_delta_rule
+        return f(q, k, v, g, beta, cu_seqlens=cu, cu_seqlens_padded=pad, output_final_state=True, backend=backend)
+    x = torch.randn(1, T, 8)
+    if op == "conv":
+        return gdn_packed.causal_conv1d_varlen(x, torch.randn(8, 4), cu_seqlens=cu, cu_seqlens_padded=pad,
+                                               backend=backend)
+    if op == "rmsnorm":
+        return gdn_packed.gated_rmsnorm(x, torch.randn(1, T, 8), torch.randn(8), cu_seqlens=cu,
+                                        cu_seqlens_padded=pad, backend=backend)
+    from gdn_packed.ops.chunk_table import build_chunk_table
+    return build_chunk_table(cu, pad, T, 64)
+
+
+OPS = ["chunk", "recurrent", "conv", "rmsnorm", "chunk_table"]
+
+
+@pytest.mark.parametrize("bad", list(BAD_OFFSETS))
+@pytest.mark.parametrize("op", OPS)
+def test_bad_offsets_on_cpu_are_a_value_error_without_validate(op, bad):
+    """On CPU tensors reading cu_seqlens costs nothing, so every op checks their values with
+    validate=False too (on 738aed4 fused_recurrent_gated_delta_rule ran > 10 minutes on
+    cu_seqlens [0, 5, 10**6] over 20 rows; the others returned a silent answer)."""
+    cu, pad = BAD_OFFSETS[bad]
+    cu, pad = torch.tensor(cu), None if pad is None else torch.tensor(pad)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        _call_op(op, cu, pad)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_bad_offsets_on_the_device_schedule_stay_bounded(op):
+    """Where the values are not read (the schedule of CUDA tensors, forced on CPU) corrupt offsets
+    give an answer within the rows, in about the time of a good call: every loop is bounded by the
+    rows that exist."""
+    from gdn_packed.ops._common import device_schedule
+    with device_schedule():
+        out = _call_op(op, torch.tensor([0, 5, 10 ** 6]), None)
+    first = out if op == "rmsnorm" else out[0]
+    assert first.shape[:2] == ((20 // 64 + 2, 4) if op == "chunk_table" else (1, 20))
+
+
+def test_recurrent_steps_never_exceed_the_rows():
+    """The host schedule of the recurrent torch path takes the longest sequence's length in steps,
+    capped at the T rows (corrupt offsets reaching the kernel directly cannot make it loop longer)."""
+    from gdn_packed.torch_ref.recurrent import _steps
+    assert _steps(torch.tensor([5, 10 ** 6 - 5]), 20) == 20
+    assert _steps(torch.tensor([5, 3]), 20) == 5

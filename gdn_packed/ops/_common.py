@@ -1,17 +1,17 @@
 """What every op shares: output allocation (NaN-poisoned under gdn_packed.testing) and the choice of
 backend. Backends: "torch" (pure PyTorch, any device), "triton" (GPU kernels; CPU tensors only under
 the Triton interpreter), "cuda" (csrc/ through gdn_packed._C). Which function implements an op on
-a backend is in the dispatch table, gdn_packed/ops/_dispatch.py."""
+a backend is in the dispatch table, gdn_packed/ops/_dispatch.py. The schedule switch and the
+compute dtype, which the kernels' host code reads too, are gdn_packed/_runtime.py's."""
 import os
 from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 
+from gdn_packed._runtime import compute_dtype, device_schedule, host_schedule  # noqa: F401  (re-exported)
+
 BACKENDS = ("auto", "torch", "triton", "cuda")
 _poison = False
-# per thread (and asyncio task): a switch one thread holds never changes another's schedule
-_device_schedule = ContextVar("gdn_packed_device_schedule", default=False)
 
 
 @contextmanager
@@ -24,25 +24,6 @@ def poisoned_outputs():
         yield
     finally:
         _poison = old
-
-
-def host_schedule(device) -> bool:
-    """Whether the torch backend may read index tensors (cu_seqlens, chunk tables) back to the host
-    to plan its loops: on CPU tensors that costs nothing (there is no device to wait for); on any
-    other device, or inside `device_schedule()`, loops run to static bounds with no read-back."""
-    return device.type == "cpu" and not _device_schedule.get()
-
-
-@contextmanager
-def device_schedule():
-    """Within this block the torch backend runs CPU tensors with the schedule it uses on CUDA
-    tensors (static loop bounds, no host read-back), so tests can check that schedule on a CPU.
-    The switch belongs to the thread that enters the block; other threads keep their schedule."""
-    token = _device_schedule.set(True)
-    try:
-        yield
-    finally:
-        _device_schedule.reset(token)
 
 
 def new_output(shape, dtype, device):
@@ -124,8 +105,3 @@ def backend_usable(backend, device) -> bool:
 def _cuda_ok():
     from gdn_packed._cext import cuda_available
     return cuda_available()
-
-
-def compute_dtype(dtype):
-    """The dtype the torch backend computes in: float64 for float64 inputs, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -224,7 +224,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             "cuda": not implemented for this op (raises NotImplementedError).
         validate: also check the values of cu_seqlens (and cu_seqlens_padded): starting at 0,
             non-decreasing, within the rows. That reads them back to the host, so it is off by
-            default (the op then never synchronises); GDN_PACKED_VALIDATE=1 turns it on everywhere.
+            default on CUDA tensors (the op then never synchronises); GDN_PACKED_VALIDATE=1 turns it
+            on everywhere. CPU tensors are always checked (free there).
 
     Returns:
         (o, final_state): o [B, T, HV, V] in v's dtype; final_state [N, HV, K, V] float32, or None
@@ -234,8 +235,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     """
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale)
     _check_gates(A_log, dt_bias, v.shape[2], q.device)
-    if V.want_validate(validate) and cu_seqlens is not None:
-        segments.validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, total_rows=q.shape[1])
+    segments.check_values_where_free(cu_seqlens, cu_seqlens_padded, q.shape[1], validate)
     backend = resolve_backend(backend, q.device, have=BACKENDS_IMPLEMENTED, refuse=refuse_float64(q))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     grads = torch.is_grad_enabled() and any(

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from gdn_packed.segments import check_cu_seqlens_meta, check_padded_meta
+from gdn_packed.segments import check_cu_seqlens_meta, check_padded_meta, check_values_where_free
 
 INT32_MAX = 2**31 - 1
 
@@ -81,5 +81,8 @@ def _(cu_seqlens, cu_seqlens_padded, T, chunk_size):
 def build_chunk_table(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int,
                       chunk_size: int) -> tuple[Tensor, Tensor]:
     """(table int32 [T // chunk_size + N, 4], cu_chunks int32 [N+1]) for a packed tensor of T rows:
-    the registered op torch.ops.gdn_packed.chunk_table, which checks its inputs."""
+    the registered op torch.ops.gdn_packed.chunk_table, which checks its inputs (their values too
+    on CPU tensors, where that is free: segments.check_values_where_free)."""
+    _check(cu_seqlens, cu_seqlens_padded, T, chunk_size)
+    check_values_where_free(cu_seqlens, cu_seqlens_padded, T)
     return torch.ops.gdn_packed.chunk_table(cu_seqlens, cu_seqlens_padded, T, chunk_size)

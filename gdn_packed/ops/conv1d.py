@@ -128,7 +128,8 @@ def causal_conv1d_varlen(x, weight, bias=None, activation="silu", cu_seqlens=Non
             "triton": not implemented for this op (NotImplementedError).
         validate: also check the values of cu_seqlens (and cu_seqlens_padded): starting at 0,
             non-decreasing, within the rows. That reads them back to the host, so it is off by
-            default (the op then never synchronises); GDN_PACKED_VALIDATE=1 turns it on everywhere.
+            default on CUDA tensors (the op then never synchronises); GDN_PACKED_VALIDATE=1 turns it
+            on everywhere. CPU tensors are always checked (free there).
 
     Returns:
         (y, final_state): y [B, L, D] in x's dtype; final_state [N, D, W-1] or None unless
@@ -138,8 +139,7 @@ def causal_conv1d_varlen(x, weight, bias=None, activation="silu", cu_seqlens=Non
     Bad inputs raise TypeError / ValueError naming the argument, before any launch.
     """
     weight = _check_inputs(x, weight, bias, activation, cu_seqlens, cu_seqlens_padded, initial_state)
-    if V.want_validate(validate) and cu_seqlens is not None:
-        segments.validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, total_rows=x.shape[1])
+    segments.check_values_where_free(cu_seqlens, cu_seqlens_padded, x.shape[1], validate)
     backend = resolve_backend(backend, x.device, have=BACKENDS_IMPLEMENTED, refuse=lambda b: _refuse(b, x))
     y, final_state = conv1d_varlen_fwd(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded,
                                        activation is not None, backend)

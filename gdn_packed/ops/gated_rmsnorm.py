@@ -143,5 +143,6 @@ def _real_rows(x, cu_seqlens, cu_seqlens_padded):
     if x.dim() < 3:
         raise ValueError(f"x with cu_seqlens must be packed as [1, T, ..., N], got shape {tuple(x.shape)}")
     segments.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, x.shape[0], x.device)
+    segments.check_values_where_free(cu_seqlens, cu_seqlens_padded, x.shape[1])
     real = segments.real_rows(cu_seqlens, cu_seqlens_padded, x.shape[1])
     return real.view(1, -1, *([1] * (x.dim() - 3))).expand(x.shape[:-1])

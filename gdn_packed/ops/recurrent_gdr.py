@@ -111,7 +111,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
             other dtypes or K > 128). "triton": not implemented for this op (NotImplementedError).
         validate: also check the values of cu_seqlens (and cu_seqlens_padded): starting at 0,
             non-decreasing, within the rows. That reads them back to the host, so it is off by
-            default (the op then never synchronises); GDN_PACKED_VALIDATE=1 turns it on everywhere.
+            default on CUDA tensors (the op then never synchronises); GDN_PACKED_VALIDATE=1 turns it
+            on everywhere. CPU tensors are always checked (free there).
 
     Returns:
         (o, final_state): o [B, T, HV, V] in v's dtype; final_state as output_final_state says.
@@ -119,11 +120,9 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     Bad inputs raise TypeError / ValueError naming the argument, before any launch.
     """
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, state_indices, scale)
-    if V.want_validate(validate):
-        if cu_seqlens is not None:
-            segments.validate_cu_seqlens(cu_seqlens, cu_seqlens_padded, total_rows=q.shape[1])
-        if state_indices is not None:
-            _check_indices_values(state_indices, initial_state.shape[0])
+    segments.check_values_where_free(cu_seqlens, cu_seqlens_padded, q.shape[1], validate)
+    if V.want_validate(validate) and state_indices is not None:
+        _check_indices_values(state_indices, initial_state.shape[0])
     backend = resolve_backend(backend, q.device, have=BACKENDS_IMPLEMENTED, refuse=lambda b: _refuse(b, q))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     l2 = bool(use_qk_l2norm_in_kernel)

@@ -27,7 +27,7 @@ and very negative g (-1e30, or -3e38 twice, whose fp32 sum overflows to -inf) is
 overflows, no -inf - -inf = NaN. With fast decay (g ~ -20 per token, gamma ~ -1e3 in a chunk) the
 products also keep full fp32 precision where a difference of two long sums would lose ~1e-4.
 
-Schedules (gdn_packed.ops._common.host_schedule). CPU tensors: the chunk table is read on the host
+Schedules (gdn_packed._runtime.host_schedule). CPU tensors: the chunk table is read on the host
 (there is no device to wait for); each 64-row chunk of the table is split in two chunks of
 HOST_CHUNK = 32 rows (the C x C products cost ~C FLOPs per token: 139 instead of 182 kFLOP per token
 and head forward at K = V = 128) and the state pass advances all sequences in lock-step, one chunk of
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gdn_packed.ops._common import compute_dtype, host_schedule
+from gdn_packed._runtime import compute_dtype, host_schedule
 from gdn_packed.torch_ref.naive import l2norm
 
 HOST_CHUNK = 32

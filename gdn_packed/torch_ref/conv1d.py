@@ -22,7 +22,7 @@ The only Python loops are over the W taps.
 import torch
 import torch.nn.functional as F
 
-from gdn_packed.ops._common import compute_dtype
+from gdn_packed._runtime import compute_dtype
 from gdn_packed.segments import locate_rows
 
 

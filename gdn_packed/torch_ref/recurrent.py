@@ -8,9 +8,9 @@ A sequence past its end takes a step with k = 0, beta = 0, g = 0, which leaves S
 broadcast over the value heads of a qk-head (never a copy of q/k). States are float32 (float64 for
 float64 inputs); o is rounded to v's dtype at the end; padding rows are 0.
 
-Step count (gdn_packed.ops._common.host_schedule): on CPU tensors the longest sequence's length
-(read on the host, which has no device to wait for); on other devices the static bound T, so nothing
-reads cu_seqlens back.
+Step count (gdn_packed._runtime.host_schedule): on CPU tensors the longest sequence's length, at
+most T (read on the host, which has no device to wait for); on other devices the static bound T, so
+nothing reads cu_seqlens back.
 
 Cost per token and value head: one batched product reads the state once for S^T k and S^T q, then an
 in-place scale and rank-1 update write it (2 K V FLOPs each); no temporary the size of the states
@@ -19,14 +19,16 @@ token, 1 thread: about 2x faster than naive_recurrent_gdr.
 """
 import torch
 
-from gdn_packed.ops._common import host_schedule
+from gdn_packed._runtime import compute_dtype, host_schedule
 from gdn_packed.torch_ref.naive import l2norm
 
 
 def _steps(lens, T):
+    """The tokens the longest sequence takes, never more than the T rows that exist (corrupt
+    cu_seqlens could claim a million on 20 rows)."""
     if lens.numel() == 0:
         return 0
-    return int(lens.max()) if host_schedule(lens.device) else T
+    return min(int(lens.max()), T) if host_schedule(lens.device) else T
 
 
 def recurrent_gdr_fwd_torch(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, initial_state, state_indices,
@@ -37,7 +39,7 @@ def recurrent_gdr_fwd_torch(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, ini
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     G = HV // H
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dt = compute_dtype(q.dtype)
     cu = cu_seqlens.to(torch.int64)
     base = (cu if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64))[:-1]
     lens = (cu[1:] - cu[:-1]).clamp_min(0)
