@@ -74,4 +74,19 @@ struct RecurrentParams {
 };
 Status recurrent_gdr(const RecurrentParams& p, bool host, int device, std::uintptr_t stream);
 
+// ---- chunk_gdr_fwd_sm90.cu (compiled when the CuTe headers and sm_90a are there: GDN_HAVE_SM90) -------
+struct ChunkSm90Params {
+  std::uintptr_t q = 0, k = 0, v = 0;     // [T, H, K], [T, H, K], [T, HV, V]; 16-bit, contiguous, 16-B aligned
+  std::uintptr_t g = 0, beta = 0;         // [T, HV] float32 (raw_gates: the raw a, b)
+  std::uintptr_t A_log = 0, dt_bias = 0;  // [HV] float32 (raw_gates only)
+  std::uintptr_t table = 0, cu_chunks = 0;             // the device chunk table (chunk_size rows)
+  std::uintptr_t initial_state = 0, final_state = 0;   // [N, HV, K, V] float32, or 0
+  std::uintptr_t o = 0;                   // [T, HV, V], q's dtype: every row written
+  int64_t N = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, chunk_size = 0;
+  int dtype = 0;                          // 1 float16, 2 bfloat16 (0 float32: host mirror only)
+  float scale = 1.f;
+  bool l2norm = false, raw_gates = false;
+};
+Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::uintptr_t stream);
+
 }  // namespace gdn

@@ -265,6 +265,19 @@ std::vector<Arg<RecurrentParams>> recurrent_args() {
           arg("l2norm", &P::l2norm)};
 }
 
+#if defined(GDN_HAVE_SM90)
+std::vector<Arg<gdn::ChunkSm90Params>> chunk_sm90_args() {
+  using P = gdn::ChunkSm90Params;
+  return {arg("q", &P::q), arg("k", &P::k), arg("v", &P::v), arg("g", &P::g), arg("beta", &P::beta),
+          arg("A_log", &P::A_log), arg("dt_bias", &P::dt_bias), arg("table", &P::table),
+          arg("cu_chunks", &P::cu_chunks), arg("initial_state", &P::initial_state),
+          arg("final_state", &P::final_state), arg("o", &P::o), arg("N", &P::N), arg("T", &P::T),
+          arg("H", &P::H), arg("HV", &P::HV), arg("K", &P::K), arg("V", &P::V), arg("chunk_size", &P::chunk_size),
+          arg("dtype", &P::dtype), arg("scale", &P::scale), arg("l2norm", &P::l2norm),
+          arg("raw_gates", &P::raw_gates)};
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -307,4 +320,11 @@ PYBIND11_MODULE(_C, m) {
              "Varlen causal conv1d backward (gdn_packed/cuda/conv1d.py).");
   def_kernel(m, "recurrent_gdr_fwd", recurrent_args(), &gdn::recurrent_gdr,
              "Recurrent gated delta rule forward (gdn_packed/cuda/recurrent.py).");
+#if defined(GDN_HAVE_SM90)
+  m.attr("chunk_gdr_fwd_sm90_missing") = std::string();
+  def_kernel(m, "chunk_gdr_fwd_sm90", chunk_sm90_args(), &gdn::chunk_gdr_fwd_sm90,
+             "Chunked gated delta rule forward, sm_90a, K = V = 128 (gdn_packed/cuda/chunk.py).");
+#else
+  m.attr("chunk_gdr_fwd_sm90_missing") = std::string(GDN_NO_SM90_WHY);   // why _C has no sm_90a chunked kernel
+#endif
 }

@@ -1,0 +1,339 @@
+// Chunked gated delta rule forward for sm_90a (H100 / H200): one persistent, warp-specialised CTA per
+// (value head, sequence) walks the sequence's chunk slots of the device chunk table (chunk_table.cu).
+// Formulas, what is rounded where, and the tile program itself: chunk_gdr_sm90.cuh (written once for
+// this kernel and its host mirror). Shapes: K = V = 128, C = 64, bf16 or fp16, GVA (HV = G H).
+//   in   q, k [T, H, K], v [T, HV, V] (bf16 / fp16, contiguous, 16-byte aligned: TMA);
+//        g, beta [T, HV] fp32 (or, with raw_gates, the raw a, b fp32 and A_log, dt_bias [HV] fp32:
+//        g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), computed here in fp32);
+//        table int32 [NC, 4], cu_chunks int32 [N + 1] (the device chunk table); h0 [N, HV, K, V] fp32 or 0
+//   out  o [T, HV, V] (every row: the CTA of (hv, n) writes its sequence's rows and the padding rows
+//        after them, n = 0 also those before the first sequence); ht [N, HV, K, V] fp32 (or 0)
+// CTA (512 threads, 1 per SM, ~180 KB shared memory), grid (HV, N):
+//   warpgroup 0, producer: one thread waits for a free stage of the 2-stage ring and issues the TMA
+//        loads of the chunk's k, q (qk head, [64 rows, 128] each, 128B-swizzled) and v ([64, 128]);
+//        rows past T arrive as 0 (TMA), rows of other sequences are zeroed by prep
+//   warpgroup 1, prep: for chunk j + 1 while the state warpgroups run chunk j: g, beta (plain loads:
+//        they are 4-byte strided columns, below TMA's 16-byte granule), row norms, gate sums, E,
+//        K K^T and Q K^T (wgmma), M, T = (I + A)^-1 by block doubling (wgmma) -> Ts, M, gates in
+//        shared memory (2 buffers; never written to global memory)
+//   warpgroups 2, 3, state: S^T [64 v, 128] fp32 in registers each (value columns 0..63, 64..127),
+//        the chunk step of chunk_gdr_sm90.cuh (wgmma with S^T, X'^T, U^T as register A operands),
+//        o through a transposing stmatrix into shared memory and 16-byte stores of the live rows
+// Synchronisation: mbarriers full / empty (TMA ring), prepped / prepfree (prep buffers); named
+// barriers within a warpgroup. The host mirror (chunk_gdr_fwd_sm90 with host = true) runs the same tile
+// program over every CTA in a CPU loop, with plain loops in place of wgmma / TMA / ldmatrix.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "api.h"
+#include "chunk_gdr_sm90.cuh"
+#include "cuda_status.cuh"
+#include "dtypes.cuh"
+
+
+namespace gdn {
+namespace sm90 {
+namespace {
+
+struct Args {
+  const void *q, *k, *v;
+  const float *g, *beta, *A_log, *dt_bias, *h0;
+  const int32_t *table, *cu_chunks;
+  void* o;
+  float* ht;
+  int64_t N, T, H, HV;
+  float scale;
+  bool l2norm, raw_gates;
+};
+
+GDN_HD float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+// g and beta of row `row` (value head hv), from the raw gate inputs when raw_gates.
+GDN_HD void load_gate(const Args& a, int64_t row, int64_t hv, float* g, float* b) {
+  const float x = a.g[row * a.HV + hv], y = a.beta[row * a.HV + hv];
+  if (a.raw_gates) {
+    *g = -expf(a.A_log[hv]) * softplus_f(x + a.dt_bias[hv]);
+    *b = 1.f / (1.f + expf(-y));
+  } else {
+    *g = x;
+    *b = y;
+  }
+}
+
+// Padding rows [a, b) after sequence n (to the next sequence's first real row, or T), from the chunk
+// table: the C++ twin of gdn_packed/triton/common.py padding_after; before the first: padding_before.
+GDN_HD void padding_after(const int32_t* table, const int32_t* cu_chunks, int64_t n, int64_t N, int64_t T,
+                          int64_t* a, int64_t* b) {
+  const int64_t c0 = cu_chunks[n], c1 = cu_chunks[n + 1], total = cu_chunks[N];
+  const int64_t last = max64(c1 - 1, 0);
+  const int64_t end = static_cast<int64_t>(table[last * 4 + 2]) + table[last * 4 + 3];
+  const int64_t nxt = max64(min64(c1, total - 1), 0);
+  int64_t bb = c1 < total ? static_cast<int64_t>(table[nxt * 4 + 2]) : T;
+  int64_t aa = c1 > c0 ? end : bb;
+  bb = min64(max64(bb, 0), T);
+  *a = min64(max64(aa, 0), bb);
+  *b = bb;
+}
+
+GDN_HD int64_t padding_before(const int32_t* table, const int32_t* cu_chunks, int64_t N, int64_t T) {
+  const int64_t total = cu_chunks[N];
+  const int64_t b = total > 0 ? static_cast<int64_t>(table[2]) : T;
+  return min64(max64(b, 0), T);
+}
+
+// ======================================================================================== host mirror
+// One "thread" holds a whole 64 x N tile; shared tiles are row-major arrays without swizzle.
+struct HostPolicy {
+  template <int N>
+  struct Frag {
+    float d[kC * N];
+  };
+  template <typename T, int KD>
+  struct Op {
+    T d[kC * KD];
+  };
+  struct Smem {       // element (row, col) at base[row * ld + col]; as a B operand [k, n]: K-major
+    void* base;       // reads base[n * ld + k], MN-major base[k * ld + n]
+    int ld;
+    bool kmajor;
+  };
+
+  template <int N, class F>
+  static void for_each(Frag<N>& f, F&& fn) {
+    for (int i = 0; i < kC * N; ++i) fn(i / N, i % N, f.d[i]);
+  }
+  template <int N, class F>
+  static void for_each2(Frag<N>& f, Frag<N>& g, F&& fn) {
+    for (int i = 0; i < kC * N; ++i) fn(i / N, i % N, f.d[i], g.d[i]);
+  }
+  template <class F>
+  static void for_each_lo(Frag<2 * kC>& f, Frag<kC>& v, F&& fn) {
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < kC; ++c) fn(r, c, f.d[r * 2 * kC + c], v.d[r * kC + c]);
+  }
+  template <class F>
+  static void for_each_lo(Frag<2 * kC>& f, F&& fn) {
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < kC; ++c) fn(r, c, f.d[r * 2 * kC + c]);
+  }
+  template <class F>
+  static void for_each_hi(Frag<2 * kC>& f, F&& fn) {
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < kC; ++c) fn(r, c, f.d[r * 2 * kC + kC + c]);
+  }
+  template <int N>
+  static void zero(Frag<N>& f) {
+    for (float& x : f.d) x = 0.f;
+  }
+  template <typename T, int KD, int N>
+  static void round_into(Op<T, KD>& o, const Frag<N>& f, int col0, float sign) {
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < KD; ++c) o.d[r * KD + c] = from_f<T>(sign * f.d[r * N + col0 + c]);
+  }
+  template <typename T, int KD, int N>
+  Op<T, KD> op(const Frag<N>& f, float sign) {
+    Op<T, KD> o;
+    round_into(o, f, 0, sign);
+    return o;
+  }
+  template <typename T>
+  Op<T, kC> op_lo(const Frag<2 * kC>& f, float sign) {
+    Op<T, kC> o;
+    round_into(o, f, 0, sign);
+    return o;
+  }
+  template <typename T, int KD, int N>
+  static void mma_cols(Frag<N>& acc, int col0, int ncols, const Op<T, KD>& a, const Smem& b) {
+    const T* bb = static_cast<const T*>(b.base);
+    for (int r = 0; r < kC; ++r)
+      for (int n = 0; n < ncols; ++n) {
+        float s = 0.f;
+        for (int k = 0; k < KD; ++k) s += to_f(a.d[r * KD + k]) * to_f(b.kmajor ? bb[n * b.ld + k] : bb[k * b.ld + n]);
+        acc.d[r * N + col0 + n] += s;
+      }
+  }
+  template <typename T, int KD, int N>
+  void mma(Frag<N>& acc, const Op<T, KD>& a, const Smem& b) { mma_cols(acc, 0, N, a, b); }
+  template <typename T>
+  void mma_lo(Frag<2 * kC>& acc, const Op<T, kC>& a, const Smem& b) { mma_cols(acc, 0, kC, a, b); }
+  template <typename T>
+  void mma_hi(Frag<2 * kC>& acc, const Op<T, kC>& a, const Smem& b) { mma_cols(acc, kC, kC, a, b); }
+  template <typename T>
+  void mma_ss(Frag<kC>& acc, const Smem& a, const Smem& b) {   // A [m][k] and B as [n][k], K = kK
+    const T* aa = static_cast<const T*>(a.base);
+    const T* bb = static_cast<const T*>(b.base);
+    for (int r = 0; r < kC; ++r)
+      for (int n = 0; n < kC; ++n) {
+        float s = 0.f;
+        for (int k = 0; k < kK; ++k) s += to_f(aa[r * a.ld + k]) * to_f(bb[n * b.ld + k]);
+        acc.d[r * kC + n] += s;
+      }
+  }
+  template <typename T, int N>
+  void store(const Frag<N>& f, const Smem& dst, bool transpose) {
+    T* p = static_cast<T*>(dst.base);
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < N; ++c) p[transpose ? c * dst.ld + r : r * dst.ld + c] = from_f<T>(f.d[r * N + c]);
+  }
+  template <typename T>
+  Frag<kC> vt_as(const Smem& v) {
+    Frag<kC> f;
+    const T* p = static_cast<const T*>(v.base);
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < kC; ++c) f.d[r * kC + c] = to_f(p[c * v.ld + r]);
+    return f;
+  }
+  template <typename T>
+  float row_sumsq(const Smem& t, int i) const {
+    const T* p = static_cast<const T*>(t.base);
+    float s = 0.f;
+    for (int c = 0; c < kK; ++c) s += to_f(p[i * t.ld + c]) * to_f(p[i * t.ld + c]);
+    return s;
+  }
+  template <class F>
+  void for_rows(F&& fn) {
+    for (int i = 0; i < kC; ++i) fn(i);
+  }
+  void sync() {}
+  void wait_mma() {}
+};
+
+// The host policy with the input dtype bound (vt reads v of that type).
+template <typename T>
+struct HostPolicyT : HostPolicy {
+  Frag<kC> vt(const Smem& v) { return vt_as<T>(v); }
+};
+
+// The inverse's operand type: fp16 (10-bit mantissa, as tf32) for 16-bit inputs, fp32 for the fp32
+// mirror.
+template <typename T> struct InvType { using type = __half; };
+template <> struct InvType<float> { using type = float; };
+
+template <typename T>
+void mirror_cta(const Args& a, int64_t hv, int64_t n) {
+  using P = HostPolicyT<T>;
+  using TInv = typename InvType<T>::type;
+  P p;
+  const int64_t H = a.H, HV = a.HV, h = hv / (HV / H);
+  std::vector<T> kq(2 * kC * kK), vt(kC * kV), ts(kC * kC), mm(kC * kC);
+  std::vector<TInv> at(kC * kC), dt(kC * kC);
+  PrepScratch s;
+  Gates gates;
+  auto S = std::make_unique<typename P::template Frag<kK>[]>(kStateWGs);
+  for (int wg = 0; wg < kStateWGs; ++wg)
+    P::for_each(S[wg], [&](int r, int c, float& x) {
+      x = a.h0 ? a.h0[((n * HV + hv) * kK + c) * kV + wg * kVB + r] : 0.f;
+    });
+  const T* q = static_cast<const T*>(a.q);
+  const T* k = static_cast<const T*>(a.k);
+  const T* v = static_cast<const T*>(a.v);
+  T* o = static_cast<T*>(a.o);
+  const typename P::Smem kq_b{kq.data(), kK, true}, k_mn{kq.data(), kK, false};
+  const typename P::Smem q_a{kq.data() + kC * kK, kK, true};
+  const typename P::Smem ts_s{ts.data(), kC, true}, m_s{mm.data(), kC, true};
+  const typename P::Smem at_s{at.data(), kC, true}, dt_s{dt.data(), kC, true};
+  for (int64_t j = a.cu_chunks[n]; j < a.cu_chunks[n + 1]; ++j) {
+    const int64_t start = a.table[j * 4 + 2];
+    const int length = a.table[j * 4 + 3];
+    // the TMA boxes: rows past T are 0; then prep zeroes the rows of other sequences (dead rows)
+    for (int r = 0; r < kC; ++r) {
+      const int64_t row = start + r;
+      const bool in = row >= 0 && row < a.T, live = r < length;
+      for (int c = 0; c < kK; ++c) {
+        kq[r * kK + c] = (in && live) ? k[(row * H + h) * kK + c] : from_f<T>(0.f);
+        kq[(kC + r) * kK + c] = (in && live) ? q[(row * H + h) * kK + c] : from_f<T>(0.f);
+        vt[r * kV + c] = (in && live) ? v[(row * HV + hv) * kV + c] : from_f<T>(0.f);
+      }
+    }
+    prep_chunk<P, T, TInv>(p, q_a, kq_b, s, length, a.scale, a.l2norm,
+                           [&](int i, float* g, float* b) { load_gate(a, start + i, hv, g, b); }, gates,
+                           at_s, at_s, dt_s, dt_s, ts_s, m_s);
+    for (int wg = 0; wg < kStateWGs; ++wg) {
+      const typename P::Smem v_t{vt.data() + wg * kVB, kV, false};
+      state_step<P, T>(p, S[wg], gates, kq_b, k_mn, ts_s, m_s, v_t, [&](typename P::template Frag<2 * kC>& acc) {
+        P::for_each_hi(acc, [&](int r, int c, float& x) {
+          if (c < length) o[((start + c) * HV + hv) * kV + wg * kVB + r] = from_f<T>(x);
+        });
+      });
+    }
+  }
+  if (a.ht)
+    for (int wg = 0; wg < kStateWGs; ++wg)
+      P::for_each(S[wg], [&](int r, int c, float& x) { a.ht[((n * HV + hv) * kK + c) * kV + wg * kVB + r] = x; });
+  int64_t pa, pb;
+  padding_after(a.table, a.cu_chunks, n, a.N, a.T, &pa, &pb);
+  const int64_t first = n == 0 ? padding_before(a.table, a.cu_chunks, a.N, a.T) : 0;
+  auto zero = [&](int64_t r0, int64_t r1) {
+    for (int64_t row = r0; row < r1; ++row)
+      for (int c = 0; c < kV; ++c) o[(row * HV + hv) * kV + c] = from_f<T>(0.f);
+  };
+  zero(pa, pb);
+  zero(0, first);
+}
+
+template <typename T>
+void run_mirror(const Args& a) {
+  for (int64_t n = 0; n < a.N; ++n)
+    for (int64_t hv = 0; hv < a.HV; ++hv) mirror_cta<T>(a, hv, n);
+}
+
+}  // namespace
+}  // namespace sm90
+}  // namespace gdn
+
+#include "chunk_gdr_fwd_sm90_device.cuh"
+
+namespace gdn {
+
+Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::uintptr_t stream) {
+  auto bad = [](const std::string& m) { return Status::invalid("chunk_gdr_fwd_sm90: " + m); };
+  if (p.K != sm90::kK || p.V != sm90::kV) return bad("K and V must be 128");
+  if (p.chunk_size != sm90::kC) return bad("chunk_size must be 64");
+  if (p.N < 0 || p.T < 0 || p.H < 1 || p.HV < 1 || p.HV % p.H != 0) return bad("sizes out of range");
+  if (p.T > kInt32Max) return bad("T must fit int32 (TMA coordinates)");
+  if (p.dtype != kF16 && p.dtype != kBF16 && !(host && p.dtype == kF32))
+    return bad("dtype must be float16 or bfloat16 (float32: host mirror only)");
+  if (p.raw_gates && (p.A_log == 0 || p.dt_bias == 0)) return bad("raw_gates needs A_log and dt_bias");
+  if (p.table == 0 || p.cu_chunks == 0 || (p.o == 0 && p.T > 0)) return bad("table, cu_chunks and o are required");
+  sm90::Args a{};
+  a.q = reinterpret_cast<const void*>(p.q);
+  a.k = reinterpret_cast<const void*>(p.k);
+  a.v = reinterpret_cast<const void*>(p.v);
+  a.g = reinterpret_cast<const float*>(p.g);
+  a.beta = reinterpret_cast<const float*>(p.beta);
+  a.A_log = reinterpret_cast<const float*>(p.A_log);
+  a.dt_bias = reinterpret_cast<const float*>(p.dt_bias);
+  a.h0 = reinterpret_cast<const float*>(p.initial_state);
+  a.table = reinterpret_cast<const int32_t*>(p.table);
+  a.cu_chunks = reinterpret_cast<const int32_t*>(p.cu_chunks);
+  a.o = reinterpret_cast<void*>(p.o);
+  a.ht = reinterpret_cast<float*>(p.final_state);
+  a.N = p.N;
+  a.T = p.T;
+  a.H = p.H;
+  a.HV = p.HV;
+  a.scale = p.scale;
+  a.l2norm = p.l2norm;
+  a.raw_gates = p.raw_gates;
+  if (host) {
+    switch (p.dtype) {
+      case kF32: sm90::run_mirror<float>(a); break;
+      case kF16: sm90::run_mirror<__half>(a); break;
+      default: sm90::run_mirror<__nv_bfloat16>(a); break;
+    }
+    return {};
+  }
+  Status st = use_device(device, "chunk_gdr_fwd_sm90");
+  if (!st.ok()) return st;
+  return sm90::launch(a, p.dtype, reinterpret_cast<cudaStream_t>(stream));
+}
+
+}  // namespace gdn

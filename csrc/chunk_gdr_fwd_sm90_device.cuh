@@ -1,0 +1,527 @@
+// The device side of chunk_gdr_fwd_sm90.cu (included there once): the wgmma / TMA / ldmatrix policy of
+// the tile program (chunk_gdr_sm90.cuh), the warp-specialised kernel and its launch. Shared tiles are
+// 128B-swizzled (TMA's CU_TENSOR_MAP_SWIZZLE_128B, the GMMA descriptors' B128 layout): element (r, c) of
+// a [rows, 64] 16-bit block at byte r * 128 + (((c / 8) ^ (r % 8)) * 16) + (c % 8) * 2, blocks 1024-aligned.
+#pragma once
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+namespace gdn {
+namespace sm90 {
+namespace {
+
+constexpr int kThreads = 512;              // producer, prep, two state warpgroups
+constexpr int kStages = 2;                 // TMA ring of (k, q, v) tiles; prep buffers: 2 as well
+constexpr uint32_t kBlock = 8192;          // one [64 rows, 64 cols] 16-bit block
+constexpr uint32_t kStageBytes = 6 * kBlock;
+constexpr int kRegsProducer = 24, kRegsPrep = 120, kRegsState = 184;   // 24 + 120 + 2 x 184 = 512
+static_assert(kRegsProducer + kRegsPrep + kStateWGs * kRegsState <= 65536 / 128, "register file");
+
+struct alignas(1024) Shared {
+  uint8_t kq[kStages][2][2 * kBlock];   // per stage and K half: [K rows 0..63 ; Q rows 0..63] x 64 cols
+  uint8_t v[kStages][2][kBlock];        // per stage and V half: [64 rows, 64 cols]
+  uint8_t ts[kStages][kBlock];          // Ts [c][c'] (input dtype)
+  uint8_t mm[kStages][kBlock];          // M [c][c']
+  uint8_t at[kBlock];                   // A^T (the inverse's operand type)
+  uint8_t dt[kBlock];                   // D_b^T
+  uint8_t ostage[kStateWGs][kBlock];    // O [c][v] of each state warpgroup
+  uint8_t sop[kStateWGs][2][kBlock];    // S^T [v][K] in the input dtype: the A operand of S^T [K; Q]^T
+  Gates gates[kStages];
+  PrepScratch scratch;
+  uint64_t full[kStages], empty[kStages], prepped[kStages], prepfree[kStages];
+};
+constexpr int kSmemBytes = sizeof(Shared) + 1024;     // + the 1024-byte alignment of the base
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ uint32_t swz(uint32_t row, uint32_t chunk) {   // byte offset in a block
+  return row * 128 + (((chunk ^ (row & 7)) & 7) << 4);
+}
+
+// ---- mbarriers and named barriers (with memory clobbers: the plain reads after a wait stay after it)
+__device__ __forceinline__ void mbar_init(uint64_t* b, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, int phase) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(b)), "r"(phase) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_u32(b)) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void fence_async_smem() {        // generic-proxy smem writes -> async proxy
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void named_sync(int id) {
+  asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+}
+template <int R>
+__device__ __forceinline__ void set_regs() {
+  if constexpr (R > 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
+  else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
+}
+
+// ---- GMMA operand types and instructions
+template <typename T> struct Gmma;
+template <> struct Gmma<__nv_bfloat16> {
+  template <cute::SM90::GMMA::Major B> using RS64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, B>;
+  template <cute::SM90::GMMA::Major B> using RS128 = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, B>;
+  using SS64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  using SS128 = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  static __device__ uint32_t pack(float x, float y) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ float2 unpack(uint32_t u) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+  }
+};
+template <> struct Gmma<__half> {
+  template <cute::SM90::GMMA::Major B> using RS64 = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, B>;
+  template <cute::SM90::GMMA::Major B> using RS128 = cute::SM90::GMMA::MMA_64x128x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, B>;
+  using SS64 = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  using SS128 = cute::SM90::GMMA::MMA_64x128x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  static __device__ uint32_t pack(float x, float y) {
+    __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ float2 unpack(uint32_t u) { return __half22float2(*reinterpret_cast<__half2*>(&u)); }
+};
+
+template <class MMA, size_t... I>
+__device__ __forceinline__ void rs_fma(const uint32_t (&a)[4], uint64_t desc, float* d, std::index_sequence<I...>) {
+  MMA::fma(a[0], a[1], a[2], a[3], desc, d[I]..., cute::SM90::GMMA::ScaleOut::One);
+}
+template <class MMA, size_t... I>
+__device__ __forceinline__ void ss_fma(uint64_t da, uint64_t db, float* d, std::index_sequence<I...>) {
+  MMA::fma(da, db, d[I]..., cute::SM90::GMMA::ScaleOut::One);
+}
+
+template <int NR>
+__device__ __forceinline__ void fence_regs(float* d) {
+#pragma unroll
+  for (int i = 0; i < NR; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+template <int NR>
+__device__ __forceinline__ void fence_regs(uint32_t* d) {
+#pragma unroll
+  for (int i = 0; i < NR; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+// ---- the device policy: one warpgroup, the thread's share of each tile
+template <typename T>
+struct DevPolicy {
+  int bar;           // the warpgroup's named barrier
+  uint32_t sop;      // state warpgroups: where a 64 x 128 A operand (S^T) goes (shared memory: registers
+                     // for S^T, the product and a register operand do not fit next to prep's)
+
+  template <int N>
+  struct Frag {
+    float d[N / 2];
+  };
+  template <typename U, int KD>
+  struct Op {
+    uint32_t r[KD / 16][4];
+  };
+  struct Smem {      // a tile in shared memory as a GMMA operand (B128 layout)
+    uint32_t addr;   // first block
+    uint32_t kstep;  // K-major: bytes between the 64-column blocks; MN-major: LBO (between the N halves)
+    bool kmajor;
+  };
+
+  // the thread's element i of a fragment: the wgmma accumulator layout (row, col) of thread t
+  static __device__ int tid_wg() { return static_cast<int>(threadIdx.x) & 127; }
+  static __device__ int row(int i) {
+    const int t = tid_wg();
+    return 16 * (t >> 5) + ((t & 31) >> 2) + 8 * ((i >> 1) & 1);
+  }
+  static __device__ int col(int i) { return 8 * (i >> 2) + 2 * (tid_wg() & 3) + (i & 1); }
+
+  template <int N, class F>
+  static __device__ void for_each(Frag<N>& f, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) fn(row(i), col(i), f.d[i]);
+  }
+  template <int N, class F>
+  static __device__ void for_each2(Frag<N>& f, Frag<N>& g, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) fn(row(i), col(i), f.d[i], g.d[i]);
+  }
+  template <class F>
+  static __device__ void for_each_lo(Frag<2 * kC>& f, Frag<kC>& v, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < kC / 2; ++i) fn(row(i), col(i), f.d[i], v.d[i]);
+  }
+  template <class F>
+  static __device__ void for_each_lo(Frag<2 * kC>& f, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < kC / 2; ++i) fn(row(i), col(i), f.d[i]);
+  }
+  template <class F>
+  static __device__ void for_each_hi(Frag<2 * kC>& f, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < kC / 2; ++i) fn(row(i), col(i), f.d[kC / 2 + i]);
+  }
+  template <int N>
+  static __device__ void zero(Frag<N>& f) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) f.d[i] = 0.f;
+  }
+
+  template <typename U, int KD, int N>
+  __device__ Op<U, KD> op(const Frag<N>& f, float sign) const {
+    Op<U, KD> o;
+    if constexpr (KD == kK) {          // S^T: to shared memory, [v][K] in two 64-column blocks
+      stmatrix<U>(f.d, sop, false);
+      stmatrix<U>(f.d + kC / 2, sop + kBlock, false);
+      sync();
+      return o;
+    }
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; ++kk)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) o.r[kk][j] = Gmma<U>::pack(sign * f.d[8 * kk + 2 * j], sign * f.d[8 * kk + 2 * j + 1]);
+    return o;
+  }
+  template <typename U>
+  __device__ Op<U, kC> op_lo(const Frag<2 * kC>& f, float sign) const {
+    return op<U, kC, 2 * kC>(f, sign);
+  }
+
+  static __device__ uint64_t desc(uint32_t addr, uint32_t lbo) {
+    cute::GmmaDescriptor g;
+    g.bitfield.start_address_ = static_cast<uint16_t>((addr & 0x3FFFF) >> 4);
+    g.bitfield.leading_byte_offset_ = static_cast<uint16_t>(lbo >> 4);
+    g.bitfield.stride_byte_offset_ = 1024 >> 4;      // 8 rows of 128 B
+    g.bitfield.base_offset_ = 0;
+    g.bitfield.layout_type_ = 1;                       // B128
+    return g.desc_;
+  }
+  // the descriptor of k-step kk (16 rows of K): K-major: +32 B within a 128 B row, then the next block;
+  // MN-major: +16 rows of 128 B
+  static __device__ uint64_t desc_k(const Smem& b, int kk) {
+    if (b.kmajor) return desc(b.addr + (kk >> 2) * b.kstep + (kk & 3) * 32, 16);
+    return desc(b.addr + kk * 2048, b.kstep);
+  }
+
+  template <typename U, int KD, int NCOL>
+  __device__ void mma_n(float* d, const Op<U, KD>& a, const Smem& b) const {
+    using namespace cute::SM90::GMMA;
+    fence_regs<NCOL / 2>(d);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; ++kk) {
+      const uint64_t db = desc_k(b, kk);
+      if constexpr (KD == kK) {        // the operand op() left in shared memory
+        static_assert(NCOL == 128, "S^T [K; Q]^T only");
+        ss_fma<typename Gmma<U>::SS128>(desc_k(Smem{sop, kBlock, true}, kk), db, d, std::make_index_sequence<64>{});
+      } else if constexpr (NCOL == 128) {
+        if (b.kmajor) rs_fma<typename Gmma<U>::template RS128<Major::K>>(a.r[kk], db, d, std::make_index_sequence<64>{});
+        else rs_fma<typename Gmma<U>::template RS128<Major::MN>>(a.r[kk], db, d, std::make_index_sequence<64>{});
+      } else {
+        if (b.kmajor) rs_fma<typename Gmma<U>::template RS64<Major::K>>(a.r[kk], db, d, std::make_index_sequence<32>{});
+        else rs_fma<typename Gmma<U>::template RS64<Major::MN>>(a.r[kk], db, d, std::make_index_sequence<32>{});
+      }
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_regs<NCOL / 2>(d);
+    if constexpr (KD != kK) fence_regs<KD / 4>(const_cast<uint32_t*>(&a.r[0][0]));   // live until the wait
+  }
+  template <typename U, int KD, int N>
+  __device__ void mma(Frag<N>& acc, const Op<U, KD>& a, const Smem& b) const { mma_n<U, KD, N>(acc.d, a, b); }
+  template <typename U>
+  __device__ void mma_lo(Frag<2 * kC>& acc, const Op<U, kC>& a, const Smem& b) const { mma_n<U, kC, kC>(acc.d, a, b); }
+  template <typename U>
+  __device__ void mma_hi(Frag<2 * kC>& acc, const Op<U, kC>& a, const Smem& b) const {
+    mma_n<U, kC, kC>(acc.d + kC / 2, a, b);
+  }
+  template <typename U>
+  __device__ void mma_ss(Frag<kC>& acc, const Smem& a, const Smem& b) const {
+    fence_regs<kC / 2>(acc.d);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < kK / 16; ++kk)
+      ss_fma<typename Gmma<U>::SS64>(desc_k(a, kk), desc_k(b, kk), acc.d, std::make_index_sequence<32>{});
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_regs<kC / 2>(acc.d);
+  }
+  __device__ void wait_mma() const {}
+
+  // a 64 x 64 fragment (32 floats in the accumulator layout) to a B128 block, rounded to U; with
+  // transpose the block holds its transpose (stmatrix .trans)
+  template <typename U>
+  __device__ void stmatrix(const float* d, uint32_t dst, bool transpose) const {
+    const int wtid = tid_wg(), lane = wtid & 31, w = wtid >> 5, mi = lane >> 3, j = lane & 7;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      uint32_t r[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int h = i & 1, a = 2 * p + (i >> 1);
+        r[i] = Gmma<U>::pack(d[4 * a + 2 * h], d[4 * a + 2 * h + 1]);
+      }
+      const int h = mi & 1, a = 2 * p + (mi >> 1);
+      if (transpose) {
+        const uint32_t addr = dst + swz(8 * a + j, 2 * w + h);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+      } else {
+        const uint32_t addr = dst + swz(16 * w + 8 * h + j, a);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+      }
+    }
+  }
+  template <typename U, int N>
+  __device__ void store(const Frag<N>& f, const Smem& dst, bool transpose) const {
+    static_assert(N == kC, "64 x 64 tiles only");
+    stmatrix<U>(f.d, dst.addr, transpose);
+  }
+  // V^T [64 v, 64 c] of this warpgroup's 64 columns of the v tile (ldmatrix .trans)
+  __device__ Frag<kC> vt(const Smem& v) const {
+    Frag<kC> f;
+    const int wtid = tid_wg(), lane = wtid & 31, w = wtid >> 5, mi = lane >> 3, j = lane & 7;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int h = mi & 1, a = 2 * p + (mi >> 1);
+      const uint32_t addr = v.addr + swz(8 * a + j, 2 * w + h);
+      uint32_t r[4];
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int hi = i & 1, ai = 2 * p + (i >> 1);
+        const float2 x = Gmma<T>::unpack(r[i]);
+        f.d[4 * ai + 2 * hi] = x.x;
+        f.d[4 * ai + 2 * hi + 1] = x.y;
+      }
+    }
+    return f;
+  }
+  // sum of squares of row i of a K-major [rows, 128] tile (two blocks kstep apart)
+  template <typename U>
+  __device__ float row_sumsq(const Smem& t, int i) const {
+    float s = 0.f;
+#pragma unroll
+    for (int kc = 0; kc < 2; ++kc)
+#pragma unroll
+      for (int x = 0; x < 8; ++x) {
+        uint32_t r[4];
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(t.addr + kc * t.kstep + swz(i, x)) : "memory");
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = Gmma<U>::unpack(r[e]);
+          s += f.x * f.x;
+          s += f.y * f.y;
+        }
+      }
+    return s;
+  }
+  template <class F>
+  __device__ void for_rows(F&& fn) const {
+    if (tid_wg() < kC) fn(tid_wg());
+  }
+  __device__ void sync() const {
+    fence_async_smem();
+    named_sync(bar);
+  }
+};
+
+
+// ---- the kernel
+__device__ __forceinline__ void zero16(uint32_t addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0) : "memory");
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                          const __grid_constant__ CUtensorMap tm_v, const Args a) {
+  using P = DevPolicy<T>;
+  using TInv = __half;
+  extern __shared__ uint8_t smem_raw[];
+  Shared& sm = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
+  const int64_t hv = blockIdx.x, n = blockIdx.y, HV = a.HV;
+  const int h = static_cast<int>(hv / (HV / a.H));
+  const int64_t c0 = a.cu_chunks[n], c1 = a.cu_chunks[n + 1];
+  const int nchunks = static_cast<int>(c1 - c0);
+  if (tid == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(&sm.full[i], 1);
+      mbar_init(&sm.empty[i], 3 * 128);          // prep and both state warpgroups, every thread
+      mbar_init(&sm.prepped[i], 128);
+      mbar_init(&sm.prepfree[i], kStateWGs * 128);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {                                  // ---- producer
+    set_regs<kRegsProducer>();
+    if (wtid == 0) {
+      for (int it = 0; it < nchunks; ++it) {
+        const int st = it % kStages;
+        if (it >= kStages) mbar_wait(&sm.empty[st], ((it / kStages) + 1) & 1);
+        const int32_t start = a.table[(c0 + it) * 4 + 2];
+        mbar_expect_tx(&sm.full[st], kStageBytes);
+        for (int half = 0; half < 2; ++half) {
+          cute::SM90_TMA_LOAD_3D::copy(&tm_k, &sm.full[st], 0, sm.kq[st][half], half * 64, h, start);
+          cute::SM90_TMA_LOAD_3D::copy(&tm_q, &sm.full[st], 0, sm.kq[st][half] + kBlock, half * 64, h, start);
+          cute::SM90_TMA_LOAD_3D::copy(&tm_v, &sm.full[st], 0, sm.v[st][half], half * 64, static_cast<int>(hv), start);
+        }
+      }
+    }
+    return;
+  }
+
+  if (wg == 1) {                                  // ---- prep
+    set_regs<kRegsPrep>();
+    P p{1, 0};
+    const typename P::Smem at{smem_u32(sm.at), 0, true}, dt{smem_u32(sm.dt), 0, true};
+    for (int it = 0; it < nchunks; ++it) {
+      const int st = it % kStages, ph = (it / kStages) & 1;
+      mbar_wait(&sm.full[st], ph);
+      if (it >= kStages) mbar_wait(&sm.prepfree[st], ph ^ 1);
+      const int64_t j = c0 + it;
+      const int64_t start = a.table[j * 4 + 2];
+      const int length = a.table[j * 4 + 3];
+      if (length < kC) {                          // rows of other sequences (TMA loads them): 0
+        for (int e = wtid; e < (kC - length) * 8; e += 128) {
+          const uint32_t r = length + e / 8, x = e % 8;
+          for (int half = 0; half < 2; ++half) {
+            zero16(smem_u32(sm.kq[st][half]) + swz(r, x));
+            zero16(smem_u32(sm.kq[st][half]) + kBlock + swz(r, x));
+            zero16(smem_u32(sm.v[st][half]) + swz(r, x));
+          }
+        }
+      }
+      p.sync();
+      const typename P::Smem k_t{smem_u32(sm.kq[st][0]), 2 * kBlock, true};
+      const typename P::Smem q_t{smem_u32(sm.kq[st][0]) + kBlock, 2 * kBlock, true};
+      const typename P::Smem ts{smem_u32(sm.ts[st]), 0, true}, m{smem_u32(sm.mm[st]), 0, true};
+      prep_chunk<P, T, TInv>(p, q_t, k_t, sm.scratch, length, a.scale, a.l2norm,
+                             [&](int i, float* g, float* b) { load_gate(a, start + i, hv, g, b); }, sm.gates[st],
+                             at, at, dt, dt, ts, m);
+      fence_async_smem();                         // Ts, M are read by wgmma (async proxy)
+      mbar_arrive(&sm.prepped[st]);
+      mbar_arrive(&sm.empty[st]);
+    }
+    return;
+  }
+
+  // ---- state warpgroups: value columns vb * 64 .. vb * 64 + 63
+  set_regs<kRegsState>();
+  const int vb = wg - 2;
+  P p{1 + wg, smem_u32(sm.sop[vb][0])};
+  typename P::template Frag<kK> S;
+  const float* h0 = a.h0 ? a.h0 + (n * HV + hv) * kK * kV : nullptr;
+  P::for_each(S, [&](int r, int c, float& x) { x = h0 ? h0[c * kV + vb * kVB + r] : 0.f; });
+  T* o = static_cast<T*>(a.o);
+  const uint32_t ostage = smem_u32(sm.ostage[vb]);
+  for (int it = 0; it < nchunks; ++it) {
+    const int st = it % kStages, ph = (it / kStages) & 1;
+    mbar_wait(&sm.full[st], ph);
+    mbar_wait(&sm.prepped[st], ph);
+    const int64_t j = c0 + it;
+    const int64_t start = a.table[j * 4 + 2];
+    const int length = a.table[j * 4 + 3];
+    const uint32_t kq = smem_u32(sm.kq[st][0]);
+    const typename P::Smem kq_b{kq, 2 * kBlock, true}, k_mn{kq, 2 * kBlock, false};
+    const typename P::Smem ts{smem_u32(sm.ts[st]), 0, true}, m{smem_u32(sm.mm[st]), 0, true};
+    const typename P::Smem v{smem_u32(sm.v[st][vb]), 0, true};
+    state_step<P, T>(p, S, sm.gates[st], kq_b, k_mn, ts, m, v, [&](typename P::template Frag<2 * kC>& acc) {
+      p.template stmatrix<T>(acc.d + kC / 2, ostage, true);      // O [c][v] in the staging block
+      named_sync(p.bar);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int id = wtid + 128 * i, c = id >> 3, x = id & 7;
+        if (c < length) {
+          uint4 val;
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(ostage + swz(c, x)) : "memory");
+          *reinterpret_cast<uint4*>(o + ((start + c) * HV + hv) * kV + vb * kVB + 8 * x) = val;
+        }
+      }
+      named_sync(p.bar);                          // the staging block is rewritten next chunk
+    });
+    mbar_arrive(&sm.prepfree[st]);
+    mbar_arrive(&sm.empty[st]);
+  }
+  if (a.ht) {
+    float* ht = a.ht + (n * HV + hv) * kK * kV;
+    P::for_each(S, [&](int r, int c, float& x) { ht[c * kV + vb * kVB + r] = x; });
+  }
+  int64_t pa, pb;
+  padding_after(a.table, a.cu_chunks, n, a.N, a.T, &pa, &pb);
+  const int64_t first = n == 0 ? padding_before(a.table, a.cu_chunks, a.N, a.T) : 0;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int pass = 0; pass < 2; ++pass) {
+    const int64_t r0 = pass ? 0 : pa, r1 = pass ? first : pb;
+    for (int64_t e = wtid; e < (r1 - r0) * 8; e += 128)
+      *reinterpret_cast<uint4*>(o + ((r0 + e / 8) * HV + hv) * kV + vb * kVB + 8 * (e % 8)) = zero;
+  }
+}
+
+// ---- launch: TMA descriptors (driver entry point through the runtime: no libcuda link)
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+Status encode_tiled(EncodeTiled enc, CUtensorMap* m, CUtensorMapDataType ty, const void* base, int64_t cols,
+                    int64_t heads, int64_t rows) {
+  if ((reinterpret_cast<std::uintptr_t>(base) & 15) != 0)
+    return Status::invalid("chunk_gdr_fwd_sm90: q, k, v must be 16-byte aligned (TMA)");
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(rows > 0 ? rows : 1)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * 2), static_cast<cuuint64_t>(heads * cols * 2)};
+  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(kC)};
+  const cuuint32_t estr[3] = {1, 1, 1};
+  const CUresult r = enc(m, ty, 3, const_cast<void*>(base), dims, strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                         CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return {StatusKind::kCudaError, "chunk_gdr_fwd_sm90: cuTensorMapEncodeTiled failed (" + std::to_string(r) + ")"};
+  return {};
+}
+
+template <typename T>
+Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &q);
+  if (e != cudaSuccess || fn == nullptr) return cuda_error("chunk_gdr_fwd_sm90: cuTensorMapEncodeTiled", e);
+  const auto enc = reinterpret_cast<EncodeTiled>(fn);
+  CUtensorMap tq, tk, tv;
+  Status st = encode_tiled(enc, &tq, ty, a.q, kK, a.H, a.T);
+  if (st.ok()) st = encode_tiled(enc, &tk, ty, a.k, kK, a.H, a.T);
+  if (st.ok()) st = encode_tiled(enc, &tv, ty, a.v, kV, a.HV, a.T);
+  if (!st.ok()) return st;
+  auto kernel = chunk_gdr_fwd_sm90_kernel<T>;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return cuda_error("chunk_gdr_fwd_sm90: cudaFuncSetAttribute", e);
+  if (a.N > 65535) return Status::invalid("chunk_gdr_fwd_sm90: at most 65535 sequences");
+  kernel<<<dim3(static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N)), kThreads, kSmemBytes, stream>>>(tq, tk, tv, a);
+  return launch_status("chunk_gdr_fwd_sm90");
+}
+
+Status launch(const Args& a, int dtype, cudaStream_t stream) {
+  if (a.N == 0 || a.HV == 0) return {};
+  if (dtype == kF16) return launch_t<__half>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+  return launch_t<__nv_bfloat16>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
+}
+
+}  // namespace
+}  // namespace sm90
+}  // namespace gdn
