@@ -11,13 +11,12 @@ import os
 import sys
 import time
 
+from bench.common import UsageError
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "local")
 MODES = ("fwd", "bwd", "fwdbwd")
 FALLBACK_WIDTH = 100        # table width when no terminal is attached and COLUMNS is unset
-
-
-class UsageError(Exception):
-    """A bad command line: main() prints it as one line and exits with status 2."""
+MIN_REPEATS = 3             # timed calls on CPU: a median and 20th/80th percentiles need three
 
 
 def _csv(s):
@@ -42,7 +41,7 @@ def parser():
     ap.add_argument("--baseline", default=None, help="provider the speed-ups are against "
                     "(default: fla on GPU, hf-torch on CPU)")
     ap.add_argument("--warmup", type=int, default=1, help="CPU warm-up calls")
-    ap.add_argument("--repeats", type=int, default=5, help="CPU timed calls (at least 3)")
+    ap.add_argument("--repeats", type=int, default=5, help=f"CPU timed calls (at least {MIN_REPEATS})")
     ap.add_argument("--budget-s", type=float, default=8.0, help="CPU: stop repeating a case after this long")
     ap.add_argument("--cuda-graph", action="store_true", help="GPU: time CUDA-graph replays")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory call")
@@ -61,6 +60,9 @@ def main(argv=None):
     if argv and argv[0] in COMMANDS:
         command = argv.pop(0)
     try:
+        if argv and command == "run" and not argv[0].startswith("-"):    # `run` takes options only
+            raise UsageError(f"unknown command {argv[0]!r}; valid: {', '.join(COMMANDS)} "
+                             "(or run's options: python -m bench --help)")
         return COMMANDS[command](argv)
     except UsageError as e:
         print(f"python -m bench: error: {e}", file=sys.stderr)
@@ -175,6 +177,9 @@ class BarProgress:
 
 def run_command(argv):
     args = parser().parse_args(argv)
+    if args.repeats < MIN_REPEATS:
+        raise UsageError(f"--repeats must be at least {MIN_REPEATS} (a median and the 20th/80th percentiles), "
+                         f"got {args.repeats}")
     jobs, suite = jobs_for(args)
     check_names(args)
     device = resolve_device(args.device)

@@ -1,4 +1,5 @@
-"""What every op module of the benchmark shares: the prepared case, skip/fail signals, inputs."""
+"""What every module of the benchmark shares: the prepared case, skip/fail signals, inputs, and the
+command-line error every subcommand raises (UsageError)."""
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple
 
@@ -7,6 +8,10 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 NEEDS_GPU = "needs a GPU (the interpreter is not a benchmark)"
+
+
+class UsageError(Exception):
+    """A bad command line: bench.cli.main prints it as one line and exits with status 2."""
 
 
 class Skip(Exception):

@@ -7,6 +7,8 @@ provider next to the ideal ratio (padded tokens / real tokens).
 import argparse
 import os
 
+from bench.common import UsageError
+
 
 def main(argv):
     ap = argparse.ArgumentParser(prog="python -m bench plot")
@@ -14,7 +16,6 @@ def main(argv):
     ap.add_argument("-o", "--out", default=None, help="PNG path (default: FILE with .png)")
     args = ap.parse_args(argv)
     if not os.path.isfile(args.file):
-        from bench.cli import UsageError
         raise UsageError(f"plot: no results file {args.file!r}")
     out = args.out or os.path.splitext(args.file)[0] + ".png"
     plot(args.file, out)

@@ -178,6 +178,40 @@ def test_a_providers_warning_goes_into_its_row_note(tmp_path, capsys):
     assert "rolling back" not in capsys.readouterr().err
 
 
+def test_fla_platform_warning_is_not_a_note(tmp_path):
+    """FLA warns 'Triton is not supported on current platform' at import wherever Triton has no GPU;
+    transformers imports FLA, so every hf-torch row carried it (issue 29): it is no row's note."""
+    right = providers.PROVIDERS["gdr"]["ours-torch"].call
+
+    def warns(q, k, v, g, beta, cu):
+        warnings.warn("Triton is not supported on current platform, roll back to CPU.", UserWarning)
+        return right(q, k, v, g, beta, cu)
+    p = providers.register(Provider("warns", gdr.FAMILY, warns))
+    try:
+        rc = main(["--scenarios", "TINY_N3_T201_H2x4_K32_V32", "--providers", "warns", "--modes", "fwd",
+                   "--out", str(tmp_path), "--no-memory", *FAST])
+    finally:
+        providers.unregister(p)
+    assert rc == 0
+    rows = output.load(glob.glob(str(tmp_path / "*.json"))[0])
+    assert not any("Triton is not supported" in r["note"] for r in rows)
+
+
+@pytest.mark.parametrize("repeats", ["1", "2", "0"])
+def test_fewer_repeats_than_the_help_says_exit_2(repeats, capsys):
+    assert "at least 3" in " ".join(parser().format_help().split())
+    assert main(["--scenarios", "TINY_N3_T201_H2x4_K32_V32", "--repeats", repeats, "--no-save"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--repeats must be at least 3" in err[0], err
+
+
+def test_a_misspelled_subcommand_lists_the_valid_ones(capsys):
+    assert main(["plott", "results.csv"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown command 'plott'" in err[0], err
+    assert all(name in err[0] for name in ("run", "list", "plot", "kernels")), err
+
+
 def test_gate_rejects_a_wrong_provider_and_does_not_time_it(tmp_path, capsys):
     right = providers.PROVIDERS["gdr"]["ours-torch"].call
 
