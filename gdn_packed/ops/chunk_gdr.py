@@ -33,6 +33,7 @@ from gdn_packed import segments
 from gdn_packed.ops import BACKENDS
 from gdn_packed.ops._common import compute_dtype, new_output, refuse_float64, resolve_backend
 from gdn_packed.ops._dispatch import TABLE, kernel
+from gdn_packed.ops._fla_compat import fla_keywords
 from gdn_packed.ops.chunk_table import chunk_slots, make_chunk_table
 
 OP = "chunk_gated_delta_rule"
@@ -180,11 +181,12 @@ def _backward(ctx, do, dht, _dkept):
 chunk_gdr_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           cu_seqlens=None, *, cu_seqlens_padded=None, use_qk_l2norm_in_kernel=False,
-                           A_log=None, dt_bias=None, backend="auto", validate=False):
+def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, *,
+                           cu_seqlens=None, cu_seqlens_padded=None, use_qk_l2norm_in_kernel=False,
+                           A_log=None, dt_bias=None, backend="auto", validate=False, **kwargs):
     """The gated delta rule over packed sequences, computed in chunks of 64 tokens; forward and
-    backward (docs/DESIGN.md sections 2-4). Arguments follow FLA's chunk_gated_delta_rule.
+    backward (docs/DESIGN.md sections 2-4). Arguments follow FLA's chunk_gated_delta_rule: the eight
+    positional ones are FLA's (fla-core <= 0.6.0), everything after them is keyword-only.
 
     Per sequence and value head the state S [K, V] (float32) starts at initial_state (or 0) and each
     token does S = exp(g_t) S + k_t beta_t (v_t - exp(g_t) S^T k_t)^T, then o_t = scale S^T q_t.
@@ -226,6 +228,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             non-decreasing, within the rows. That reads them back to the host, so it is off by
             default on CUDA tensors (the op then never synchronises); GDN_PACKED_VALIDATE=1 turns it
             on everywhere. CPU tensors are always checked (free there).
+        kwargs: FLA's and transformers' other keywords (gdn_packed/ops/_fla_compat.py): ignored when
+            they do not change the result (use_cache, chunk_size, head_first=False, ...); FLA's fused
+            gating use_gate_in_kernel=True with use_beta_sigmoid_in_kernel=True maps onto A_log /
+            dt_bias; a value asking for anything else (head_first=True, state_v_first=True, seq_idx
+            without cu_seqlens, ...) is a ValueError, an unknown keyword a TypeError.
 
     Returns:
         (o, final_state): o [B, T, HV, V] in v's dtype; final_state [N, HV, K, V] float32, or None
@@ -233,6 +240,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
 
     Bad inputs raise TypeError / ValueError naming the argument, before any launch.
     """
+    dt_bias = fla_keywords(OP, kwargs, cu_seqlens, A_log, dt_bias, fused_gate=True)
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale)
     _check_gates(A_log, dt_bias, v.shape[2], q.device)
     segments.check_values_where_free(cu_seqlens, cu_seqlens_padded, q.shape[1], validate)

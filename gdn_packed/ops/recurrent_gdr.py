@@ -20,6 +20,7 @@ from gdn_packed import segments
 from gdn_packed.ops import BACKENDS
 from gdn_packed.ops._common import new_output, resolve_backend
 from gdn_packed.ops._dispatch import kernel
+from gdn_packed.ops._fla_compat import fla_keywords
 
 OP = "fused_recurrent_gated_delta_rule"
 MAX_HEAD_DIM = 256
@@ -71,11 +72,13 @@ def _(q, k, v, g, beta, state_pool, state_indices, cu_seqlens, cu_seqlens_padded
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                                     cu_seqlens=None, *, cu_seqlens_padded=None, state_indices=None,
-                                     use_qk_l2norm_in_kernel=False, backend="auto", validate=False):
+                                     *, cu_seqlens=None, cu_seqlens_padded=None, state_indices=None,
+                                     use_qk_l2norm_in_kernel=False, backend="auto", validate=False, **kwargs):
     """The gated delta rule one token at a time over packed sequences: the decode / verify /
     short-prefill path; forward only (train with chunk_gated_delta_rule). docs/DESIGN.md sections 2-3.
-    Arguments follow FLA's fused_recurrent_gated_delta_rule, plus state_indices for a state pool.
+    Arguments follow FLA's fused_recurrent_gated_delta_rule, plus state_indices for a state pool; the
+    eight positional ones are those of chunk_gated_delta_rule (fla-core 0.6.0 puts gk, gv between g and
+    beta: pass beta by keyword there), everything after them is keyword-only.
 
     Per sequence and value head: S = exp(g_t) S + k_t beta_t (v_t - exp(g_t) S^T k_t)^T,
     o_t = scale S^T q_t, with S [K, V] float32.
@@ -113,12 +116,17 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
             non-decreasing, within the rows. That reads them back to the host, so it is off by
             default on CUDA tensors (the op then never synchronises); GDN_PACKED_VALIDATE=1 turns it
             on everywhere. CPU tensors are always checked (free there).
+        kwargs: FLA's and transformers' other keywords (gdn_packed/ops/_fla_compat.py): ignored when
+            they do not change the result (use_cache, gk=None, head_first=False, ...); a value asking
+            for anything else (use_gate_in_kernel=True, gk, seq_idx without cu_seqlens, ...) is a
+            ValueError, an unknown keyword a TypeError.
 
     Returns:
         (o, final_state): o [B, T, HV, V] in v's dtype; final_state as output_final_state says.
 
     Bad inputs raise TypeError / ValueError naming the argument, before any launch.
     """
+    fla_keywords(OP, kwargs, cu_seqlens)
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, state_indices, scale)
     segments.check_values_where_free(cu_seqlens, cu_seqlens_padded, q.shape[1], validate)
     if V.want_validate(validate) and state_indices is not None:
