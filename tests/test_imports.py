@@ -1,12 +1,18 @@
-"""The import graph of gdn_packed has no cycle: read from the source (ast, every import statement,
-including those inside functions), not from what happens to be imported at runtime, so a lazy import
-that hides a cycle is found as well."""
+"""The import graph of the repository has no cycle: gdn_packed, bench (its package and the sm_90 tools),
+tools/, tests/ and examples/. Read from the source (ast, every import statement, including those inside
+functions), not from what happens to be imported at runtime, so a lazy import that hides a cycle is found
+as well."""
 import ast
 from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parents[1] / "gdn_packed"
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "gdn_packed"
+# the places Python code lives; a directory with __init__.py is a package (dotted names from the repo
+# root), the others (tools/, tests/, examples/) put their files on sys.path as top-level modules
+CODE_DIRS = ("gdn_packed", "bench", "tools", "tests", "examples")
+SKIP = {"__pycache__", ".venv", "build"}
 
 
 def _module_name(path, root):
@@ -30,10 +36,21 @@ def _resolve(node, module, is_package, known):
     return [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in known else prefix for a in node.names]
 
 
-def import_graph(root=PKG):
-    """{module: set of gdn_packed modules it imports}, from every .py file under root."""
-    files = {_module_name(p, root): p for p in root.rglob("*.py")}
-    known = set(files) | {f"{root.name}._C"}     # the compiled extension (csrc/), built or not: a leaf
+def _files(root):
+    """{module name: path} of the .py files under root: dotted from root's parent when root is a
+    package, else each file a top-level module (a script directory on sys.path)."""
+    if (root / "__init__.py").is_file():
+        return {_module_name(p, root): p for p in root.rglob("*.py") if not SKIP & set(p.parts)}
+    return {p.stem: p for p in root.glob("*.py")}
+
+
+def import_graph(*roots):
+    """{module: set of the walked modules it imports}, from every .py file under the roots (default:
+    the package gdn_packed alone)."""
+    files = {}
+    for root in roots or (PKG,):
+        files.update(_files(root))
+    known = set(files) | {"gdn_packed._C"}     # the compiled extension (csrc/), built or not: a leaf
     graph = {}
     for module, path in files.items():
         deps = set()
@@ -44,6 +61,12 @@ def import_graph(root=PKG):
                         deps.add(name)
         graph[module] = deps
     return graph
+
+
+def repo_graph():
+    """The import graph of every code directory of the repository (CODE_DIRS) and its top-level files
+    (setup.py)."""
+    return import_graph(REPO, *(REPO / d for d in CODE_DIRS if (REPO / d).is_dir()))
 
 
 def find_cycle(graph):
@@ -77,6 +100,17 @@ def find_cycle(graph):
 def test_gdn_packed_imports_have_no_cycle():
     graph = import_graph()
     assert "gdn_packed.segments" in graph and "gdn_packed.ops.chunk_gdr" in graph
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycle_anywhere_in_the_repository():
+    """bench/ (bench/cli.py <-> bench/plot.py was one, through UsageError), tools/, tests/ and
+    examples/ too, and the edges between them (bench and tools import gdn_packed, tests import all)."""
+    graph = repo_graph()
+    assert {"bench.cli", "bench.plot", "bench.common", "gpu_check", "gpu_tests", "conftest",
+            "test_imports", "setup"} <= set(graph)
+    assert "gdn_packed.testing" in graph["gpu_check"] and "bench.cli" in graph["test_bench"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
