@@ -1,7 +1,7 @@
 """python -m bench [run] [options]   run a suite or chosen scenarios (default: the `default` suite)
 python -m bench list              list scenarios, suites and providers
 python -m bench plot FILE [-o P]  draw a saved results file (.csv or .json) to PNG
-python -m bench kernels [...]     static sm_90 report of the Triton kernels (no GPU; see bench/sm90.py)
+python -m bench kernels [...]     static sm_90 report of the Triton kernels (no GPU; see bench/sm90/)
 
 Results go to bench/results/local/ (ignored by git); copy a run worth keeping to bench/results/
 under a name that says what it is.
@@ -257,47 +257,13 @@ def plot_command(argv):
 
 
 def kernels_command(argv):
-    """The static sm_90 report: every Triton kernel the launchers run (ours and FLA 0.6.0's), compiled for
-    the H200 without a GPU, with registers, shared memory, spills, occupancy, per-iteration SASS counts
-    of the sequential chunk loop and a byte/FLOP/latency model (bench/NOTES.md, "sm_90 report")."""
-    ap = argparse.ArgumentParser(prog="python -m bench kernels", description=kernels_command.__doc__)
-    ap.add_argument("--shape", action="append", help="anchor, 32x1024 or N,L,H,HV,K,V (repeatable; "
-                    "default: anchor and 32x1024)")
-    ap.add_argument("--dtype", type=_csv, default=("bf16", "fp32"), help="bf16,fp16,fp32 (default bf16,fp32)")
-    ap.add_argument("--modes", type=_csv, default=("fwd", "bwd"), help="fwd,bwd (default both)")
-    ap.add_argument("--no-fla", action="store_true", help="leave FLA 0.6.0's kernels out")
-    ap.add_argument("--json", help="write the rows as JSON here")
-    ap.add_argument("--csv", help="write the rows as CSV here")
-    ap.add_argument("--txt", help="write the table here")
-    args = ap.parse_args(argv)
-    from bench import sm90
-    _one_of("dtype", args.dtype, list(sm90._DTYPES))
-    _one_of("mode", args.modes, ("fwd", "bwd"))
+    """The static sm_90 report (bench/sm90/command.py)."""
+    from bench.sm90 import command
     try:
-        shapes = [sm90.parse_shape(s) for s in (args.shape or sm90.DEFAULT_SHAPES)]
+        args = command.parse(argv)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    why = sm90.toolchain_missing()
-    if why:
-        raise UsageError(f"kernels: {why}")
-    fla = not args.no_fla and not sm90.fla_missing()
-    if not args.no_fla and not fla:
-        print(f"kernels: {sm90.fla_missing()}: FLA rows left out", file=sys.stderr)
-    if not (args.json or args.csv or args.txt):
-        stem = os.path.join(RESULTS_DIR, time.strftime("%Y-%m-%d_%H%M%S") + "_sm90")
-        args.json, args.csv, args.txt = stem + ".json", stem + ".csv", stem + ".txt"
-    t0 = time.perf_counter()
-    log = lambda m: print(m, file=sys.stderr, flush=True)    # noqa: E731
-    rows, totals, meta = sm90.run_report(shapes, args.dtype, args.modes, fla=fla, log=log)
-    import triton
-    meta.update(triton=triton.__version__, shapes={n: d for n, d in shapes}, modes=list(args.modes),
-                dtypes=list(args.dtype))
-    text = sm90.format_table(rows, totals, meta)
-    print(text)
-    sm90.write_outputs(rows, totals, meta, args.json, args.csv, args.txt, text)
-    log(f"done in {time.perf_counter() - t0:.1f} s; " + ", ".join(
-        os.path.relpath(p) for p in (args.json, args.csv, args.txt) if p))
-    return 0
+    return command.run(args)
 
 
 COMMANDS = {"run": run_command, "list": list_command, "plot": plot_command, "kernels": kernels_command}

@@ -25,7 +25,7 @@ def sm90_toolchain():
     """For the sm_90 compile tests: skips, with the reason, where triton or its CUDA tools (ptxas,
     cuobjdump) are absent; fails where triton is installed but its CUDA backend cannot be imported, so
     that an ImportError never turns those tests into a silent skip."""
-    from bench.sm90 import toolchain_missing
+    from bench.sm90.toolchain import toolchain_missing
     why = toolchain_missing()
     if why and importlib.util.find_spec("triton") is not None and why.startswith("triton is not installed"):
         pytest.fail(f"triton is installed, yet: {why}")

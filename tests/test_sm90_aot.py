@@ -1,8 +1,8 @@
 """Ahead-of-time check of every Triton kernel the chunked gated delta rule can launch, for the H200
 (sm_90), without a GPU: one harness for the forward and the backward.
 
-The launches are not listed here: bench/sm90.py runs the op bodies (backend="triton") on meta tensors
-with JITFunction.run recording each launch (kernel, signature, constexprs, options, grid) instead of
+The launches are not listed here: bench/sm90/launches.py runs the op bodies (backend="triton") on meta
+tensors with JITFunction.run recording each launch (kernel, signature, constexprs, options, grid) instead of
 running it, for every case below at two shapes (HOT: many programs, every sequence one pass; LONG: few
 long sequences, the segmented passes with their pass A and combine kernels), and compiles each
 distinct launch with triton.compile for sm_90 (in a subprocess without TRITON_INTERPRET, which
@@ -60,20 +60,20 @@ def _compile_all():
     """Runs in the subprocess: one JSON line per (case, launch)."""
     import torch
 
-    from bench import sm90
-    rec = sm90.Recorder()
+    from bench.sm90 import launches, toolchain
+    rec = launches.Recorder()
     recorded = []
-    with sm90.fake_hopper(), rec.active():
+    with launches.fake_hopper(), rec.active():
         for dt, K, V, flags in cases():
             rec.launches = []
             for shape in (HOT, LONG):
-                sm90.record_ours(rec, shape + (K, V), getattr(torch, sm90._DTYPES[dt]), ("fwd", "bwd"),
-                                 **dict(zip(FLAGS, flags)))
+                launches.record_ours(rec, shape + (K, V), getattr(torch, launches.DTYPES[dt]), ("fwd", "bwd"),
+                                     **dict(zip(FLAGS, flags)))
             recorded += [(_case_id(dt, K, V, flags), lc) for lc in rec.launches]
-    sm90.compile_all([lc for _, lc in recorded], log=lambda m: print(m, file=sys.stderr),
-                     workers=max(1, min(4, os.cpu_count() or 1)))
+    toolchain.compile_all([lc for _, lc in recorded], log=lambda m: print(m, file=sys.stderr),
+                          workers=max(1, min(4, os.cpu_count() or 1)))
     for case, lc in recorded:
-        c = sm90.compile_launch(lc, seq_chunks=2)
+        c = toolchain.compile_launch(lc, seq_chunks=2)
         print(json.dumps(dict(case=case, kernel=lc.kernel, phase=lc.phase, config=lc.config_text(),
                               regs=c.regs, smem=c.smem, spill=c.spill, hgmma=c.hgmma, error=c.error,
                               dots=sorted(set(map(tuple, c.dots))))), flush=True)

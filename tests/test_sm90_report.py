@@ -1,4 +1,4 @@
-"""`python -m bench kernels`: the static sm_90 report (bench/sm90.py, bench/sm90_model.py).
+"""`python -m bench kernels`: the static sm_90 report (bench/sm90/).
 
 The end-to-end test runs the CLI on a small shape (our kernels only: seconds per compile) in a
 subprocess without TRITON_INTERPRET; the others check the readers and the model on known inputs."""
@@ -9,18 +9,19 @@ import sys
 
 import pytest
 
-from bench import sm90
-from bench import sm90_model as M
+from bench.sm90 import model as M
+from bench.sm90 import sass as S
+from bench.sm90 import ttir as IR
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 RECORD = """
 import json, torch
-from bench import sm90
-rec = sm90.Recorder()
-with sm90.fake_hopper(), rec.active():
-    sm90.record_ours(rec, (1, 128, 2, 4, 64, 64), torch.bfloat16, ("fwd", "bwd"))
+from bench.sm90 import launches
+rec = launches.Recorder()
+with launches.fake_hopper(), rec.active():
+    launches.record_ours(rec, (1, 128, 2, 4, 64, 64), torch.bfloat16, ("fwd", "bwd"))
 print(json.dumps([[lc.phase, lc.kernel] for lc in rec.launches]))
 """
 
@@ -92,7 +93,7 @@ TTIR = """
 
 
 def test_ttir_reader_counts_tiles_and_trips():
-    r = sm90.read_ttir(TTIR, {"n": 3}, seq_chunks=5)
+    r = IR.read_ttir(TTIR, {"n": 3}, seq_chunks=5)
     # loop 1: 3 trips (n x 32 / 32) of a 64x32 bf16 load and a 64x16x32 dot; loop 2: data-dependent
     # with a dot, 5 trips; loop 3: data-dependent without a dot, 0 trips; loop 4: -1 to n, n + 1 trips
     assert r["ld"] == 4 + 3 * 64 * 32 * 2
@@ -104,7 +105,7 @@ def test_ttir_reader_counts_tiles_and_trips():
 
 def test_constant_trip_loop_is_not_the_chunk_loop():
     text = TTIR.replace("%0 step %c32_i32", "%c32_i32 step %c1_i32").split("    scf.for %j =")[0] + "  }"
-    r = sm90.read_ttir(text, {"n": 3}, seq_chunks=5)
+    r = IR.read_ttir(text, {"n": 3}, seq_chunks=5)
     assert not r["seq_loop"] and r["flops"] == 32 * 2 * 64 * 16 * 32
 
 
@@ -122,7 +123,7 @@ SASS = """
 
 
 def test_sass_loop_counts_one_iteration():
-    loop = sm90.sass_loop(sm90.sass_instructions(SASS))
+    loop = S.sass_loop(S.sass_instructions(SASS))
     assert loop == dict(hgmma=2, hmma=0, mma_cycles=16 + 32, instr=6, waits=1, bars=1, f2fp=1)
 
 
@@ -132,14 +133,14 @@ def test_sass_loop_skips_out_of_line_waits():
         /*0090*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R5+URZ], R4 ;
         /*00a0*/              @!P0 BRA 0x90 ;
         /*00b0*/                   BRA 0x20 ;""")
-    loop = sm90.sass_loop(sm90.sass_instructions(sass))
+    loop = S.sass_loop(S.sass_instructions(sass))
     assert loop == dict(hgmma=2, hmma=0, mma_cycles=16 + 32, instr=6, waits=1, bars=1, f2fp=1)
 
 
 def test_sass_loop_of_mma_sync_kernels():
     sass = SASS.replace("HGMMA.64x32x16.F32.BF16", "HMMA.16816.F32.BF16").replace("HGMMA.64x64x16.F32.BF16",
                                                                                   "HMMA.16816.F32.BF16")
-    loop = sm90.sass_loop(sm90.sass_instructions(sass))
+    loop = S.sass_loop(S.sass_instructions(sass))
     assert loop["hgmma"] == 0 and loop["hmma"] == 2 and loop["mma_cycles"] == 16
 
 
@@ -164,5 +165,5 @@ def test_batched_dot_counts_its_batch():
     line = ("    %d = tt.dot %a, %b, %c, inputPrecision = tf32 : tensor<4x16x8xf32> * tensor<4x8x32xf32> "
             "-> tensor<4x16x32xf32>")
     text = "module {\n  tt.func public @k() {\n" + line + "\n    tt.return\n  }\n}\n"
-    r = sm90.read_ttir(text, {}, seq_chunks=1)
+    r = IR.read_ttir(text, {}, seq_chunks=1)
     assert r["flops"] == 2 * 4 * 16 * 32 * 8 and r["dots"] == [("f32", "f32", "tf32")]

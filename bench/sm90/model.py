@@ -1,6 +1,6 @@
 """The byte/FLOP/latency model of `python -m bench kernels` (written out in bench/NOTES.md, "sm_90 report").
 
-Per launch, from bench/sm90.py's Compiled facts and the launch's grid:
+Per launch, from toolchain.py's Compiled facts and the launch's grid:
     CTAs/SM  = min(64K regs / (regs rounded up to 8 x 32 x warps), 228 KB / (smem + 1 KB), 64 / warps, 32)
     waves    = ceil(programs / (CTAs/SM x 132))
     bytes    = programs x tile bytes loaded and stored per program (no L2 reuse credited)
@@ -17,12 +17,9 @@ so that FLA 0.6.0's forward at the anchor shape (bf16) sums to the 1.89 ms measu
 """
 import math
 
-NUM_SMS = 132
-CLOCK_HZ = 1.98e9
-HBM_BPS = 4.3e12                 # measured device copy bandwidth of the H200 (docs/DESIGN.md section 8)
-TC_FLOPS = {"bf16": 790e12, "f16": 790e12, "f32": 395e12}    # dense bf16 measured; tf32 is half
-REGS_PER_SM = 65536
-SMEM_PER_SM = 233472             # 228 KB
+from bench.sm90.hopper import (CLOCK_HZ, HBM_BPS, MAX_CTAS_PER_SM, MAX_WARPS_PER_SM, NUM_SMS, REGS_PER_SM,
+                               SMEM_PER_SM, TC_FLOPS)
+
 LAUNCH_S = 2.5e-6
 FLA_FWD_ANCHOR_S = 1.89e-3       # FLA 0.6.0 chunk_gated_delta_rule forward, H200, 1x32768, 16/32 heads, K=V=128, bf16
 KAPPA_DEFAULT = 4.0
@@ -33,11 +30,11 @@ def ctas_per_sm(regs, smem, warps):
     r = max(8, -(-regs // 8) * 8)
     by_regs = REGS_PER_SM // (r * 32 * warps)
     by_smem = SMEM_PER_SM // (smem + 1024)
-    return max(0, min(by_regs, by_smem, 64 // warps, 32))
+    return max(0, min(by_regs, by_smem, MAX_WARPS_PER_SM // warps, MAX_CTAS_PER_SM))
 
 
 def estimate(programs, warps, c, kappa):
-    """Model numbers of one launch (c: bench.sm90.Compiled) as a dict."""
+    """Model numbers of one launch (c: toolchain.Compiled) as a dict."""
     ctas = ctas_per_sm(c.regs, c.smem, warps)
     slots = max(1, ctas) * NUM_SMS
     waves = math.ceil(programs / slots) if programs else 0

@@ -1,0 +1,71 @@
+"""`python -m bench kernels`: the static sm_90 report of every Triton kernel the launchers run.
+
+parse(argv) checks the command line (ValueError for a bad one: bench/cli.py turns it into its usage
+error); run(args) records, compiles, models and writes the report."""
+import argparse
+import os
+import sys
+import time
+
+from bench.sm90.launches import DEFAULT_SHAPES, DTYPES, fla_missing, parse_shape
+from bench.sm90.toolchain import toolchain_missing
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results", "local")
+
+
+def _csv(s):
+    return tuple(x for x in s.split(",") if x)
+
+
+def parser():
+    ap = argparse.ArgumentParser(
+        prog="python -m bench kernels", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="The static sm_90 report: every Triton kernel the launchers run (ours and FLA 0.6.0's), "
+        "compiled for the H200 without a GPU, with registers, shared memory, spills, occupancy, per-iteration "
+        "SASS counts of the sequential chunk loop and a byte/FLOP/latency model (bench/NOTES.md, \"sm_90 "
+        "report\").")
+    ap.add_argument("--shape", action="append", help="anchor, 32x1024 or N,L,H,HV,K,V (repeatable; "
+                    "default: anchor and 32x1024)")
+    ap.add_argument("--dtype", type=_csv, default=("bf16", "fp32"), help="bf16,fp16,fp32 (default bf16,fp32)")
+    ap.add_argument("--modes", type=_csv, default=("fwd", "bwd"), help="fwd,bwd (default both)")
+    ap.add_argument("--no-fla", action="store_true", help="leave FLA 0.6.0's kernels out")
+    ap.add_argument("--json", help="write the rows as JSON here")
+    ap.add_argument("--csv", help="write the rows as CSV here")
+    ap.add_argument("--txt", help="write the table here")
+    return ap
+
+
+def parse(argv):
+    """The checked arguments; ValueError names what is wrong."""
+    args = parser().parse_args(argv)
+    for what, names, valid in (("dtype", args.dtype, list(DTYPES)), ("mode", args.modes, ("fwd", "bwd"))):
+        bad = [n for n in names if n not in valid]
+        if bad:
+            raise ValueError(f"unknown {what} {', '.join(map(repr, bad))}; valid: {', '.join(valid)}")
+    args.shapes = [parse_shape(s) for s in (args.shape or DEFAULT_SHAPES)]
+    why = toolchain_missing()
+    if why:
+        raise ValueError(f"kernels: {why}")
+    return args
+
+
+def run(args):
+    from bench.sm90.report import format_table, run_report, write_outputs
+    fla = not args.no_fla and not fla_missing()
+    if not args.no_fla and not fla:
+        print(f"kernels: {fla_missing()}: FLA rows left out", file=sys.stderr)
+    if not (args.json or args.csv or args.txt):
+        stem = os.path.join(RESULTS_DIR, time.strftime("%Y-%m-%d_%H%M%S") + "_sm90")
+        args.json, args.csv, args.txt = stem + ".json", stem + ".csv", stem + ".txt"
+    t0 = time.perf_counter()
+    log = lambda m: print(m, file=sys.stderr, flush=True)    # noqa: E731
+    rows, totals, meta = run_report(args.shapes, args.dtype, args.modes, fla=fla, log=log)
+    import triton
+    meta.update(triton=triton.__version__, shapes={n: d for n, d in args.shapes}, modes=list(args.modes),
+                dtypes=list(args.dtype))
+    text = format_table(rows, totals, meta)
+    print(text)
+    write_outputs(rows, totals, meta, args.json, args.csv, args.txt, text)
+    log(f"done in {time.perf_counter() - t0:.1f} s; " + ", ".join(
+        os.path.relpath(p) for p in (args.json, args.csv, args.txt) if p))
+    return 0
