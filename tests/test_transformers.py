@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers", minversion="5", reason="trans
                                    "is not installed")
 
 from gdn_packed.integrations import transformers as hfi  # noqa: E402
-from gdn_packed.testing import rel_err  # noqa: E402
+from gdn_packed.ops._common import backend_usable, triton_usable  # noqa: E402
+from gdn_packed.testing import budgets, rel_err  # noqa: E402
 from gdn_packed.torch_ref.naive import naive_recurrent_gdr  # noqa: E402
 from transformers import DataCollatorWithFlattening  # noqa: E402
 from transformers.models.qwen3_5 import (Qwen3_5Config, Qwen3_5ForCausalLM,  # noqa: E402
@@ -432,6 +433,31 @@ def test_a_layer_hooked_by_accelerate_keeps_its_hook():
             got = model(ids, position_ids=pos).logits
     assert calls and layer.forward is wrapper and layer._old_forward is original
     assert max(rel_err(got[:, s:s + n], r) for (s, n), r in zip(docs, ref)) <= FP32
+
+
+def test_gpu_backends_keep_documents_apart_and_generate_the_same_tokens():
+    """The ops' GPU paths through the integration: backend="auto" on CUDA tensors (triton chunked op and
+    norm, cuda conv and recurrent op when gdn_packed._C is built), backend="triton" on CPU tensors under
+    the Triton interpreter. A packed row within the device's fp32 budget of the documents alone, and
+    greedy generation from a left-padded batch with transformers' tokens."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "auto" if device.type == "cuda" else "triton"
+    if not backend_usable("triton", device):
+        pytest.skip(f"the triton backend cannot run on {device} here: {triton_usable(device)}")
+    model = tiny("qwen3_5").to(device)
+    model.generation_config.pad_token_id = 0
+    ids, pos, docs = (t.to(device) if torch.is_tensor(t) else t for t in packed_row(DOCS))
+    prompts, mask = (t.to(device) for t in padded_batch((5, 9), "left"))
+    kw = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, use_cache=True)
+    with torch.no_grad():
+        ref = [model(ids[:, s:s + n]).logits for s, n in docs]
+        ref_tokens = model.generate(prompts, **kw)
+        with hfi.patch(model, backend=backend):
+            got = model(ids, position_ids=pos).logits
+            tokens = model.generate(prompts, **kw)
+    budget = budgets(torch.float32, device)["o"]
+    assert max(rel_err(got[:, s:s + n], r) for (s, n), r in zip(docs, ref)) <= budget
+    assert torch.equal(tokens, ref_tokens)
 
 
 def test_our_ops_swapped_into_transformers_by_import():
