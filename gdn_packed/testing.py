@@ -110,7 +110,9 @@ class Packing:
 
 
 # The packings every op's specification test runs (docs/DESIGN.md section 7): zero-length and
-# single-token sequences, lengths around the chunk size (64), padding between and after sequences.
+# single-token sequences, lengths around the chunk size (64), padding between and after sequences;
+# the across-chunks pair (a first document of 40 rows, one token as the third, the last owning the
+# last row when dense) is what tests/test_isolation.py poisons the chunked op's documents in.
 PACKINGS = [
     Packing("one-long", [300]),
     Packing("mixed", [0, 1, 63, 64, 65, 127, 300, 5]),
@@ -119,6 +121,8 @@ PACKINGS = [
     Packing("one-token", [1]),
     Packing("chunk-multiples", [64, 64, 1, 0, 127], gaps=[0, 0, 0, 2, 0], tail=3),
     Packing("only-padding", [0, 0], gaps=[2, 3], tail=1),
+    Packing("across-chunks", [40, 70, 1, 66]),
+    Packing("across-chunks-gaps", [40, 70, 1, 66], gaps=[3, 0, 2, 0], tail=4),
 ]
 PACKING_BY_NAME = {p.name: p for p in PACKINGS}
 

@@ -339,7 +339,8 @@ def test_launcher_takes_the_valid_call(name):
 @pytest.mark.parametrize("cu, pad, error, message", [
     (torch.tensor([0.0, 4.0]), None, TypeError, "cu_seqlens must be int32"),
     (torch.tensor([0, 4]), torch.tensor([0, 4, 8]), ValueError, "cu_seqlens_padded must have the same shape"),
-    (torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4]), TypeError, "cu_seqlens_padded must have the same dtype"),
+    (torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4]), TypeError,
+     "cu_seqlens_padded must have the same dtype"),
 ], ids=["float-cu", "padded-shape", "padded-dtype"])
 def test_chunk_table_launcher_checks_offsets(cu, pad, error, message):
     from gdn_packed.cuda import chunk_table_cuda

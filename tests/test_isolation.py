@@ -8,9 +8,11 @@ through their host mirrors), and the layers. Also: hard resets (g = -inf, very n
 chunked op equal the recurrence and the float64 reference; float64 refused by the triton backend;
 repeated state_indices in the recurrent op defined the same on every backend.
 
-The Triton chunked op is slow under the interpreter, so its runs poison several tensors, in all
-targets at once. On a GPU machine the triton and cuda cases run on CUDA tensors (fp32 GPU budgets for
-the hard resets); the isolation checks stay bit-exact there."""
+Layouts: short documents (every op) and, for the chunked op, documents across chunks (the packings
+across-chunks and across-chunks-gaps of gdn_packed.testing.PACKINGS), where poison in the upstream
+gradient do is planted too. The Triton chunked op is slow under the interpreter, so its runs poison
+several tensors, in all targets at once. On a GPU machine the triton and cuda cases run on CUDA
+tensors (fp32 GPU budgets for the hard resets); the isolation checks stay bit-exact there."""
 import functools
 
 import pytest
@@ -21,13 +23,18 @@ from gdn_packed import _cext
 from gdn_packed.layers import GatedAttention, GatedDeltaNet, GDNState, HybridConfig, HybridLM, HybridStack
 from gdn_packed import cuda as gdn_cuda
 from gdn_packed.ops._common import triton_usable
-from gdn_packed.testing import gdr_inputs, layout, poisoned_outputs, reference_gdr, rel_err
+from gdn_packed.testing import (PACKING_BY_NAME, Packing, gdr_inputs, layout, poisoned_outputs, reference_gdr,
+                                rel_err)
 
 LENS = [20, 1, 37, 9, 12]
-LAYOUTS = {"padded": ([3, 0, 5, 0, 2], 4),   # gaps after each document and tail rows
-           "packed": (None, 0)}              # no padding: the last document owns the last row, the
-                                             # one out-of-range gathers clamp to (tested for "last" only)
-DOCS = {"first": 0, "one_token": 1, "last": len(LENS) - 1}
+LAYOUTS = {"padded": Packing("padded", LENS, gaps=[3, 0, 5, 0, 2], tail=4),   # gaps and tail rows
+           # no padding: the last document owns the last row, the one out-of-range gathers clamp to
+           # (tested for "last" only)
+           "packed": Packing("packed", LENS),
+           # documents across chunks, for the chunked op (its state hand-over from chunk to chunk)
+           "across-chunks-gaps": PACKING_BY_NAME["across-chunks-gaps"],
+           "across-chunks": PACKING_BY_NAME["across-chunks"]}
+SHORT = ("padded", "packed")
 ALL_TARGETS = ("first", "one_token", "last", "padding")
 GPU = torch.cuda.is_available()
 DEVICE = {"torch": "cpu", "host": "cpu", "cuda": "cuda", "triton": "cuda" if GPU else "cpu"}
@@ -54,23 +61,31 @@ def to_cpu(out):
 @functools.lru_cache(maxsize=None)
 def geometry(name):
     """(cu_seqlens, cu_seqlens_padded, rows, owner): owner[r] is the document of row r, -1 on padding."""
-    gaps, tail = LAYOUTS[name]
-    cu, pad, rows = layout(LENS, gaps=gaps, tail=tail)
+    p = LAYOUTS[name]
+    cu, pad, rows = p.layout()
     owner = torch.full((rows,), -1)
-    for i, (s, n) in enumerate(zip((cu if pad is None else pad).tolist(), LENS)):
+    for i, (s, n) in enumerate(zip((cu if pad is None else pad).tolist(), p.lengths)):
         owner[s:s + n] = i
     return cu, pad, rows, owner
 
 
+def docs(name):
+    """The poisoned documents of a layout: the first, the first one-token one and the last."""
+    lengths = LAYOUTS[name].lengths
+    return {"first": 0, "one_token": lengths.index(1), "last": len(lengths) - 1}
+
+
 def targets(layout_name, per_sequence=False):
-    """Poison targets of a layout: every target in the padded layout (padding rows only for row
-    tensors), the last document in the packed one."""
+    """Poison targets of a layout: every target where there is padding (padding rows only for row
+    tensors), every document in a dense one, the last document only in the short dense one."""
     if layout_name == "packed":
         return ["last"]
+    if not LAYOUTS[layout_name].has_padding:
+        per_sequence = True
     return [t for t in ALL_TARGETS if t != "padding" or not per_sequence]
 
 
-def cases(tensors, seq_tensors=(), layouts=LAYOUTS):
+def cases(tensors, seq_tensors=(), layouts=SHORT):
     """(layout, tensor, target) for row tensors and per-sequence tensors (initial states)."""
     return [(lay, t, tgt) for lay in layouts for t in tensors + seq_tensors
             for tgt in targets(lay, per_sequence=t in seq_tensors)]
@@ -80,13 +95,14 @@ def case_id(c):
     return "-".join(c) if isinstance(c[2], str) else f"{c[0]}-{c[1]}-all"
 
 
-def poison(x, hits, owner, per_sequence=False):
-    """A copy of x whose elements in the hit rows (dim 1; dim 0 for per-sequence tensors) cycle
-    through NaN, +Inf, -Inf. hits: target names."""
+def poison(x, hits, lay, per_sequence=False):
+    """A copy of x whose elements in the hit rows (dim 1; dim 0 for per-sequence tensors) of layout
+    lay cycle through NaN, +Inf, -Inf. hits: target names."""
+    doc, owner = docs(lay), geometry(lay)[3]
     if per_sequence:
-        sel = torch.tensor([DOCS[h] for h in hits])
+        sel = torch.tensor([doc[h] for h in hits])
     else:
-        sel = torch.cat([torch.nonzero(owner == (DOCS[h] if h != "padding" else -1))[:, 0] for h in hits])
+        sel = torch.cat([torch.nonzero(owner == (doc[h] if h != "padding" else -1))[:, 0] for h in hits])
     dim = 0 if per_sequence else 1
     y = x.detach().clone()
     shape = list(y.shape)
@@ -101,13 +117,14 @@ def bad_values(shape, dtype):
     return torch.tensor([float("nan"), float("inf"), float("-inf")], dtype=dtype).repeat(n // 3 + 1)[:n].view(shape)
 
 
-def assert_isolated(clean, dirty, owner, hits):
+def assert_isolated(clean, dirty, lay, hits):
     """clean/dirty: name -> (kind, tensor); kind 'rows' (dim 1 = rows), 'seq' (dim 0 = sequences) or
     'param'. Rows and sequences not hit are bit-identical, padding rows are exactly 0, and with only
     padding hit the parameter gradients are bit-identical."""
-    docs = {DOCS[h] for h in hits if h != "padding"}
-    keep = (owner >= 0) & ~torch.isin(owner, torch.tensor(sorted(docs), dtype=owner.dtype))
-    keep_seq = [i for i in range(len(LENS)) if i not in docs]
+    owner = geometry(lay)[3]
+    hit = {docs(lay)[h] for h in hits if h != "padding"}
+    keep = (owner >= 0) & ~torch.isin(owner, torch.tensor(sorted(hit), dtype=owner.dtype))
+    keep_seq = [i for i in range(len(LAYOUTS[lay].lengths)) if i not in hit]
     for name, (kind, c) in clean.items():
         d = dirty[name][1]
         if kind == "rows":
@@ -115,7 +132,7 @@ def assert_isolated(clean, dirty, owner, hits):
             assert (d[:, owner < 0] == 0).all(), f"{name}: padding rows are not exactly 0"
         elif kind == "seq":
             assert torch.equal(d[keep_seq], c[keep_seq]), f"{name}: other sequences changed"
-        elif not docs:
+        elif not hit:
             assert torch.equal(d, c), f"{name}: parameter gradient changed by padding"
 
 
@@ -132,13 +149,12 @@ _CLEAN = {}
 def check_op(run, inputs, backend, case):
     """run(backend, layout, inputs) on clean inputs (cached) and with case's tensor poisoned."""
     lay, tensor, tgt = case
-    owner = geometry(lay)[3]
     key = (run.__name__, backend, lay)
     if key not in _CLEAN:
         _CLEAN[key] = run(backend, lay, dict(inputs(lay)))
     ins = dict(inputs(lay))
-    ins[tensor] = poison(ins[tensor], (tgt,), owner, per_sequence=tensor == "initial_state")
-    assert_isolated(_CLEAN[key], run(backend, lay, ins), owner, (tgt,))
+    ins[tensor] = poison(ins[tensor], (tgt,), lay, per_sequence=tensor == "initial_state")
+    assert_isolated(_CLEAN[key], run(backend, lay, ins), lay, (tgt,))
 
 
 # ---- the chunked op -----------------------------------------------------------------------------------
@@ -148,16 +164,20 @@ GDR_ROW_TENSORS = ("q", "k", "v", "g", "beta")
 @functools.lru_cache(maxsize=None)
 def gdr_inputs_for(layout_name):
     cu, pad, rows, owner = geometry(layout_name)
-    q, k, v, g, beta, h0 = gdr_inputs(rows, 1, 2, 16, 16, N=len(LENS), initial_state=True, unit_k=False)
+    N = len(LAYOUTS[layout_name].lengths)
+    q, k, v, g, beta, h0 = gdr_inputs(rows, 1, 2, 16, 16, N=N, initial_state=True, unit_k=False)
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(1, rows, 2, 16, generator=gen)        # nonzero on padding rows too
-    dht = torch.randn(len(LENS), 2, 16, 16, generator=gen)
+    dht = torch.randn(N, 2, 16, 16, generator=gen)
     return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0), do, dht
 
 
 def run_chunk(backend, layout_name, ins, gated=False):
+    """ins: the inputs by name, and the upstream gradient `do` when it is poisoned."""
     cu, pad = on(backend, *geometry(layout_name)[:2])
-    do, dht = on(backend, *gdr_inputs_for(layout_name)[1:])
+    ins = dict(ins)
+    _, do, dht = gdr_inputs_for(layout_name)
+    do, dht = on(backend, ins.pop("do", do), dht)
     ts = {n: on(backend, t).clone().requires_grad_() for n, t in ins.items()}
     extra = {}
     if gated:   # g, beta hold the raw a, b of the gating
@@ -184,16 +204,18 @@ def check_chunk(backend, case, gated=False):
     """case: (layout, tensor name(s) joined by '+', target name or tuple of target names)."""
     lay, tensors, tgt = case
     hits = (tgt,) if isinstance(tgt, str) else tgt
-    owner = geometry(lay)[3]
-    ins = dict(gdr_inputs_for(lay)[0])
+    ins = dict(gdr_inputs_for(lay)[0], do=gdr_inputs_for(lay)[1])
     for t in tensors.split("+"):
         seq = t == "initial_state"
-        ins[t] = poison(ins[t], [h for h in hits if h != "padding" or not seq], owner, per_sequence=seq)
-    assert_isolated(clean_chunk(backend, lay, gated), run_chunk(backend, lay, ins, gated), owner, hits)
+        ins[t] = poison(ins[t], [h for h in hits if h != "padding" or not seq], lay, per_sequence=seq)
+    assert_isolated(clean_chunk(backend, lay, gated), run_chunk(backend, lay, ins, gated), lay, hits)
 
 
-@pytest.mark.parametrize("case", cases(GDR_ROW_TENSORS, ("initial_state",)), ids=case_id)
+@pytest.mark.parametrize("case", cases(GDR_ROW_TENSORS + ("do",), ("initial_state",), layouts=LAYOUTS),
+                         ids=case_id)
 def test_chunk_torch(case):
+    """Also the upstream gradient do (poison in one document's rows reaches no other document's
+    gradients) and documents across chunks."""
     check_chunk("torch", case)
 
 
@@ -224,27 +246,39 @@ def budgets(backend):
     return dict(o=2e-3, grad=3e-3, dg=5e-3)
 
 
-# row -> g value; -3e38 is finite, but a cumulative sum of two overflows
-RESETS = {"g=-inf@1row": {25: float("-inf")},
-          "g=-1e30@4rows+-3e38@2rows": {2: -1e30, 3: -1e30, 4: -1e30, 40: -1e30, 41: -3e38, 42: -3e38}}
+# layout -> case -> {row: g value}; -3e38 is finite, but a cumulative sum of two overflows. In
+# across-chunks-gaps the documents hold rows [0, 40), [43, 113), 113 and [116, 182); rows 106 | 107 and
+# 179 | 180 are 64-row chunk boundaries, 32-row ones (the torch backend's CPU chunks) every 32 rows.
+RESETS = {
+    "padded": {"g=-inf@1row": {25: float("-inf")},
+               "g=-1e30@4rows+-3e38@2rows": {2: -1e30, 3: -1e30, 4: -1e30, 40: -1e30, 41: -3e38, 42: -3e38}},
+    "across-chunks-gaps": {
+        "g=-inf@3rows": {3: float("-inf"), 100: float("-inf"), 113: float("-inf")},   # mid chunk, one token
+        "g=-1e30@9rows": {r: -1e30 for r in (0, 5, 6, 106, 107, 113, 116, 179, 181)},  # starts, boundaries
+        "g=-3e38@2pairs": {10: -3e38, 11: -3e38, 106: -3e38, 107: -3e38}},          # one across a boundary
+}
+# (backend, layout, case); the Triton interpreter runs the short layout only
+RESET_CASES = [pytest.param(b, lay, name, id=f"{b}-{lay}-{name}", marks=TRITON.marks if b == "triton" else ())
+               for lay in RESETS for name in RESETS[lay]
+               for b in (("torch", "triton") if lay == "padded" else ("torch",))]
 
 
 @functools.lru_cache(maxsize=None)
-def reset_case(name):
-    ins = dict(gdr_inputs_for("padded")[0])
+def reset_case(lay, name):
+    ins = dict(gdr_inputs_for(lay)[0])
     g = ins["g"].clone()
-    for row, value in RESETS[name].items():
+    for row, value in RESETS[lay][name].items():
         g[0, row] = value
     ins["g"] = g
     return ins
 
 
 @functools.lru_cache(maxsize=None)
-def reset_results(backend, name):
-    cu, pad, _, _ = geometry("padded")
-    ins = reset_case(name)
-    _, do, dht = gdr_inputs_for("padded")
-    ours = run_chunk(backend, "padded", ins)
+def reset_results(backend, lay, name):
+    cu, pad, _, _ = geometry(lay)
+    ins = reset_case(lay, name)
+    _, do, dht = gdr_inputs_for(lay)
+    ours = run_chunk(backend, lay, ins)
     ref = {n: t.detach().double().requires_grad_() for n, t in ins.items()}
     o, fs = reference_gdr(ref["q"], ref["k"], ref["v"], ref["g"], ref["beta"], initial_state=ref["initial_state"],
                           cu_seqlens=cu, cu_seqlens_padded=pad, use_qk_l2norm_in_kernel=True)
@@ -252,12 +286,11 @@ def reset_results(backend, name):
     return ours, dict(o=o.detach(), final_state=fs.detach(), **{"d" + n: t for n, t in rg.items()})
 
 
-@pytest.mark.parametrize("backend", ["torch", TRITON])
-@pytest.mark.parametrize("name", list(RESETS))
-def test_hard_reset_matches_recurrence_and_float64(backend, name):
-    cu, pad, _, _ = geometry("padded")
-    ours, ref = reset_results(backend, name)
-    ins = reset_case(name)
+@pytest.mark.parametrize("backend, lay, name", RESET_CASES)
+def test_hard_reset_matches_recurrence_and_float64(backend, lay, name):
+    cu, pad, _, _ = geometry(lay)
+    ours, ref = reset_results(backend, lay, name)
+    ins = reset_case(lay, name)
     rec_o, rec_fs = gdn_packed.fused_recurrent_gated_delta_rule(
         *(ins[n] for n in GDR_ROW_TENSORS), initial_state=ins["initial_state"], output_final_state=True,
         cu_seqlens=cu, cu_seqlens_padded=pad, use_qk_l2norm_in_kernel=True, backend="torch")
@@ -268,10 +301,9 @@ def test_hard_reset_matches_recurrence_and_float64(backend, name):
     assert rel_err(ours["o"][1], rec_o) <= budget and rel_err(ours["final_state"][1], rec_fs) <= budget
 
 
-@pytest.mark.parametrize("backend", ["torch", TRITON])
-@pytest.mark.parametrize("name", list(RESETS))
-def test_hard_reset_gradients_match_float64(backend, name):
-    ours, ref = reset_results(backend, name)
+@pytest.mark.parametrize("backend, lay, name", RESET_CASES)
+def test_hard_reset_gradients_match_float64(backend, lay, name):
+    ours, ref = reset_results(backend, lay, name)
     for n in ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state"):
         budget = budgets(backend)["dg" if n in ("dg", "dbeta") else "grad"]
         assert rel_err(ours[n][1], ref[n]) <= budget, (n, rel_err(ours[n][1], ref[n]))
@@ -478,10 +510,9 @@ def clean_module(kind, layout_name):
 
 def check_module(kind, case):
     lay, tensor, tgt = case
-    owner = geometry(lay)[3]
     ins = module_inputs(kind, lay)
-    ins[tensor] = poison(ins[tensor], (tgt,), owner, per_sequence=tensor != "x")
-    assert_isolated(clean_module(kind, lay), run_module(MODULES[kind][0](), lay, **ins), owner, (tgt,))
+    ins[tensor] = poison(ins[tensor], (tgt,), lay, per_sequence=tensor != "x")
+    assert_isolated(clean_module(kind, lay), run_module(MODULES[kind][0](), lay, **ins), lay, (tgt,))
 
 
 @pytest.mark.parametrize("case", cases(("x",), ("conv", "recurrent")), ids=case_id)
@@ -532,6 +563,6 @@ def test_hybrid_lm_poisoned_embedding(target):
     key = (run_lm.__name__, "torch", "padded")
     if key not in _CLEAN:
         _CLEAN[key] = run_lm("torch", "padded", {"ids": ids})
-    hit = owner == (DOCS[target] if target != "padding" else -1)
-    assert_isolated(_CLEAN[key], run_lm("torch", "padded", {"ids": torch.where(hit[None], 30, ids)}), owner,
+    hit = owner == (docs("padded")[target] if target != "padding" else -1)
+    assert_isolated(_CLEAN[key], run_lm("torch", "padded", {"ids": torch.where(hit[None], 30, ids)}), "padded",
                     (target,))

@@ -1,123 +1,19 @@
-"""The torch backend of chunk_gated_delta_rule on adversarial inputs (issue 11 items 1 and 5):
-poison (NaN, +Inf, -Inf) in one document or in padding never reaches another document, and hard
-resets (g = -inf) or very negative gates give the recurrence's answer, not NaN or overflow."""
+"""The torch backend's own machinery (the CPU path of every op): its two schedules of the chunked op
+(host: planned from cu_seqlens read on the host; device: the static schedule of CUDA tensors) against
+the float64 reference and each other, the forward's `kept` for the backward, the schedule switch held per
+thread, and corrupt cu_seqlens values on CPU tensors. Poison isolation and hard resets of the torch
+backend are in tests/test_isolation.py, on the shared packings of gdn_packed.testing.PACKINGS."""
+import contextlib
+import threading
+
 import pytest
 import torch
 
 import gdn_packed
-from gdn_packed.ops._common import poisoned_outputs
-from gdn_packed.testing import gdr_inputs, layout, real_rows, reference_gdr, rel_err
-
-H, HV, K, V = 1, 2, 16, 8
-# (lengths, gaps after each sequence or None, tail rows): documents 0 (first), 2 (one token) and the
-# last; in the first packing the last document owns row T-1, in the second tail padding does
-PACKINGS = {
-    "dense": ([40, 70, 1, 66], None, 0),
-    "padded": ([40, 70, 1, 66], [3, 0, 2, 0], 4),
-}
-TENSORS = ("q", "k", "v", "g", "beta", "h0", "do")
-POISONS = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
-
-
-def run(packing, poison=None):
-    """Forward + backward of the torch backend with NaN-poisoned outputs. poison = (tensor name,
-    row slice or document index for h0, value) is planted before the call. Returns the outputs and
-    gradients, cu_seqlens, cu_seqlens_padded and the row count."""
-    lens, gaps, tail = PACKINGS[packing]
-    cu, pad, rows = layout(lens, gaps=gaps, tail=tail)
-    q, k, v, g, beta, h0 = gdr_inputs(rows, H, HV, K, V, N=len(lens), initial_state=True, seed=3)
-    gen = torch.Generator().manual_seed(4)
-    do, dht = torch.randn(1, rows, HV, V, generator=gen), torch.randn(len(lens), HV, K, V, generator=gen)
-    xs = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, do=do)
-    if poison is not None:
-        name, where, value = poison
-        xs[name] = xs[name].clone()
-        if name == "h0":
-            xs[name][where] = value
-        else:
-            xs[name][0, where] = value
-    leaves = [xs[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "h0")]
-    with poisoned_outputs():
-        o, fs = gdn_packed.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5],
-                                                  output_final_state=True, cu_seqlens=cu,
-                                                  cu_seqlens_padded=pad, use_qk_l2norm_in_kernel=True,
-                                                  backend="torch")
-        torch.autograd.backward([o, fs], [xs["do"], dht])
-    out = dict(o=o.detach(), state=fs.detach())
-    out.update({"d" + n: x.grad for n, x in zip(("q", "k", "v", "g", "beta", "h0"), leaves)})
-    return out, cu, pad, rows
-
-
-def doc_rows(cu, pad, i):
-    start = (cu if pad is None else pad)[i].item()
-    return slice(start, start + (cu[i + 1] - cu[i]).item())
-
-
-@pytest.mark.parametrize("value", list(POISONS), ids=list(POISONS))
-@pytest.mark.parametrize("tensor", TENSORS)
-@pytest.mark.parametrize("doc", [0, 2, 3], ids=["first-doc", "one-token-doc", "last-doc"])
-@pytest.mark.parametrize("packing", list(PACKINGS))
-def test_poison_in_one_document_stays_there(packing, doc, tensor, value):
-    clean, cu, pad, rows = run(packing)
-    where = doc if tensor == "h0" else doc_rows(cu, pad, doc).stop - 1   # the document's last row
-    got, *_ = run(packing, (tensor, where, POISONS[value]))
-    for i in range(len(cu) - 1):
-        if i == doc:
-            continue
-        r = doc_rows(cu, pad, i)
-        for name in ("o", "dq", "dk", "dv", "dg", "dbeta"):
-            assert torch.equal(got[name][0, r], clean[name][0, r]), f"{name} of document {i}"
-        for name in ("state", "dh0"):
-            assert torch.equal(got[name][i], clean[name][i]), f"{name} of document {i}"
-    pad_rows = ~real_rows(cu, pad, rows)
-    for name in ("o", "dq", "dk", "dv", "dg", "dbeta"):
-        assert (got[name][0, pad_rows] == 0).all(), f"{name} on padding rows"
-
-
-@pytest.mark.parametrize("value", list(POISONS), ids=list(POISONS))
-@pytest.mark.parametrize("tensor", ("q", "k", "v", "g", "beta", "do"))
-@pytest.mark.parametrize("where", ["gap", "tail-last-row"])
-def test_poison_in_padding_changes_nothing(where, tensor, value):
-    clean, cu, pad, rows = run("padded")
-    row = rows - 1 if where == "tail-last-row" else doc_rows(cu, pad, 0).stop   # a row after document 0
-    assert not real_rows(cu, pad, rows)[row]
-    got, *_ = run("padded", (tensor, row, POISONS[value]))
-    for name in got:
-        assert torch.equal(got[name], clean[name]), name
-    pad_rows = ~real_rows(cu, pad, rows)
-    for name in ("o", "dq", "dk", "dv", "dg", "dbeta"):
-        assert (got[name][0, pad_rows] == 0).all(), f"{name} on padding rows"
-
-
-@pytest.mark.parametrize("gates", ["minus-inf-row", "minus-1e30-rows", "minus-3e38-pair"])
-def test_hard_reset_and_huge_decay_match_recurrence(gates):
-    """g = -inf is a legal hard reset (decay factor 0); g = -1e30 on several rows and two adjacent
-    -3e38 rows (whose sum overflows fp32 to -inf) must not overflow the chunk's gate sums into NaN."""
-    cu, _, rows = layout([150, 1, 70])
-    q, k, v, g, beta, h0 = gdr_inputs(rows, 2, 4, 16, 16, N=3, initial_state=True, seed=5)
-    if gates == "minus-inf-row":
-        g[0, [3, 100, 150]] = float("-inf")      # mid chunk, another chunk, the one-token document
-    elif gates == "minus-1e30-rows":
-        g[0, [0, 5, 6, 63, 64, 130, 151, 220]] = -1e30
-    else:
-        g[0, [10, 11, 64, 65]] = -3e38
-    xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
-    o, fs = gdn_packed.chunk_gated_delta_rule(*xs[:5], initial_state=xs[5], output_final_state=True,
-                                              cu_seqlens=cu, use_qk_l2norm_in_kernel=True, backend="torch")
-    ro_rec, rfs_rec = gdn_packed.fused_recurrent_gated_delta_rule(
-        *(x.detach() for x in xs[:5]), initial_state=h0, output_final_state=True, cu_seqlens=cu,
-        use_qk_l2norm_in_kernel=True, backend="torch")
-    gen = torch.Generator().manual_seed(6)
-    do, dht = torch.randn(o.shape, generator=gen), torch.randn(fs.shape, generator=gen)
-    torch.autograd.backward([o, fs], [do, dht])
-    rs = [x.detach().double().requires_grad_() for x in xs]
-    ro, rf = reference_gdr(*rs[:5], initial_state=rs[5], cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-    torch.autograd.backward([ro, rf], [do.double(), dht.double()])
-    assert rel_err(o, ro) <= 1e-5 and rel_err(fs, rf) <= 1e-5
-    assert rel_err(ro_rec, ro) <= 1e-5 and rel_err(rfs_rec, rf) <= 1e-5
-    assert rel_err(o, ro_rec) <= 1e-5 and rel_err(fs, rfs_rec) <= 1e-5
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), xs, rs):
-        assert rel_err(a.grad, b.grad) <= 1e-5, name
+from gdn_packed._runtime import device_schedule, host_schedule
+from gdn_packed.ops.chunk_table import build_chunk_table
+from gdn_packed.testing import gdr_inputs, layout, no_host_sync, poisoned_outputs, reference_gdr, rel_err
+from gdn_packed.torch_ref import chunk
 
 
 @pytest.mark.parametrize("schedule", ["host", "host-blocks", "device"])
@@ -125,8 +21,6 @@ def test_schedules_match_reference(schedule, monkeypatch):
     """The CPU (host) schedule in one block and in many, and the static schedule CUDA tensors run
     (forced on CPU with device_schedule), against the float64 reference; each is bit-identical
     when rerun, and the host schedule gives the same bits in one block and in many."""
-    from gdn_packed.ops._common import device_schedule
-    from gdn_packed.torch_ref import chunk
     cu, pad, rows = layout([0, 1, 63, 64, 65, 70, 5], gaps=[0, 2, 0, 1, 0, 3, 0], tail=2)
     q, k, v, g, beta, h0 = gdr_inputs(rows, 2, 4, 32, 16, N=7, initial_state=True, seed=7)
 
@@ -164,7 +58,6 @@ def test_schedules_match_reference(schedule, monkeypatch):
 
 
 def _table(cu, pad, rows):
-    from gdn_packed.ops.chunk_table import build_chunk_table
     return build_chunk_table(cu, pad, rows, 64)
 
 
@@ -225,8 +118,6 @@ def test_schedule_switch_between_forward_and_backward(where):
     """A forward on one schedule and its backward on the other (device_schedule entered or left
     between them): the backward takes the forward's kept whichever schedule made it, matches the
     float64 reference and gives the same bits when rerun."""
-    import contextlib
-    from gdn_packed.ops._common import device_schedule
     host, device = contextlib.nullcontext, device_schedule
     fwd, bwd = (host, device) if where == "fwd-host-bwd-device" else (device, host)
     got = _fwd_bwd(fwd, bwd)
@@ -244,8 +135,6 @@ def test_schedule_switch_between_forward_and_backward(where):
 def test_device_schedule_is_per_thread_when_interleaved():
     """Two threads entering and leaving device_schedule interleaved (A in, B in, A out, B out): each
     sees its own switch, and once both have left no thread is left on the device schedule."""
-    import threading
-    from gdn_packed.ops._common import device_schedule, host_schedule
     cpu = torch.device("cpu")
     a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
     seen, errors = {}, []
@@ -284,9 +173,6 @@ def test_device_schedule_is_per_thread_when_interleaved():
 def test_device_schedule_leaves_other_threads_alone():
     """While one thread is inside device_schedule (and no_host_sync), another thread's forward and
     backward run the host schedule: the same bits as with nobody inside, and host reads allowed."""
-    import contextlib
-    import threading
-    from gdn_packed.testing import no_host_sync
     alone = _fwd_bwd(contextlib.nullcontext, contextlib.nullcontext)
     got, errors = [], []
 
@@ -329,7 +215,6 @@ def _call_op(op, cu, pad, T=20, backend="torch"):
     if op == "rmsnorm":
         return gdn_packed.gated_rmsnorm(x, torch.randn(1, T, 8), torch.randn(8), cu_seqlens=cu,
                                         cu_seqlens_padded=pad, backend=backend)
-    from gdn_packed.ops.chunk_table import build_chunk_table
     return build_chunk_table(cu, pad, T, 64)
 
 
@@ -353,7 +238,6 @@ def test_bad_offsets_on_the_device_schedule_stay_bounded(op):
     """Where the values are not read (the schedule of CUDA tensors, forced on CPU) corrupt offsets
     give an answer within the rows, in about the time of a good call: every loop is bounded by the
     rows that exist."""
-    from gdn_packed.ops._common import device_schedule
     with device_schedule():
         out = _call_op(op, torch.tensor([0, 5, 10 ** 6]), None)
     first = out if op == "rmsnorm" else out[0]
