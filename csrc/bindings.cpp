@@ -268,10 +268,14 @@ std::vector<Arg<RecurrentParams>> recurrent_args() {
 #if defined(GDN_HAVE_SM90)
 std::vector<Arg<gdn::ChunkSm90Params>> chunk_sm90_args() {
   using P = gdn::ChunkSm90Params;
-  return {arg("q", &P::q), arg("k", &P::k), arg("v", &P::v), arg("g", &P::g), arg("beta", &P::beta),
-          arg("A_log", &P::A_log), arg("dt_bias", &P::dt_bias), arg("table", &P::table),
-          arg("cu_chunks", &P::cu_chunks), arg("initial_state", &P::initial_state),
-          arg("final_state", &P::final_state), arg("o", &P::o), arg("N", &P::N), arg("T", &P::T),
+  auto qk = [](const P& p) { return p.T > 0 && p.H > 0; };
+  auto vo = [](const P& p) { return p.T > 0 && p.HV > 0; };
+  auto raw = [](const P& p) { return p.raw_gates && p.HV > 0; };
+  return {ptr("q", &P::q, qk), ptr("k", &P::k, qk), ptr("v", &P::v, vo), ptr("g", &P::g, vo),
+          ptr("beta", &P::beta, vo), ptr("A_log", &P::A_log, raw), ptr("dt_bias", &P::dt_bias, raw),
+          ptr("table", &P::table, always<P>), ptr("cu_chunks", &P::cu_chunks, always<P>),
+          arg("initial_state", &P::initial_state), arg("final_state", &P::final_state), ptr("o", &P::o, vo),
+          arg("N", &P::N), arg("T", &P::T),
           arg("H", &P::H), arg("HV", &P::HV), arg("K", &P::K), arg("V", &P::V), arg("chunk_size", &P::chunk_size),
           arg("dtype", &P::dtype), arg("scale", &P::scale), arg("l2norm", &P::l2norm),
           arg("raw_gates", &P::raw_gates)};

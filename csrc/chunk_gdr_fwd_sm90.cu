@@ -68,27 +68,6 @@ GDN_HD void load_gate(const Args& a, int64_t row, int64_t hv, float* g, float* b
   }
 }
 
-// Padding rows [a, b) after sequence n (to the next sequence's first real row, or T), from the chunk
-// table: the C++ twin of gdn_packed/triton/common.py padding_after; before the first: padding_before.
-GDN_HD void padding_after(const int32_t* table, const int32_t* cu_chunks, int64_t n, int64_t N, int64_t T,
-                          int64_t* a, int64_t* b) {
-  const int64_t c0 = cu_chunks[n], c1 = cu_chunks[n + 1], total = cu_chunks[N];
-  const int64_t last = max64(c1 - 1, 0);
-  const int64_t end = static_cast<int64_t>(table[last * 4 + 2]) + table[last * 4 + 3];
-  const int64_t nxt = max64(min64(c1, total - 1), 0);
-  int64_t bb = c1 < total ? static_cast<int64_t>(table[nxt * 4 + 2]) : T;
-  int64_t aa = c1 > c0 ? end : bb;
-  bb = min64(max64(bb, 0), T);
-  *a = min64(max64(aa, 0), bb);
-  *b = bb;
-}
-
-GDN_HD int64_t padding_before(const int32_t* table, const int32_t* cu_chunks, int64_t N, int64_t T) {
-  const int64_t total = cu_chunks[N];
-  const int64_t b = total > 0 ? static_cast<int64_t>(table[2]) : T;
-  return min64(max64(b, 0), T);
-}
-
 // ======================================================================================== host mirror
 // One "thread" holds a whole 64 x N tile; shared tiles are row-major arrays without swizzle.
 struct HostPolicy {
@@ -270,7 +249,7 @@ void mirror_cta(const Args& a, int64_t hv, int64_t n) {
       P::for_each(S[wg], [&](int r, int c, float& x) { a.ht[((n * HV + hv) * kK + c) * kV + wg * kVB + r] = x; });
   int64_t pa, pb;
   padding_after(a.table, a.cu_chunks, n, a.N, a.T, &pa, &pb);
-  const int64_t first = n == 0 ? padding_before(a.table, a.cu_chunks, a.N, a.T) : 0;
+  const int64_t first = n == 0 ? padding_before_first(a.table, a.cu_chunks, a.N, a.T) : 0;
   auto zero = [&](int64_t r0, int64_t r1) {
     for (int64_t row = r0; row < r1; ++row)
       for (int c = 0; c < kV; ++c) o[(row * HV + hv) * kV + c] = from_f<T>(0.f);

@@ -465,7 +465,7 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
   }
   int64_t pa, pb;
   padding_after(a.table, a.cu_chunks, n, a.N, a.T, &pa, &pb);
-  const int64_t first = n == 0 ? padding_before(a.table, a.cu_chunks, a.N, a.T) : 0;
+  const int64_t first = n == 0 ? padding_before_first(a.table, a.cu_chunks, a.N, a.T) : 0;
   const uint4 zero = make_uint4(0, 0, 0, 0);
   for (int pass = 0; pass < 2; ++pass) {
     const int64_t r0 = pass ? 0 : pa, r1 = pass ? first : pb;

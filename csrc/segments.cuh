@@ -152,4 +152,25 @@ GDN_HD void chunk_table_slot(const I* cu, const I* padded, const int32_t* cu_chu
   row[3] = static_cast<int32_t>(length);
 }
 
+// ---- Padding rows around the chunk table's sequences (the chunked kernels; the same rule as
+// gdn_packed/triton/common.py padding_after / padding_before_first) ------------------------------------
+// Padding rows [a, b) that follow sequence n's last real row, up to the first real row of the next
+// sequence that has one (or T). Empty (a == b) when sequence n has no chunks. Clamped to [0, T]: a
+// corrupt cu_seqlens gives zero-length chunks whose start row may lie outside the rows.
+GDN_HD void padding_after(const int32_t* table, const int32_t* cu_chunks, int64_t n, int64_t N, int64_t T,
+                          int64_t* a, int64_t* b) {
+  const int64_t c0 = cu_chunks[n], c1 = cu_chunks[n + 1], total = cu_chunks[N];
+  const int64_t last = max64(c1 - 1, 0);
+  const int64_t end = static_cast<int64_t>(table[last * 4 + 2]) + table[last * 4 + 3];
+  const int64_t nxt = max64(min64(c1, total - 1), 0);
+  const int64_t bb = clamp64(c1 < total ? static_cast<int64_t>(table[nxt * 4 + 2]) : T, 0, T);
+  *a = clamp64(c1 > c0 ? end : bb, 0, bb);
+  *b = bb;
+}
+
+// Padding rows [0, b) before the first real row of the packed tensor (b = T when there is none).
+GDN_HD int64_t padding_before_first(const int32_t* table, const int32_t* cu_chunks, int64_t N, int64_t T) {
+  return clamp64(cu_chunks[N] > 0 ? static_cast<int64_t>(table[2]) : T, 0, T);
+}
+
 }  // namespace gdn

@@ -24,7 +24,9 @@ from gdn_packed.testing import (DTYPE_ID, GDR_CASES, backend_params, budgets, gd
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 OP = "chunk_gated_delta_rule"
-BACKENDS = backend_params(OP, DEV)
+# cuda: K = V = 128 in bf16 / fp16 only, no case of GDR_CASES (asked by name it refuses them);
+# tests/test_cuda_chunk.py checks it
+BACKENDS = [p for p in backend_params(OP, DEV) if p.values[0] != "cuda"]
 OTHER_BACKENDS = [p for p in BACKENDS if p.values[0] != "torch"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")

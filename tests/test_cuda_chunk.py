@@ -14,6 +14,7 @@ import functools
 import pytest
 import torch
 
+import gdn_packed
 from gdn_packed import _cext
 from gdn_packed.testing import (BUDGETS, DTYPE_ID, PACKINGS, case_id, gdr_inputs, real_rows, reference_gdr,
                                 rel_err)
@@ -101,3 +102,115 @@ def test_mirror_raw_gates():
                            A_log=A_log if raw else None, dt_bias=dt_bias if raw else None)
         outs.append((o, fs))
     assert rel_err(outs[1][0], outs[0][0].double()) <= 1e-6 and rel_err(outs[1][1], outs[0][1].double()) <= 1e-6
+
+
+# ---- backend="cuda" of the op: dispatch, refusals, autograd through the Triton backward --------------
+
+def test_cuda_backend_refuses_what_its_kernel_does_not_take():
+    """Asked by name, an input the kernel does not take is an error naming why (never a silent switch to
+    another backend, so a 'cuda' run or benchmark row is the cuda kernel); 'auto' passes over it."""
+    from gdn_packed.cuda.chunk import refusal
+    cpu = torch.device("cpu")
+    q, v = torch.zeros(4, 1, 128, dtype=torch.bfloat16), torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    assert refusal(q, v, cpu, N=3) is None
+    for qq, vv, n, kind, words in ((q[..., :64], v, 1, ValueError, "K = 64"), (q, v[..., :32], 1, ValueError, "V = 32"),
+                                   (q.float(), v.float(), 1, TypeError, "torch.float32"),
+                                   (q, v, 65536, ValueError, "65535 sequences")):
+        err = refusal(qq, vv, cpu, N=n)
+        assert isinstance(err, kind) and words in str(err) and "backend='triton'" in str(err), err
+    x = dict(q=torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16), k=torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16),
+             v=torch.zeros(1, 4, 2, 64, dtype=torch.bfloat16), g=torch.zeros(1, 4, 2), beta=torch.zeros(1, 4, 2))
+    with pytest.raises(ValueError, match="CUDA tensors"):        # on CPU tensors: resolve_backend's error
+        gdn_packed.chunk_gated_delta_rule(**x, backend="cuda")
+
+
+def test_auto_never_picks_cuda_yet(monkeypatch):
+    """Opt-in until tools/gpu_check.py has passed it on an H200: with the cuda backend usable and triton
+    not, 'auto' on CUDA tensors takes torch, not cuda; the dispatch table lists cuda after triton."""
+    from gdn_packed.ops import BACKENDS, _common, chunk_gdr
+    monkeypatch.setattr(_common, "_cuda_ok", lambda: True)
+    monkeypatch.setattr(_common, "triton_usable", lambda device: "no triton in this test")
+    assert BACKENDS[chunk_gdr.OP] == ("triton", "cuda", "torch") and "cuda" not in chunk_gdr.AUTO_BACKENDS
+    assert _common.resolve_backend("auto", torch.device("cuda"), have=chunk_gdr.AUTO_BACKENDS) == "torch"
+    assert _common.resolve_backend("auto", torch.device("cuda"), have=BACKENDS[chunk_gdr.OP]) == "cuda"
+
+
+@pytest.fixture
+def mirror_as_cuda_forward(monkeypatch):
+    """The dispatch table's cuda forward runs the host mirror (CPU tensors) for the test's duration."""
+    from gdn_packed.cuda import chunk as cuda_chunk
+    from gdn_packed.ops import _dispatch
+    calls = []
+
+    def fwd(*args, **kw):
+        calls.append(sorted(kw))
+        return chunk_gdr_fwd_cuda(*args, **kw, host=True)
+    monkeypatch.setattr(cuda_chunk, "chunk_gdr_fwd_cuda", fwd)
+    _dispatch.kernel.cache_clear()
+    yield calls
+    _dispatch.kernel.cache_clear()
+
+
+@pytest.mark.parametrize("gating", [False, True], ids=["g-beta", "raw-a-b"])
+def test_cuda_op_autograd_is_the_triton_backward(gating, mirror_as_cuda_forward):
+    """gdn_packed::chunk_gdr_fwd with backend='cuda' (the host mirror standing in for the kernel, the
+    Triton backward under the interpreter): o within the bf16 budget of float64; the gradients of every
+    input (A_log, dt_bias too with the raw gates, which the cuda forward takes itself: no gate launch)
+    bit-identical to backend='triton''s, whose backward gets the same saved inputs and no kept."""
+    from gdn_packed.ops.chunk_gdr import chunk_gdr_fwd
+    from gdn_packed.ops._common import triton_usable
+    if triton_usable(torch.device("cpu")):
+        pytest.skip(f"the Triton backward cannot run here: {triton_usable(torch.device('cpu'))}")
+    (q, k, v, g, beta, h0), cu, _, _, _, ro, _ = case(2, torch.bfloat16)
+    cu_pad = PACKINGS[2].layout()[1]
+    A_log, dt_bias = (torch.tensor([0.3, -1.0]), torch.tensor([0.5, 1.5])) if gating else (None, None)
+    gen = torch.Generator().manual_seed(7)
+    do, dht = torch.randn(v.shape, generator=gen).bfloat16(), torch.randn(h0.shape, generator=gen)
+    got = {}
+    for backend in ("cuda", "triton"):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        gates = [x.clone().requires_grad_() for x in (A_log, dt_bias)] if gating else [None, None]
+        o, fs, kept = chunk_gdr_fwd(*leaves, cu, cu_pad, K ** -0.5, True, backend, *gates, True)
+        grads = torch.autograd.grad([o, fs], leaves + [x for x in gates if x is not None], [do, dht])
+        got[backend] = (o.detach(), kept, grads)
+    assert mirror_as_cuda_forward == [["A_log", "dt_bias"] if gating else []]
+    assert got["cuda"][1].numel() == 0
+    if not gating:
+        assert rel_err(got["cuda"][0], ro) <= BUDGETS[torch.bfloat16]["o"]
+    for a, b in zip(got["cuda"][2], got["triton"][2]):
+        assert torch.equal(a, b)
+
+
+def _entry_args(T=5, N=1, H=1, HV=2, raw=False):
+    """A complete, valid argument set of _C.chunk_gdr_fwd_sm90_host (float32: the mirror), and the tensors."""
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    table, cc = make_chunk_table(cu, None, T, 64)
+    z = torch.zeros
+    ts = dict(q=z(T, H, K), k=z(T, H, K), v=z(T, HV, K), g=z(T, HV), beta=z(T, HV), A_log=z(HV), dt_bias=z(HV),
+              table=table, cu_chunks=cc, initial_state=z(N, HV, K, K), final_state=z(N, HV, K, K), o=z(T, HV, K))
+    args = {n: t.data_ptr() for n, t in ts.items()}
+    args.update(N=N, T=T, H=H, HV=HV, K=K, V=K, chunk_size=64, dtype=0, scale=0.1, l2norm=True, raw_gates=raw)
+    return args, ts
+
+
+def test_entry_point_names_its_arguments():
+    """_C.chunk_gdr_fwd_sm90(_host) takes the declared keywords only; a required pointer passed as None is
+    a ValueError naming it before anything runs (A_log, dt_bias only with raw_gates; initial_state and
+    final_state are optional)."""
+    C = _cext.get_C()
+    args, keep = _entry_args()
+    doc = "chunk_gdr_fwd_sm90_host(*, " + ", ".join(args) + ")"
+    assert doc in C.chunk_gdr_fwd_sm90_host.__doc__.splitlines()
+    C.chunk_gdr_fwd_sm90_host(**args)
+    for name in ("q", "k", "v", "g", "beta", "table", "cu_chunks", "o"):
+        with pytest.raises(ValueError, match=f"^chunk_gdr_fwd_sm90_host\\(\\): argument '{name}' "):
+            C.chunk_gdr_fwd_sm90_host(**dict(args, **{name: None}))
+    for name in ("A_log", "dt_bias"):
+        C.chunk_gdr_fwd_sm90_host(**dict(args, **{name: None}))
+        with pytest.raises(ValueError, match=f"argument '{name}' "):
+            C.chunk_gdr_fwd_sm90_host(**dict(args, raw_gates=True, **{name: None}))
+    C.chunk_gdr_fwd_sm90_host(**dict(args, initial_state=None, final_state=None))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'cu_chunk'"):
+        C.chunk_gdr_fwd_sm90_host(**{("cu_chunk" if n == "cu_chunks" else n): x for n, x in args.items()})
+    with pytest.raises(ValueError, match="K and V must be 128"):
+        C.chunk_gdr_fwd_sm90_host(**dict(args, K=64))

@@ -1,30 +1,44 @@
 """Host side of csrc/chunk_gdr_fwd_sm90.cu: the chunked gated delta rule forward on sm_90a (K = V = 128,
-bf16 / fp16), one warp-specialised CTA per (value head, sequence), over the device chunk table.
-host=True runs the kernel's host mirror (the same tile program with plain loops, CPU tensors; it also
-takes float32, which the device kernel does not). The backward of a cuda forward is the Triton one
-(gdn_packed.triton.chunk.chunk_gdr_bwd_triton): the op saves only its inputs, which is all it needs.
+bf16 / fp16), warp-specialised CTAs over the device chunk table. host=True runs the kernel's host mirror
+(the same tile program with plain loops, CPU tensors; it also takes float32, which the device kernel
+does not). The backward of a cuda forward is the Triton one (gdn_packed.triton.chunk.chunk_gdr_bwd_triton,
+ops/_dispatch.py): the op saves only its inputs, which is all that backward needs.
+
+    refusal(q, v, device)   None when backend="cuda" of the chunked op takes these inputs on `device`,
+                            else the exception saying why (resolve_backend's `refuse`)
+    chunk_gdr_fwd_cuda(...) the forward, the dispatch table's "fwd" and "fwd_raw" (raw a, b gates)
 """
 import torch
 
-from gdn_packed.cuda.launch import launch
+from gdn_packed.cuda.launch import check_tensors, launch
 
 HEAD_DIM = 128          # the kernel's only K and V
 CHUNK = 64
+MAX_SEQUENCES = 65535   # the grid's y dimension
 
 
-def unsupported(q, v, device):
-    """'' when chunk_gdr_fwd_cuda takes these inputs on `device`, else the reason it does not."""
+def refusal(q, v, device, N=None):
+    """None when the cuda chunked forward takes q [.., H, K], v [.., HV, V] (and N sequences) on
+    `device`; else the exception naming why: TypeError (dtype), ValueError (shape), RuntimeError (no
+    sm_90a kernel in gdn_packed._C, no sm_90 GPU)."""
     from gdn_packed import _cext
     C = _cext.get_C()
     if C is not None and getattr(C, "chunk_gdr_fwd_sm90_missing", ""):
-        return f"gdn_packed._C has no sm_90a chunked kernel: {C.chunk_gdr_fwd_sm90_missing}"
+        return RuntimeError(f"backend='cuda': gdn_packed._C has no sm_90a chunked kernel "
+                            f"({C.chunk_gdr_fwd_sm90_missing}); use backend='triton'")
     if q.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
-        return f"the cuda chunked kernel takes K = V = {HEAD_DIM}, got K = {q.shape[-1]}, V = {v.shape[-1]}"
+        return ValueError(f"backend='cuda' of chunk_gated_delta_rule takes K = V = {HEAD_DIM} only, got "
+                          f"K = {q.shape[-1]}, V = {v.shape[-1]}; use backend='triton'")
     if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"the cuda chunked kernel takes bfloat16 or float16 inputs, got {q.dtype}"
+        return TypeError(f"backend='cuda' of chunk_gated_delta_rule takes bfloat16 or float16 q, k, v, got "
+                         f"{q.dtype}; use backend='triton'")
+    if N is not None and N > MAX_SEQUENCES:
+        return ValueError(f"backend='cuda' of chunk_gated_delta_rule takes at most {MAX_SEQUENCES} sequences, "
+                          f"got {N}; use backend='triton'")
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
-        return "the cuda chunked kernel needs an sm_90 GPU (H100 / H200)"
-    return ""
+        return RuntimeError("backend='cuda' of chunk_gated_delta_rule needs an sm_90 GPU (H100 / H200), got "
+                            f"{torch.cuda.get_device_name(device)}; use backend='triton'")
+    return None
 
 
 def _aligned(x):
@@ -36,13 +50,28 @@ def _aligned(x):
 def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm, o,
                        final_state, kept=None, *, A_log=None, dt_bias=None, host=False):
     """Writes o [T, HV, V] (every row: padding rows 0) and final_state [N, HV, K, V] float32, as
-    gdn_packed.triton.chunk.chunk_gdr_fwd_triton. With A_log, dt_bias, g and beta are the raw a, b and
-    the kernel forms the gates itself."""
+    gdn_packed.triton.chunk.chunk_gdr_fwd_triton. q, k [T, H, K], v [T, HV, V] (bf16 / fp16; fp32 with
+    host=True); g, beta [T, HV]; table int32 [NC, 4], cu_chunks int32 [N+1]. With A_log, dt_bias [HV],
+    g and beta are the raw a, b and the kernel forms g = -exp(A_log) softplus(a + dt_bias),
+    beta = sigmoid(b) itself (fp32). `kept` is not used (the backward recomputes)."""
     if C != CHUNK:
         raise ValueError(f"the cuda chunked kernel is written for chunk size {CHUNK}, got {C}")
     T, H, K = q.shape
     HV, Vd = v.shape[1], v.shape[2]
-    N = cu_chunks.numel() - 1
+    N, NC = cu_chunks.numel() - 1, table.shape[0]
+    acts = (torch.bfloat16, torch.float16, torch.float32) if host else (torch.bfloat16, torch.float16)
+    check_tensors(q=(q, (T, H, HEAD_DIM), acts), k=(k, (T, H, HEAD_DIM), q.dtype),
+                  v=(v, (T, HV, HEAD_DIM), q.dtype), o=(o, (T, HV, HEAD_DIM), q.dtype),
+                  g=(g, (T, HV), None), beta=(beta, (T, HV), None),
+                  table=(table, (NC, 4), torch.int32), cu_chunks=(cu_chunks, (N + 1,), torch.int32),
+                  initial_state=(initial_state, (N, HV, K, Vd), None),
+                  final_state=(final_state, (N, HV, K, Vd), torch.float32),
+                  A_log=(A_log, (HV,), None), dt_bias=(dt_bias, (HV,), None))
+    if H == 0 or HV % H:
+        raise ValueError(f"the value heads of v (v.shape[1] = {HV}) must be a multiple of the qk heads of q "
+                         f"(q.shape[1] = {H})")
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("A_log and dt_bias come together (the raw gates) or not at all")
     if N == 0:
         o.zero_()               # no sequence: every row is padding
         return

@@ -8,7 +8,9 @@ gdn_packed.ops._common.resolve_backend in the public function).
 
 The parts of an op ("fwd", "bwd", "gate_fwd", ...; "kept_shape" where the forward keeps
 something for its backward) take the arguments documented in the module of
-its torch implementation (gdn_packed/torch_ref/*.py).
+its torch implementation (gdn_packed/torch_ref/*.py). "fwd_raw", where a backend has it, is a forward
+that takes the raw gate inputs a, b in g's and beta's places and A_log=, dt_bias= keywords and forms
+the gates itself (no "gate_fwd" launch before it).
 """
 from functools import lru_cache
 from importlib import import_module
@@ -19,6 +21,15 @@ TABLE = {
             "fwd": "gdn_packed.triton.chunk:chunk_gdr_fwd_triton",
             "bwd": "gdn_packed.triton.chunk:chunk_gdr_bwd_triton",
             "kept_shape": "gdn_packed.triton.chunk:kept_shape",
+            "gate_fwd": "gdn_packed.triton.chunk_gate:gate_fwd_triton",
+            "gate_bwd": "gdn_packed.triton.chunk_gate:gate_bwd_triton",
+        },
+        # opt-in only: "auto" does not pick it until tools/gpu_check.py has passed it on an H200
+        # (ops/chunk_gdr.py); its backward is the Triton one, which needs nothing the forward keeps
+        "cuda": {
+            "fwd": "gdn_packed.cuda.chunk:chunk_gdr_fwd_cuda",
+            "fwd_raw": "gdn_packed.cuda.chunk:chunk_gdr_fwd_cuda",
+            "bwd": "gdn_packed.triton.chunk:chunk_gdr_bwd_triton",
             "gate_fwd": "gdn_packed.triton.chunk_gate:gate_fwd_triton",
             "gate_bwd": "gdn_packed.triton.chunk_gate:gate_bwd_triton",
         },
@@ -43,6 +54,11 @@ TABLE = {
             "fwd": "gdn_packed.torch_ref.conv1d:conv1d_varlen_fwd_torch",
             "bwd": "gdn_packed.torch_ref.conv1d:conv1d_varlen_bwd_torch",
         },
+    },
+    # the chunk table of a packed tensor (ops/chunk_table.py; "fwd" is the whole op)
+    "chunk_table": {
+        "cuda": {"fwd": "gdn_packed.cuda.chunk_table:chunk_table_cuda"},
+        "torch": {"fwd": "gdn_packed.torch_ref.chunk_table:chunk_table_torch"},
     },
     "gated_rmsnorm": {
         "torch": {
