@@ -256,13 +256,13 @@ def _recurrent_call(T=7, N=2, H=1, HV=2, K=16, V=8):
 def _conv_call(bwd, T=7, N=2, D=8, W=4):
     """A complete, valid set of conv1d_fwd_cuda / conv1d_bwd_cuda arguments (host mirror)."""
     z = torch.zeros
-    a = dict(x=z(1, T, D), weight=z(D, W), bias=z(D), initial_state=z(N, D, W - 1),
+    a = dict(x=z(T, D), weight=z(D, W), bias=z(D), initial_state=z(N, D, W - 1),
              cu_seqlens=torch.tensor([0, 3, T]), cu_seqlens_padded=None, silu=True)
     if bwd:
-        a.update(dy=z(1, T, D), dfinal=z(N, D, W - 1), dx=z(1, T, D), dweight=z(D, W), dbias=z(D),
+        a.update(dy=z(T, D), dfinal=z(N, D, W - 1), dx=z(T, D), dweight=z(D, W), dbias=z(D),
                  dinitial_state=z(N, D, W - 1))
     else:
-        a.update(y=z(1, T, D), final_state=z(N, D, W - 1))
+        a.update(y=z(T, D), final_state=z(N, D, W - 1))
     return a
 
 
@@ -290,17 +290,17 @@ BAD_LAUNCHES = [
     ("recurrent_fwd_cuda", "cu_seqlens", torch.tensor([0.0, 3, 7]), TypeError, "cu_seqlens must be int32"),
     ("recurrent_fwd_cuda", "cu_seqlens_padded", torch.tensor([0, 7]), ValueError, "cu_seqlens_padded must have"),
     ("recurrent_fwd_cuda", "state_indices", torch.tensor([0, 1, 1]), ValueError, "state_indices must have shape"),
-    ("conv1d_fwd_cuda", "y", torch.zeros(1, 6, 8), ValueError, "y must have shape \\(1, 7, 8\\)"),
-    ("conv1d_fwd_cuda", "y", torch.zeros(1, 7, 8, dtype=torch.bfloat16), TypeError, "y must have dtype"),
-    ("conv1d_fwd_cuda", "x", torch.zeros(1, 7, 8, dtype=torch.float64), TypeError, "x must have dtype"),
-    ("conv1d_fwd_cuda", "x", torch.zeros(7, 8), ValueError, "x must be 3-D"),
+    ("conv1d_fwd_cuda", "y", torch.zeros(6, 8), ValueError, "y must have shape \\(7, 8\\)"),
+    ("conv1d_fwd_cuda", "y", torch.zeros(7, 8, dtype=torch.bfloat16), TypeError, "y must have dtype"),
+    ("conv1d_fwd_cuda", "x", torch.zeros(7, 8, dtype=torch.float64), TypeError, "x must have dtype"),
+    ("conv1d_fwd_cuda", "x", torch.zeros(1, 7, 8), ValueError, "x must be 2-D"),
     ("conv1d_fwd_cuda", "final_state", torch.zeros(2, 8, 2), ValueError, "final_state must have shape"),
     ("conv1d_fwd_cuda", "weight", torch.zeros(4, 4), ValueError, "weight must have shape"),
     ("conv1d_fwd_cuda", "weight", torch.zeros(8, 9), ValueError, "weight"),
     ("conv1d_fwd_cuda", "bias", torch.zeros(7), ValueError, "bias must have shape"),
     ("conv1d_fwd_cuda", "initial_state", torch.zeros(3, 8, 3), ValueError, "initial_state must have shape"),
-    ("conv1d_bwd_cuda", "dx", torch.zeros(1, 6, 8), ValueError, "dx must have shape"),
-    ("conv1d_bwd_cuda", "dy", torch.zeros(1, 5, 8), ValueError, "dy must have shape"),
+    ("conv1d_bwd_cuda", "dx", torch.zeros(6, 8), ValueError, "dx must have shape"),
+    ("conv1d_bwd_cuda", "dy", torch.zeros(5, 8), ValueError, "dy must have shape"),
     ("conv1d_bwd_cuda", "dfinal", torch.zeros(2, 8, 4), ValueError, "dfinal must have shape"),
     ("conv1d_bwd_cuda", "dweight", torch.zeros(8, 3), ValueError, "dweight must have shape"),
     ("conv1d_bwd_cuda", "dbias", torch.zeros(9), ValueError, "dbias must have shape"),

@@ -9,6 +9,7 @@ import gdn_packed
 from gdn_packed import cuda as gdn_cuda
 from gdn_packed.ops import conv1d as conv_op
 from gdn_packed.ops._common import poisoned_outputs
+from gdn_packed.segments import segments_or_rows
 from gdn_packed.testing import PACKINGS, layout, no_host_sync, real_rows, rel_err
 from gdn_packed.torch_ref.conv1d import causal_conv1d_ref
 
@@ -53,11 +54,13 @@ def conv_host(x, w, b, act, cu, pad, h0, dy, df):
     B, L, D = x.shape
     W, N = w.shape[1], (B if cu is None else cu.numel() - 1)
     full = lambda *s, dt=x.dtype: torch.full(s, float("nan"), dtype=dt)  # noqa: E731
+    rows = lambda t: t.reshape(B * L, D)  # noqa: E731
+    cus = segments_or_rows(x, cu)[0]
     y, f = full(B, L, D), full(N, D, W - 1)
-    gdn_cuda.conv1d_fwd_cuda(x, w, b, h0, cu, pad, act is not None, y, f, host=True)
+    gdn_cuda.conv1d_fwd_cuda(rows(x), w, b, h0, cus, pad, act is not None, rows(y), f, host=True)
     dx, dw, db, dh0 = full(B, L, D), full(D, W, dt=w.dtype), full(D, dt=w.dtype), full(N, D, W - 1)
-    gdn_cuda.conv1d_bwd_cuda(x, w, b, h0, cu, pad, act is not None, dy.to(x.dtype), df.to(x.dtype),
-                            dx, dw, db, dh0, host=True)
+    gdn_cuda.conv1d_bwd_cuda(rows(x), w, b, h0, cus, pad, act is not None, rows(dy.to(x.dtype)), df.to(x.dtype),
+                             rows(dx), dw, db, dh0, host=True)
     return y, f, dx, dw, (db if b is not None else None), (dh0 if h0 is not None else None)
 
 

@@ -122,6 +122,17 @@ def test_segment_checks_have_one_owner():
     assert "gdn_packed.packing" not in graph["gdn_packed.torch_ref.conv1d"]
 
 
+def test_kernels_never_import_ops():
+    """Dependencies point one way (docs/DESIGN.md section 5): the kernels' host code (torch_ref/,
+    triton/, cuda/) and segments.py take what they need of the run from gdn_packed._runtime, never
+    from gdn_packed.ops (torch_ref/chunk.py imported ops._common before)."""
+    graph = import_graph()
+    kernels = [m for m in graph if m.startswith(("gdn_packed.torch_ref", "gdn_packed.triton", "gdn_packed.cuda"))]
+    assert "gdn_packed.torch_ref.chunk" in kernels and "gdn_packed.cuda.launch" in kernels
+    for m in kernels + ["gdn_packed.segments", "gdn_packed._runtime"]:
+        assert not [d for d in graph[m] if d.startswith("gdn_packed.ops")], f"{m} imports {sorted(graph[m])}"
+
+
 @pytest.mark.parametrize("lazy", [False, True], ids=["top-level", "lazy"])
 def test_the_walk_finds_a_cycle(tmp_path, lazy):
     """The walk sees a cycle written the way _validate <-> packing was (one side imports inside a

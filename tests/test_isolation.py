@@ -397,8 +397,8 @@ def run_conv(backend, layout_name, ins):
     if backend == "host":
         nan = lambda *s: torch.full(s, float("nan"))  # noqa: E731
         y, fs, dx, dw, db, dh0 = nan(*x.shape), nan(*h0.shape), nan(*x.shape), nan(*w.shape), nan(12), nan(*h0.shape)
-        gdn_cuda.conv1d_fwd_cuda(x, w, b, h0, cu, pad, True, y, fs, host=True)
-        gdn_cuda.conv1d_bwd_cuda(x, w, b, h0, cu, pad, True, dy, df, dx, dw, db, dh0, host=True)
+        gdn_cuda.conv1d_fwd_cuda(x[0], w, b, h0, cu, pad, True, y[0], fs, host=True)
+        gdn_cuda.conv1d_bwd_cuda(x[0], w, b, h0, cu, pad, True, dy[0], df, dx[0], dw, db, dh0, host=True)
     else:
         ts = {n: t.clone().requires_grad_() for n, t in dict(x=x, w=w, b=b, h0=h0).items()}
         with poisoned_outputs():

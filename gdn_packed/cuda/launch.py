@@ -12,6 +12,8 @@ torch.dtype among the scalars becomes its dtype code. host=False launches on the
 
 is what every launcher runs first: the kernels trust the sizes they are given, so a tensor smaller
 than they say would be read or written past its end. Only metadata is read (no host sync).
+check_offsets / offsets64 (cu_seqlens and cu_seqlens_padded checked; in int64) and as_dtype (a
+None-safe cast) are the rest of the plumbing the launchers share.
 """
 from __future__ import annotations
 
@@ -59,6 +61,18 @@ def check_offsets(cu_seqlens, cu_seqlens_padded):
     if cu_seqlens_padded is not None:
         check_padded_meta(cu_seqlens, cu_seqlens_padded)
     return cu_seqlens.shape[0] - 1
+
+
+def offsets64(cu_seqlens, cu_seqlens_padded):
+    """(cu_seqlens, cu_seqlens_padded or None) checked (check_offsets) and in int64, the index type of
+    the conv and recurrent kernels, and N."""
+    N = check_offsets(cu_seqlens, cu_seqlens_padded)
+    return cu_seqlens.to(torch.int64), as_dtype(cu_seqlens_padded, torch.int64), N
+
+
+def as_dtype(t, dtype):
+    """t in `dtype` (t itself when it has it); None stays None (an absent optional input)."""
+    return None if t is None else t.to(dtype)
 
 
 def _pointer(name, t, device, *, output):

@@ -2,7 +2,7 @@
 states or a state pool updated in place."""
 import torch
 
-from gdn_packed.cuda.launch import KERNEL_DTYPES, check_offsets, check_tensors, launch
+from gdn_packed.cuda.launch import KERNEL_DTYPES, as_dtype, check_tensors, launch, offsets64
 
 SLOT_OWN, SLOT_READ_ONLY, SLOT_LAST_WRITER = 0, 1, 2     # kSlot* in csrc/recurrent_gdr.cu
 
@@ -35,7 +35,7 @@ def recurrent_fwd_cuda(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, initial_
     if H == 0 or HV % H:
         raise ValueError(f"the value heads of v (v.shape[1] = {HV}) must be a multiple of the qk heads of q "
                          f"(q.shape[1] = {H})")
-    N = check_offsets(cu_seqlens, cu_seqlens_padded)
+    cu, pad, N = offsets64(cu_seqlens, cu_seqlens_padded)
     pool = state_indices is not None
     states = (initial_state.shape[0] if pool and initial_state is not None else N, HV, K, Vd)
     check_tensors(q=(q, (T, H, K), KERNEL_DTYPES), k=(k, (T, H, K), q.dtype), v=(v, (T, HV, Vd), q.dtype),
@@ -47,18 +47,17 @@ def recurrent_fwd_cuda(q, k, v, g, beta, cu_seqlens, cu_seqlens_padded, initial_
         raise ValueError("state_indices needs the state pool as initial_state")
     if pool and not initial_state.is_contiguous():
         raise ValueError("the state pool must be contiguous")
-    cu = cu_seqlens.to(torch.int64)
-    idx = None if not pool else state_indices.to(torch.int64)
+    idx = as_dtype(state_indices, torch.int64)
     reads = dict(q=q, k=k, v=v, g=g.to(torch.float32), beta=beta.to(torch.float32), cu_seqlens=cu,
-                 cu_seqlens_padded=None if cu_seqlens_padded is None else cu_seqlens_padded.to(torch.int64),
-                 state_indices=idx, slot_roles=None if idx is None else slot_roles(idx, initial_state.shape[0]))
+                 cu_seqlens_padded=pad, state_indices=idx,
+                 slot_roles=None if idx is None else slot_roles(idx, initial_state.shape[0]))
     if pool:
         writes = dict(initial_state=initial_state, final_state=initial_state)
     else:
         reads["initial_state"] = initial_state
         writes = dict(final_state=final_state)
-    if cu.shape[0] == 1:   # no sequence: every row is padding
+    if N == 0:   # no sequence: every row is padding
         o.zero_()
     launch("recurrent_gdr_fwd", q.device, host=host, reads=reads, writes=dict(writes, o=o),
-           pool_size=initial_state.shape[0] if pool else 0, N=cu.shape[0] - 1, T=T, H=H, HV=HV, K=K, V=Vd,
+           pool_size=initial_state.shape[0] if pool else 0, N=N, T=T, H=H, HV=HV, K=K, V=Vd,
            dtype=q.dtype, scale=float(scale), l2norm=bool(use_qk_l2norm))

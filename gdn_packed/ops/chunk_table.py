@@ -5,7 +5,8 @@
 table int32 [T // chunk_size + N, 4] rows (seq_id, chunk_idx, start_row, length), unused slots
 (-1, 0, 0, 0); cu_chunks int32 [N+1]. The full contract is in gdn_packed/torch_ref/chunk_table.py and
 csrc/segments.cuh. CUDA tensors use the csrc/ kernels when gdn_packed._C can run, everything else the
-torch implementation. No path reads cu_seqlens back to the host, so the op is CUDA-graph capturable.
+torch implementation (the dispatch table, gdn_packed/ops/_dispatch.py). No path reads CUDA cu_seqlens
+back to the host, so the op is CUDA-graph capturable.
 The registered op checks its inputs; `make_chunk_table` is the unchecked implementation that
 chunk_gdr calls inside its own op (its public function checked cu_seqlens already).
 """
@@ -16,8 +17,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from gdn_packed.ops._common import resolve_backend
+from gdn_packed.ops._dispatch import backends, kernel
 from gdn_packed.segments import check_cu_seqlens_meta, check_padded_meta, check_values_where_free
 
+OP = "chunk_table"
 INT32_MAX = 2**31 - 1
 
 
@@ -44,17 +48,11 @@ def _check(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int, chun
 def make_chunk_table(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int,
                      chunk_size: int) -> tuple[Tensor, Tensor]:
     """The chunk table, trusting its inputs (the caller checked them: the registered op below, or a
-    public op such as chunk_gated_delta_rule, which calls this inside its own custom op). CUDA
-    tensors use the csrc/ kernel when gdn_packed._C can run, everything else the torch one."""
-    if cu_seqlens.device.type == "cuda":
-        from gdn_packed._cext import cuda_available
-
-        if cuda_available():
-            from gdn_packed.cuda import chunk_table_cuda
-            return chunk_table_cuda(cu_seqlens, cu_seqlens_padded, T, chunk_size)
-    from gdn_packed.torch_ref.chunk_table import chunk_table_torch
-
-    return chunk_table_torch(cu_seqlens, cu_seqlens_padded, T, chunk_size)
+    public op such as chunk_gated_delta_rule, which calls this inside its own custom op). The backend
+    is "auto"'s choice from the dispatch table: the csrc/ kernel for CUDA tensors when gdn_packed._C
+    can run, the torch one for everything else."""
+    backend = resolve_backend("auto", cu_seqlens.device, have=backends(OP))
+    return kernel(OP, backend, "fwd")(cu_seqlens, cu_seqlens_padded, T, chunk_size)
 
 
 @torch.library.custom_op("gdn_packed::chunk_table", mutates_args=())

@@ -37,9 +37,8 @@ def conv1d_varlen_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial
     W = weight.shape[1]
     y = new_output(x.shape, x.dtype, x.device)
     final_state = new_output((N, D, W - 1), x.dtype, x.device)
-    xt = x if backend == "cuda" else x.reshape(B * L, D)
-    yt = y if backend == "cuda" else y.view(B * L, D)
-    kernel(OP, backend, "fwd")(xt, weight, bias, initial_state, cu, cu_seqlens_padded, silu, yt, final_state)
+    kernel(OP, backend, "fwd")(x.reshape(B * L, D), weight, bias, initial_state, cu, cu_seqlens_padded, silu,
+                               y.view(B * L, D), final_state)
     return y, final_state
 
 
@@ -61,13 +60,8 @@ def conv1d_varlen_bwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], initial
     dweight = new_output(weight.shape, weight.dtype, weight.device)
     dbias = new_output((D,), weight.dtype if bias is None else bias.dtype, weight.device)
     dh0 = new_output((N, D, W - 1), x.dtype if initial_state is None else initial_state.dtype, x.device)
-    bwd = kernel(OP, backend, "bwd")
-    if backend == "cuda":
-        bwd(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded, silu, dy, dfinal,
-            dx, dweight, dbias, dh0)
-    else:
-        bwd(x.reshape(B * L, D), weight, bias, initial_state, cu, cu_seqlens_padded, silu,
-            dy.reshape(B * L, D), dfinal, dx.view(B * L, D), dweight, dbias, dh0)
+    kernel(OP, backend, "bwd")(x.reshape(B * L, D), weight, bias, initial_state, cu, cu_seqlens_padded, silu,
+                               dy.reshape(B * L, D), dfinal, dx.view(B * L, D), dweight, dbias, dh0)
     return dx, dweight, dbias, dh0
 
 
