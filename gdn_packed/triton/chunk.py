@@ -3,12 +3,15 @@ and the backend entry points that gdn_packed.ops.chunk_gdr dispatches to (same s
 gdn_packed.torch_ref.chunk). Launch configs: gdn_packed/triton/configs.py. Grids depend only on T, N,
 the number of chunk slots and the shapes, never on the values of cu_seqlens (no host sync).
 """
+from typing import NamedTuple
+
 import torch
 import triton
 
 from gdn_packed.triton.chunk_bwd import (chunk_bwd_dk_kernel, chunk_bwd_dq_kernel, chunk_bwd_dstate_kernel,
                                         chunk_bwd_finalize_kernel)
 from gdn_packed.triton.chunk_fwd import chunk_combine_kernel, chunk_fwd_prep_kernel, chunk_fwd_state_kernel
+from gdn_packed.triton.common import GATE_ROWS
 from gdn_packed.triton.configs import (CHUNK, bwd_configs, combine_config, dot_precision, num_sms,
                                       prep_config, smem_kb, state_config, state_segments)
 
@@ -23,21 +26,30 @@ def _check_chunk(C):
         raise ValueError(f"the Triton kernels are written for chunk size {CHUNK}, got {C}")
 
 
+class Prep(NamedTuple):
+    """What chunk_fwd_prep_kernel stores per chunk slot and value head (gdn_packed/triton/chunk_fwd.py):
+    gates fp32 [NC, HV, GATE_ROWS, C], eg_last fp32 [NC, HV], rn fp32 [NC, HV, 2, C], ts and mm
+    (Ts = T - I and M) [NC, HV, C, C] in the input dtype. The forward and the backward use the same."""
+    gates: torch.Tensor
+    eg_last: torch.Tensor
+    rn: torch.Tensor
+    ts: torch.Tensor
+    mm: torch.Tensor
+
+
 def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm):
-    """Launches chunk_fwd_prep_kernel (grid (H, NC)); returns (gates, eg_last, rn, Ts, M) as laid out
-    in gdn_packed/triton/chunk_fwd.py (the forward and the backward use the same five)."""
+    """Launches chunk_fwd_prep_kernel (grid (H, NC)) and returns its outputs as a Prep."""
     NC, (_, H, K) = table.shape[0], q.shape
     C = CHUNK
     f32 = dict(dtype=torch.float32, device=q.device)
-    gates = torch.empty(NC, HV, 5, C, **f32)
-    eg_last = torch.empty(NC, HV, **f32)
-    rn = torch.empty(NC, HV, 2, C, **f32)
     ts = torch.empty(NC, HV, C, C, dtype=q.dtype, device=q.device)        # input dtype
-    mm = torch.empty_like(ts)
+    prep = Prep(gates=torch.empty(NC, HV, GATE_ROWS.value, C, **f32), eg_last=torch.empty(NC, HV, **f32),
+                rn=torch.empty(NC, HV, 2, C, **f32), ts=ts, mm=torch.empty_like(ts))
     if NC > 0 and HV > 0:
-        chunk_fwd_prep_kernel[(H, NC)](q, k, g, beta, table, gates, eg_last, rn, ts, mm, scale, H=H,
-                                       HV=HV, K=K, C=C, USE_L2=bool(use_l2norm), **prep_config(K, q.dtype))
-    return gates, eg_last, rn, ts, mm
+        chunk_fwd_prep_kernel[(H, NC)](
+            q=q, k=k, g=g, beta=beta, table=table, **prep._asdict(), scale=scale,
+            H=H, HV=HV, K=K, C=C, USE_L2=bool(use_l2norm), **prep_config(K, q.dtype))
+    return prep
 
 
 def fwd_segments(T, N, HV, K, V, dtype, device):
@@ -57,25 +69,25 @@ def kept_shape(T, N, HV, K, V, C, device, dtype):
 
 def entering_states(pass_a, N, HV, K, V, S, h0, dtype, device, reverse=False, out=None):
     """The state entering every segment of a segmented sequential pass, [N S, HV, K, V] fp32 (written to
-    out when given): launches `pass_a(grid, ends)` (the pass with PROPAGATE over the segments the walk
-    leaves, writing each one's end rows [V + K, K] to ends) and chunk_combine_kernel (grid
+    out when given): launches `pass_a(programs, ends)` (the pass with PROPAGATE over the segments the
+    walk leaves, writing each one's end rows [V + K, K] to ends) and chunk_combine_kernel (grid
     (cdiv(V, BV'), HV, N)). h0 [N, HV, K, V] (or None: 0) enters the first segment walked (the last
     one when reverse)."""
     ends = torch.empty(N * (S - 1), HV, V + K, K, dtype=torch.float32, device=device)
     pass_a(N * (S - 1), ends)
     ent = torch.empty(N * S, HV, K, V, dtype=torch.float32, device=device) if out is None else out
-    c = combine_config(K, V, dtype)
-    chunk_combine_kernel[(triton.cdiv(V, c["BV"]), HV, N)](
-        ends, ent if h0 is None else h0, ent, S, HV=HV, K=K, V=V, HAS_H0=h0 is not None, REVERSE=reverse, **c)
+    cfg = combine_config(K, V, dtype)
+    chunk_combine_kernel[(triton.cdiv(V, cfg["BV"]), HV, N)](
+        ends=ends, h0=h0, ent=ent, segments=S, HV=HV, K=K, V=V, HAS_H0=h0 is not None, REVERSE=reverse, **cfg)
     return ent
 
 
-def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=None, u_out=None,
-                    kept=None, entering=None):
+def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, st=None, ut=None, kept=None,
+                    entering=None):
     """Launches chunk_fwd_state_kernel on chunk_fwd_prep's outputs `prep`. Forward: writes o [T, HV, V]
-    (every row) and ht [N, HV, K, V] fp32. With s_out [NC, HV, V, K] and u_out [NC, HV, V, C] in the
-    input dtype (the backward's recompute) it writes S^T entering each chunk and U^T instead, and
-    neither o nor ht.
+    (every row) and ht [N, HV, K, V] fp32. With st [NC, HV, V, K] and ut [NC, HV, V, C] in the input
+    dtype (the backward's recompute) it writes S^T entering each chunk and U^T instead, and neither o
+    nor ht.
 
     Segments (configs.state_segments, from shapes): with S > 1 every sequence's chunk slots are split
     into S segments: pass A (the kernel with PROPAGATE, grid (cdiv(V + K, BV), HV, N (S - 1))) gives
@@ -87,31 +99,28 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, s_out=
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     N = cu_chunks.numel() - 1
-    store = s_out is not None
+    store = st is not None
     cfg = state_config(K, V, q.dtype, smem_kb(q.device), store_states=store)
     cfg_a = state_config(K, V, q.dtype, smem_kb(q.device))     # pass A stores no states
     if entering is not None:
         S = entering.numel() // max(1, N * HV * K * V)
     else:
         S = state_segments(T, N, HV, K, V, cfg, num_sms(q.device), cfg_a=cfg_a)
-    gates, eg_last, _, ts, mm = prep
-    args = (q, k, v, table, cu_chunks, gates, eg_last, ts, mm)
-    shape = dict(H=H, HV=HV, K=K, V=V, C=CHUNK)
+    inputs = dict(q=q, k=k, v=v, table=table, cu_chunks=cu_chunks, gates=prep.gates, eg_last=prep.eg_last,
+                  ts=prep.ts, mm=prep.mm, T_rows=T, segments=S, H=H, HV=HV, K=K, V=V, C=CHUNK)
 
-    def pass_a(programs, ends):     # writes only ends (the other pointers are stand-ins it never touches)
+    def pass_a(programs, ends):
         chunk_fwd_state_kernel[(triton.cdiv(V + K, cfg_a["BV"]), HV, programs)](
-            *args, ends, ends, ends, ends, ends, ends, T, S, HAS_H0=False, STORE_STATES=False,
-            PROPAGATE=True, **shape, **cfg_a)
+            **inputs, h0=None, o=None, ht=None, st=None, ut=None, ends=ends,
+            HAS_H0=False, STORE_STATES=False, PROPAGATE=True, **cfg_a)
     if entering is not None:
         h0 = entering.view(N * S, HV, K, V) if S > 1 else h0
     elif S > 1:
         out = None if kept is None or kept.numel() == 0 else kept.view(N * S, HV, K, V)   # (kept_shape's size)
         h0 = entering_states(pass_a, N, HV, K, V, S, h0, q.dtype, q.device, out=out)
-    unused = s_out if store else ht         # stand-in for the pointers this variant does not touch
-    pick = lambda x: unused if x is None else x   # noqa: E731
     chunk_fwd_state_kernel[(triton.cdiv(V, cfg["BV"]), HV, N * S)](
-        *args, pick(h0), pick(o), pick(ht), pick(s_out), pick(u_out), unused, T, S, HAS_H0=h0 is not None,
-        STORE_STATES=store, PROPAGATE=False, **shape, **cfg)
+        **inputs, h0=h0, o=o, ht=ht, st=st, ut=ut, ends=None,
+        HAS_H0=h0 is not None, STORE_STATES=store, PROPAGATE=False, **cfg)
 
 
 def chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, cfg):
@@ -121,20 +130,19 @@ def chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, dh0, d
     T, H, K = q.shape
     HV, V = do.shape[1], do.shape[2]
     N = cu_chunks.numel() - 1
-    gates, eg_last, _, ts, mm = prep
     S = state_segments(T, N, HV, K, V, cfg, num_sms(q.device), dots=(6, 6))
-    head = (q, k, do, gates, eg_last, ts, mm)
-    tail = dict(H=H, HV=HV, K=K, V=V, C=CHUNK, **cfg)
+    inputs = dict(q=q, k=k, do=do, gates=prep.gates, eg_last=prep.eg_last, ts=prep.ts, mm=prep.mm, table=table,
+                  cu_chunks=cu_chunks, T_rows=T, segments=S, H=H, HV=HV, K=K, V=V, C=CHUNK, **cfg)
 
-    def pass_a(programs, ends):     # writes only ends
+    def pass_a(programs, ends):
         chunk_bwd_dstate_kernel[(triton.cdiv(V + K, cfg["BV"]), HV, programs)](
-            *head, ends, ends, ends, ends, ends, ends, ends, ends, ends, ends, table, cu_chunks, T, S,
-            HAS_DHT=False, PROPAGATE=True, **tail)
+            **inputs, dht=None, dsn=None, dxp=None, dv=None, dh0=None, dq=None, dk=None, dg=None, dbeta=None,
+            ends=ends, HAS_DHT=False, PROPAGATE=True)
     if S > 1:
         dht = entering_states(pass_a, N, HV, K, V, S, dht, q.dtype, q.device, reverse=True)
     chunk_bwd_dstate_kernel[(triton.cdiv(V, cfg["BV"]), HV, N * S)](
-        *head, dh0 if dht is None else dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, dh0, table, cu_chunks, T, S,
-        HAS_DHT=dht is not None, PROPAGATE=False, **tail)
+        **inputs, dht=dht, dsn=dsn, dxp=dxp, dv=dv, dh0=dh0, dq=dq, dk=dk, dg=dg, dbeta=dbeta, ends=None,
+        HAS_DHT=dht is not None, PROPAGATE=False)
 
 
 def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
@@ -171,10 +179,9 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 512 B and
     dX'^T 256 B in the input dtype (dstate); the group's summed Pm for the dk kernel, 256 B fp32 per
     token x qk head (128 B at G = 2); dg / dbeta partials 8 B per K-block of the dq and of the dk
-    kernel (16 B at one K-block each; dq's dbeta slots allocated, never touched): ~2.0 kB (it was
-    ~2.8 kB with per-value-head fp32 dq, dk shares of the C x C part); with l2norm the fp32 dq, dk
-    before the l2norm backward (1 kB per token x qk head); with segments, (V + K) K + K V floats per
-    segment and value head (the boundary rows)."""
+    kernel (16 B at one K-block each; dq's dbeta slots allocated, never touched): ~2.0 kB; with l2norm
+    the fp32 dq, dk before the l2norm backward (1 kB per token x qk head); with segments,
+    (V + K) K + K V floats per segment and value head (the boundary rows)."""
     _check_chunk(C)
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -193,15 +200,15 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     l2 = bool(use_l2norm)
     f32 = dict(dtype=torch.float32, device=dev)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    prep = gates, eg_last, rn, ts, mm = chunk_fwd_prep(q, k, g, beta, table, HV, scale, l2)
+    prep = chunk_fwd_prep(q, k, g, beta, table, HV, scale, l2)
     # S^T entering each chunk (as the forward's dots used it) and U^T; slots outside every
     # sequence are never written here and never read (the dq / dk kernels exit on empty slots)
     st = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
-    up = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
+    ut = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
     dsn = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
     dxp = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
     if HV > 0:
-        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, s_out=st, u_out=up,
+        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, st=st, ut=ut,
                         entering=kept if kept is not None and kept.numel() else None)
         dht_ = None if dht is None else dht.to(torch.float32).contiguous()
         chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, dht_, dsn, dxp, dv_, dh0, dq_, dk_, dg_, dbeta_,
@@ -214,15 +221,18 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
         part = torch.empty(2, nq + nk, T, HV, **f32)
         pm = torch.empty(NC, H, C, C, **f32)        # sum over the group of Pm + diag(Pm), dq -> dk kernel
         pre = torch.empty(2, T, H, K, **f32) if l2 else None
+        shape = dict(H=H, HV=HV, K=K, V=V, C=C)
         chunk_bwd_dq_kernel[(nq, H, NC)](
-            q, k, g, do, gates, rn, up, st, pre[0] if l2 else dq_, pm, part[0], table, scale, T,
-            H=H, HV=HV, K=K, V=V, C=C, **cq)
+            q=q, k=k, g=g, do=do, gates=prep.gates, rn=prep.rn, ut=ut, st=st, dq=pre[0] if l2 else dq_, pm=pm,
+            dg_part=part[0], table=table, scale=scale, T=T, **shape, **cq)
         chunk_bwd_dk_kernel[(nk, H, NC)](
-            q, k, v, gates, rn, eg_last, up, st, dsn, dxp, pm, pre[1] if l2 else dk_, g, part[0], part[1],
-            table, T, nq, H=H, HV=HV, K=K, V=V, C=C, **ck)
+            q=q, k=k, v=v, gates=prep.gates, rn=prep.rn, eg_last=prep.eg_last, ut=ut, st=st, dsn=dsn, dxp=dxp,
+            pm=pm, dk=pre[1] if l2 else dk_, g=g, dg_part=part[0], dbeta_part=part[1], table=table, T=T,
+            slot0=nq, **shape, **ck)
         chunk_bwd_finalize_kernel[(H, NC)](
-            q, k, pre[0] if l2 else dq_, pre[1] if l2 else dk_, rn, part[0], part[1], dq_, dk_, dg_,
-            dbeta_, table, T, H, HV, K=K, C=C, NK=nq + nk, NQ=nq, USE_L2=l2, **cfg["finalize"])
+            q=q, k=k, dq_pre=pre[0] if l2 else None, dk_pre=pre[1] if l2 else None, rn=prep.rn,
+            dg_part=part[0], dbeta_part=part[1], dq=dq_, dk=dk_, dg=dg_, dbeta=dbeta_, table=table, T=T, H=H,
+            HV=HV, K=K, C=C, NK=nq + nk, NQ=nq, USE_L2=l2, **cfg["finalize"])
     for x, y in zip(outs, work):
         if x is not y:
             x.copy_(y)

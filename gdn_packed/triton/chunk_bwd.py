@@ -24,9 +24,9 @@ and in parallel, with dM = dO U^T, dA = -dX' U^T, Pm = scale dM E (j <= i), DA =
 
 Launches (grids depend only on T, N and the shapes; unused chunk slots exit at once; fastest grid axis
 first):
-  forward prep and state pass (STORE_STATES: S^T at chunk start [NC, HV, V, K], as the forward's dots
-      used it, and U^T [NC, HV, V, C], U = X' + Ts X' of the rounded X', both in the input dtype);
-      launched by gdn_packed/triton/chunk.py, chunk_gdr_bwd_triton
+  forward prep and state pass (STORE_STATES: st = S^T at chunk start [NC, HV, V, K], as the forward's
+      dots used it, and ut = U^T [NC, HV, V, C], U = X' + Ts X' of the rounded X', both in the input
+      dtype); launched by gdn_packed/triton/chunk.py, chunk_gdr_bwd_triton
   chunk_bwd_dstate_kernel  grid (cdiv(V, BV), HV, N S): the reverse sequential pass per sequence (or
       segment of S, chunk.py's chunk_bwd_dstate: dS is affine in the dS entering from the right,
       dS^T_prev = dS^T P~ + ..., so with S > 1 a pass A with PROPAGATE over the last S - 1 segments
@@ -59,28 +59,22 @@ the input dtype already); S^T is stored by the forward's state pass in the
 input dtype, exactly as its dots used it.
 fp32 values that must enter a bf16/fp16 dot at better than input precision enter it as two operands,
 the rounded value and its rounding error (relative error ~2^-16): the gated dO^T of the dS update
-(rounded once, it put dh0 at ~2x FLA's error on short sequences: bf16 4.76e-4 vs 2.36e-4, now 2.00e-4),
-the gated dO of dq's state product, and P, DA in their products with K^, Q^ (_dot_hl: one dot over
+(rounded once, it doubled dh0's error on short sequences: bench/NOTES.md), the gated dO of dq's state
+product, and P, DA in their products with K^, Q^ (_dot_hl: one dot over
 both halves concatenated along the inner dimension). dgam takes the row sums and the column sums of
 the same C x C products (Pm (.) Q^K^^T, DA (.) K^K^^T), whose difference the reverse cumsum sums: they
 are formed from one fp32 Gram matrix per kernel and fp32 Pm, DA, so the difference cancels to fp32
-rounding (bf16 operands for Pm, DA products put dg at ~1.2-1.5x FLA's error). Kept fp32: dS in
+rounding (bf16 operands there put dg above FLA's error: bench/NOTES.md). Kept fp32: dS in
 registers, the combine of the segment boundaries, every accumulator, gate, exponential and row dot.
-Names: `b_` block values, `p_`/`o_` pointers/offsets, `m_` masks, as in FLA.
+Names: `b_` block values, `p_`/`o_` pointers/offsets, `m_` masks, `i_` program and loop indices, as in FLA.
 """
 import torch
 import triton
 import triton.language as tl
 
-from gdn_packed.triton.common import (block_offsets, chunk_rows, padding_after, padding_before_first,
-                                      segment_chunks, segment_decay, zero_rows)
-
-
-@triton.jit
-def _gate_row(gates, j, hv, HV, r: tl.constexpr, C: tl.constexpr):
-    """Row r of the forward's gates [NC, HV, 5, C] (0 beta, 1 eg rk, 2 scale eg rq, 3 w rk,
-    4 beta eg rk; 0 on dead rows) for chunk slot j, value head hv."""
-    return tl.load(gates + ((j * HV + hv) * 5 + r) * C + tl.arange(0, C))
+from gdn_packed.triton.common import (GATE_BEGK, GATE_BETA, GATE_EGK, GATE_EGQ, GATE_WK, block_offsets,
+                                      chunk_rows, gate_row, padding_after, padding_before_first, segment_chunks,
+                                      segment_decay, zero_rows)
 
 
 @triton.jit
@@ -150,23 +144,23 @@ def chunk_bwd_dstate_kernel(q, k, do, gates, eg_last, ts, mm, dht, dsn, dxp, dv,
         m_vt = m_v[:, None] & m_c[None, :]
         p_vt = rows[None, :] * (HV * V) + i_h * V + o_v[:, None]      # [BV, C] transposed rows
         b_dot = tl.load(do + p_vt, mask=m_vt, other=0.)               # dO^T
-        b_beta = _gate_row(gates, j, i_h, HV, 0, C)
-        b_wrk = _gate_row(gates, j, i_h, HV, 3, C)
+        b_beta = gate_row(gates, p_slot, GATE_BETA, C)
+        b_wk = gate_row(gates, p_slot, GATE_WK, C)
         # dU^T = dO^T M + (dS^T K^T) (w rk);  dX'^T = dU^T + dU^T Ts
         b_du = tl.dot(b_ds.to(DT), tl.trans(b_k), tl.zeros([BV, C], dtype=tl.float32))
-        b_du = tl.dot(b_dot, _cc(mm, j, i_h, HV, C), b_du * b_wrk[None, :])
+        b_du = tl.dot(b_dot, _cc(mm, j, i_h, HV, C), b_du * b_wk[None, :])
         b_dx = tl.dot(b_du.to(DT), _cc(ts, j, i_h, HV, C), b_du)
         if not PROPAGATE:
             tl.store(dxp + p_slot * (V * C) + o_v[:, None] * C + o_c[None, :], b_dx.to(dxp.dtype.element_ty),
                      mask=m_v[:, None])
             tl.store(dv + p_vt, (b_dx * b_beta[None, :]).to(dv.dtype.element_ty), mask=m_vt)
         # dS^T <- egL dS^T + (dO^T (scale eg rq)) Q - (dX'^T (beta eg rk)) K
-        b_ag = b_dot.to(tl.float32) * _gate_row(gates, j, i_h, HV, 2, C)[None, :]
+        b_ag = b_dot.to(tl.float32) * gate_row(gates, p_slot, GATE_EGQ, C)[None, :]
         b_a = b_ag.to(DT)
         b_ds = tl.dot(b_a, b_q, b_ds * tl.load(eg_last + p_slot))
         if DT != tl.float32:    # the rounding of the gated dO^T, taken back by a second product
             b_ds = tl.dot((b_ag - b_a.to(tl.float32)).to(DT), b_q, b_ds)
-        b_b = (b_dx * _gate_row(gates, j, i_h, HV, 4, C)[None, :]).to(DT)
+        b_b = (b_dx * gate_row(gates, p_slot, GATE_BEGK, C)[None, :]).to(DT)
         b_ds = tl.dot(-b_b, b_k, b_ds)
     if PROPAGATE:       # the segment's rows at its start: dS^T from a zero dS at its end, then the transition
         p_e = (i_p.to(tl.int64) * HV + i_h) * (R * K) + o_v[:, None] * K + o_k[None, :]
@@ -281,7 +275,7 @@ def _kblock(table, i_k, i_qh, j, H: tl.constexpr, K: tl.constexpr, C: tl.constex
 
 
 @triton.jit
-def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, up, st, dq, pm, dg_part, table, scale, T,
+def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, scale, T,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """rq dQ^ of K-block i_k, qk head i_qh, chunk slot j, the group's value heads g summed:
@@ -312,19 +306,19 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, up, st, dq, pm, dg_part, table, 
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
         p_slot = j * HV + i_h
-        b_g2 = _gate_row(gates, j, i_h, HV, 2, C)                       # scale eg rq
+        b_egq = gate_row(gates, p_slot, GATE_EGQ, C)                    # scale eg rq
         b_dM = tl.zeros([C, C], dtype=tl.float32)                     # dO U^T
         b_dgam = tl.zeros([C], dtype=tl.float32)                      # (scale eg rq) q.(dO S^T)
         p_cv = start * (HV * V) + i_h * V
         for i_v in range(0, V, BV):
-            b_u = _xt(up, p_slot, i_v, V, C, BV)                            # U
+            b_u = _xt(ut, p_slot, i_v, V, C, BV)                            # U
             m_v = i_v + tl.arange(0, BV) < V
             b_do = tl.load(do + (p_cv + i_v) + o_cv, mask=m_c[:, None] & m_v[None, :], other=0.)
             b_s = _vk_block(st, p_slot * (V * K), i_v, i_k * BK, V, K, BV, BK)   # S^T
             b_dM = tl.dot(b_do, tl.trans(b_u), b_dM)
             # rq dQ^ += (scale eg rq) dO S^T straight into the accumulator (the gated dO as its rounded
             # value and rounding error), and its dgam share as rowdot(gated dO, q S) over this V-block
-            b_gdo = b_do.to(tl.float32) * b_g2[:, None]
+            b_gdo = b_do.to(tl.float32) * b_egq[:, None]
             b_dq = _dot_hl(b_gdo, b_s, None, None, b_dq, PREC)
             b_dgam += tl.sum(b_gdo * tl.dot(b_q, tl.trans(b_s), input_precision=PREC), 1)
         b_pmg, b_pdg = _pm(b_dM, g, rows, length, i_h, HV, scale, C)
@@ -342,7 +336,7 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, up, st, dq, pm, dg_part, table, 
 
 
 @triton.jit
-def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, up, st, dsn, dxp, pm, dk, g, dg_part, dbeta_part,
+def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ut, st, dsn, dxp, pm, dk, g, dg_part, dbeta_part,
                         table, T, slot0, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
     """rk dK^ of K-block i_k, qk head i_qh, chunk slot j, the group's value heads g summed:
@@ -368,8 +362,8 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, up, st, dsn, dxp, pm, dk, g
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
         p_slot = j * HV + i_h
-        b_g3 = _gate_row(gates, j, i_h, HV, 3, C)                       # w rk
-        b_g4 = _gate_row(gates, j, i_h, HV, 4, C)                       # beta eg rk
+        b_wk = gate_row(gates, p_slot, GATE_WK, C)                      # w rk
+        b_begk = gate_row(gates, p_slot, GATE_BEGK, C)                  # beta eg rk
         b_dA = tl.zeros([C, C], dtype=tl.float32)                     # dX' U^T (= -dA)
         b_dxv = tl.zeros([C], dtype=tl.float32)                       # dX' . v
         b_kF1 = tl.zeros([C], dtype=tl.float32)                       # k . (dX' S^T)
@@ -378,7 +372,7 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, up, st, dsn, dxp, pm, dk, g
         p_cv = start * (HV * V) + i_h * V
         p_vk = p_slot * (V * K)
         for i_v in range(0, V, BV):
-            b_u = _xt(up, p_slot, i_v, V, C, BV)                            # U
+            b_u = _xt(ut, p_slot, i_v, V, C, BV)                            # U
             b_dx = _xt(dxp, p_slot, i_v, V, C, BV)                          # dX'
             b_v = tl.load(v + (p_cv + i_v) + o_cv, mask=m_c[:, None] & (i_v + tl.arange(0, BV) < V)[None, :],
                           other=0.)
@@ -389,24 +383,24 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, up, st, dsn, dxp, pm, dk, g
             b_sds += tl.sum(tl.sum(b_s.to(tl.float32) * b_dsn.to(tl.float32), 1), 0)
             b_f = tl.dot(b_dx, b_s, tl.zeros([C, BK], dtype=tl.float32))
             b_kF1 += _rowdot(b_k, b_f)
-            b_dk -= b_g4[:, None] * b_f
+            b_dk -= b_begk[:, None] * b_f
             b_f = tl.dot(b_u, b_dsn, tl.zeros([C, BK], dtype=tl.float32))
             b_kF2 += _rowdot(b_k, b_f)
-            b_dk += b_g3[:, None] * b_f
+            b_dk += b_wk[:, None] * b_f
         b_E = segment_decay(g, rows, length, HV, i_h, C)
-        b_beta = _gate_row(gates, j, i_h, HV, 0, C)
+        b_beta = gate_row(gates, p_slot, GATE_BETA, C)
         b_da = tl.where(o_c[:, None] > o_c[None, :], -b_dA * b_E, 0.)  # DA
         b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC) * b_rk[:, None] * b_rk[None, :]   # k^_i.k^_j
         b_rowA = tl.sum(b_da * b_kk, 1)                                 # k^.(DA K^)
         b_dab = b_da * b_beta[:, None]                                  # diag(beta) DA
-        b_dgam = b_beta * b_rowA - tl.sum(b_dab * b_kk, 0) - b_g4 * b_kF1
+        b_dgam = b_beta * b_rowA - tl.sum(b_dab * b_kk, 0) - b_begk * b_kF1
         b_dk += b_rk[:, None] * _dot_hl((b_dab + tl.trans(b_dab)) * b_rk[None, :], b_k, None, None, None, PREC)
         # tau's share sum_{i' < i} tau_i' as a forward cumsum (not sum(tau) - sum_{i' >= i} tau_i',
         # which cancels when w puts all of tau on the last rows: fast decay), egL <S, dSn> on every row
-        b_tau = b_g3 * b_kF2
+        b_tau = b_wk * b_kF2
         b_dg = (tl.cumsum(b_dgam, 0, reverse=True) + (tl.cumsum(b_tau, 0) - b_tau)
                 + tl.load(eg_last + p_slot) * b_sds)
-        b_db = b_rowA - _gate_row(gates, j, i_h, HV, 1, C) * b_kF1 + tl.where(i_k == 0, b_dxv, 0.)
+        b_db = b_rowA - gate_row(gates, p_slot, GATE_EGK, C) * b_kF1 + tl.where(i_k == 0, b_dxv, 0.)
         p_part = ((slot0 + i_k) * T + rows) * HV + i_h
         tl.store(dg_part + p_part, b_dg, mask=m_c)
         tl.store(dbeta_part + p_part, b_db, mask=m_c)

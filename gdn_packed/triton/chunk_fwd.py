@@ -8,14 +8,16 @@ l2norm; gam_i = sum of g over rows [0, i]; E_ij = exp(sum of g over (j, i]), j <
     O   = (scale e^gam rq) (Q S) + M U
     S  <- e^gam_last S + K^T ((w rk) U),  w_i = exp(sum of g over (i, last])
 
-Kernels (`b_` = a block in registers):
+Kernels (`b_` block values, `p_` / `o_` pointers / offsets, `m_` masks, `i_` program and loop indices,
+as in FLA and chunk_bwd.py):
   chunk_fwd_prep_kernel   grid (H, NC): one program per qk head and chunk slot, all parallel, for the
       G = HV / H value heads of the head's group: q, k read and K K^T, Q K^T, the row norms formed once
       for the group; then M for every value head of the group, then T for every one (so that Q K^T is
       dead before the inverses: no register spills at G > 1).
       in  q, k [T, H, K], g, beta [T, HV], table [NC, 4]
-      out gates fp32 [NC, HV, 5, C]: beta, e^gam rk, scale e^gam rq, w rk, beta e^gam rk (0 on dead rows);
-          eg_last fp32 [NC, HV] (1 for an empty slot); rn fp32 [NC, HV, 2, C] (rq, rk; 0 on dead rows);
+      out gates fp32 [NC, HV, GATE_ROWS, C]: the rows common.GATE_* (beta, e^gam rk, scale e^gam rq,
+          w rk, beta e^gam rk; 0 on dead rows); eg_last fp32 [NC, HV] (1 for an empty slot);
+          rn fp32 [NC, HV, 2, C] (rq, rk; 0 on dead rows);
           Ts [NC, HV, C, C] and M [NC, HV, C, C] in the input dtype (fp32 for fp32 inputs), the same
           for the forward and the backward. Every slot is written, also empty ones, so no later
           kernel reads memory that nothing wrote.
@@ -30,11 +32,13 @@ Kernels (`b_` = a block in registers):
           O^T  = (scale e^gam rq) S^T Q^T + U^T M^T,  S^T <- e^gam_last S^T + ((w rk) U^T) K
       (five dots per chunk; fp32 with K > 128, SPLIT_K: the products with k and q over the two halves
       of K, _split_dot_t / _split_dot). It writes o (every real row; zeros on the padding rows after the
-      sequence, program n = 0 also before the first) and the final state. STORE_STATES (the
-      backward's recompute): instead it writes S^T entering each chunk, [NC, HV, V, K], as the dots
-      use it, and U^T = X'^T (I + Ts)^T of the rounded X' (one more C x C dot: the dq / dk kernels'
-      U, with which dg's cancelling terms stay consistent; U from the fp32 X' measured dg at 1.3x
-      FLA's error), [NC, HV, V, C], both in the input dtype (fp32 for fp32 inputs).
+      sequence, program n = 0 also before the first) and the final state ht. STORE_STATES (the
+      backward's recompute): instead it writes st, the S^T entering each chunk, [NC, HV, V, K], as the
+      dots use it, and ut, U^T = X'^T (I + Ts)^T of the rounded X' (one more C x C dot: the dq / dk
+      kernels' U, with which dg's cancelling terms stay consistent; bench/NOTES.md has the error of
+      the alternative), [NC, HV, V, C], both in the input dtype (fp32 for fp32 inputs).
+      Pointers a variant does not use are None (o, ht with STORE_STATES; st, ut without; ends outside
+      pass A).
       Segments (launched by chunk.py's chunk_fwd_state when configs.state_segments > 1): the chunk
       step is affine, S^T <- S^T P + E^T with the K x K transition
       P = e^gam_last I - K^T diag(beta e^gam rk) (I + Ts)^T diag(w rk) K. Grid axis 2 is then
@@ -56,7 +60,8 @@ fp32 operands (tf32 on the GPU, exact under the interpreter). o is rounded to v'
 import triton
 import triton.language as tl
 
-from gdn_packed.triton.common import (block_offsets, chunk_gate_sums, chunk_rows, padding_after,
+from gdn_packed.triton.common import (GATE_BEGK, GATE_BETA, GATE_EGK, GATE_EGQ, GATE_ROWS, GATE_WK,
+                                      block_offsets, chunk_gate_sums, chunk_rows, gate_row, padding_after,
                                       padding_before_first, segment_chunks, segment_decay, zero_rows)
 
 
@@ -109,63 +114,63 @@ def inv_unit_lower(a, PREC: tl.constexpr, C: tl.constexpr):
 def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scale,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                           C: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr):
-    h = tl.program_id(0)
+    i_qh = tl.program_id(0)
     j = tl.program_id(1).to(tl.int64)
     start, length = chunk_rows(table, j, C)
-    rc = tl.arange(0, C)
-    rows, live = start + rc, rc < length
+    o_c = tl.arange(0, C)
+    rows, m_c = start + o_c, o_c < length
 
     # the qk head's Gram matrices K K^T, Q K^T and row norms: once for the G value heads of its group
-    kk = tl.zeros([C, C], dtype=tl.float32)
-    qk = tl.zeros([C, C], dtype=tl.float32)
-    ssq = tl.zeros([C], dtype=tl.float32)
-    ssk = tl.zeros([C], dtype=tl.float32)
+    b_kk = tl.zeros([C, C], dtype=tl.float32)
+    b_qk = tl.zeros([C, C], dtype=tl.float32)
+    b_ssq = tl.zeros([C], dtype=tl.float32)
+    b_ssk = tl.zeros([C], dtype=tl.float32)
     for kb in range(0, K, BK):
-        cols = kb + tl.arange(0, BK)
-        off = rows[:, None] * (H * K) + h * K + cols[None, :]
-        msk = live[:, None] & (cols < K)[None, :]
-        b_k = tl.load(k + off, mask=msk, other=0.0)
-        b_q = tl.load(q + off, mask=msk, other=0.0)
-        kk = tl.dot(b_k, tl.trans(b_k), kk)
-        qk = tl.dot(b_q, tl.trans(b_k), qk)
+        o_b = kb + tl.arange(0, BK)
+        o_qk = rows[:, None] * (H * K) + i_qh * K + o_b[None, :]
+        m_qk = m_c[:, None] & (o_b < K)[None, :]
+        b_k = tl.load(k + o_qk, mask=m_qk, other=0.0)
+        b_q = tl.load(q + o_qk, mask=m_qk, other=0.0)
+        b_kk = tl.dot(b_k, tl.trans(b_k), b_kk)
+        b_qk = tl.dot(b_q, tl.trans(b_k), b_qk)
         if USE_L2:
-            ssk += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
-            ssq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+            b_ssk += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+            b_ssq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
     if USE_L2:
-        rk = tl.where(live, 1.0 / tl.sqrt(ssk + 1e-6), 0.0)
-        rq = tl.where(live, 1.0 / tl.sqrt(ssq + 1e-6), 0.0)
+        b_rk = tl.where(m_c, 1.0 / tl.sqrt(b_ssk + 1e-6), 0.0)
+        b_rq = tl.where(m_c, 1.0 / tl.sqrt(b_ssq + 1e-6), 0.0)
     else:
-        rk = tl.where(live, 1.0, 0.0)
-        rq = rk
-    strict = rc[:, None] > rc[None, :]
-    causal = rc[:, None] >= rc[None, :]
-    eye = rc[:, None] == rc[None, :]
+        b_rk = tl.where(m_c, 1.0, 0.0)
+        b_rq = b_rk
+    m_strict = o_c[:, None] > o_c[None, :]
+    m_causal = o_c[:, None] >= o_c[None, :]
+    m_eye = o_c[:, None] == o_c[None, :]
     o_cc = block_offsets(C, C)                  # a [C, C] tile of a value head's Ts / M
-    kk = (rk[:, None] * kk) * rk[None, :]
-    qk = ((scale * rq)[:, None] * qk) * rk[None, :]
+    b_kk = (b_rk[:, None] * b_kk) * b_rk[None, :]
+    b_qk = ((scale * b_rq)[:, None] * b_qk) * b_rk[None, :]
 
     G: tl.constexpr = HV // H
     for i_g in range(0, G):     # M per value head first, so Q K^T is dead before the inverses
-        hv = h * G + i_g
-        m = tl.where(causal, qk * segment_decay(g, rows, length, HV, hv, C), 0.0)
-        tl.store(mm + (j * HV + hv) * (C * C) + o_cc, m.to(mm.dtype.element_ty))
+        i_h = i_qh * G + i_g
+        b_m = tl.where(m_causal, b_qk * segment_decay(g, rows, length, HV, i_h, C), 0.0)
+        tl.store(mm + (j * HV + i_h) * (C * C) + o_cc, b_m.to(mm.dtype.element_ty))
     for i_g in range(0, G):
-        hv = h * G + i_g
-        gam, suf, tot, dec = chunk_gate_sums(g, rows, length, HV, hv, C)
-        b_beta = tl.load(beta + rows * HV + hv, mask=live, other=0.0).to(tl.float32)
-        eg = tl.where(live, tl.exp(gam), 0.0)
-        base = (j * HV + hv)
-        t = inv_unit_lower(tl.where(strict, b_beta[:, None] * kk * dec, 0.0), PREC, C)
-        p_g = gates + base * (5 * C) + rc
-        tl.store(p_g, b_beta)
-        tl.store(p_g + C, eg * rk)
-        tl.store(p_g + 2 * C, scale * eg * rq)
-        tl.store(p_g + 3 * C, tl.where(live, tl.exp(suf), 0.0) * rk)
-        tl.store(p_g + 4 * C, b_beta * eg * rk)
-        tl.store(eg_last + base, tl.exp(tot))
-        tl.store(rn + base * (2 * C) + rc, rq)
-        tl.store(rn + base * (2 * C) + C + rc, rk)
-        tl.store(ts + base * (C * C) + o_cc, tl.where(eye, 0.0, t).to(ts.dtype.element_ty))
+        i_h = i_qh * G + i_g
+        b_gam, b_suf, b_tot, b_dec = chunk_gate_sums(g, rows, length, HV, i_h, C)
+        b_beta = tl.load(beta + rows * HV + i_h, mask=m_c, other=0.0).to(tl.float32)
+        b_eg = tl.where(m_c, tl.exp(b_gam), 0.0)
+        p_slot = j * HV + i_h
+        b_t = inv_unit_lower(tl.where(m_strict, b_beta[:, None] * b_kk * b_dec, 0.0), PREC, C)
+        p_g = gates + p_slot * (GATE_ROWS * C) + o_c
+        tl.store(p_g + GATE_BETA * C, b_beta)
+        tl.store(p_g + GATE_EGK * C, b_eg * b_rk)
+        tl.store(p_g + GATE_EGQ * C, scale * b_eg * b_rq)
+        tl.store(p_g + GATE_WK * C, tl.where(m_c, tl.exp(b_suf), 0.0) * b_rk)
+        tl.store(p_g + GATE_BEGK * C, b_beta * b_eg * b_rk)
+        tl.store(eg_last + p_slot, tl.exp(b_tot))
+        tl.store(rn + p_slot * (2 * C) + o_c, b_rq)
+        tl.store(rn + p_slot * (2 * C) + C + o_c, b_rk)
+        tl.store(ts + p_slot * (C * C) + o_cc, tl.where(m_eye, 0.0, b_t).to(ts.dtype.element_ty))
 
 
 @triton.jit
@@ -206,109 +211,105 @@ def _split_dot(a, p, o_r, m_r, K: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T_rows", "segments"])
-def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0, o, ht, s_out, u_out,
-                           ends, T_rows, segments, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0, o, ht, st, ut, ends,
+                           T_rows, segments, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                            HAS_H0: tl.constexpr, STORE_STATES: tl.constexpr, PROPAGATE: tl.constexpr,
                            SPLIT_K: tl.constexpr):
-    iv = tl.program_id(0)
-    hv = tl.program_id(1)
-    # sequence n, segment s of `segments` (pass A: of the first segments - 1)
+    i_v, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # sequence i_n, segment i_s of `segments` (pass A: of the first segments - 1)
     per_seq = segments
     if PROPAGATE:
         per_seq = segments - 1
-    n = tl.program_id(2) // per_seq
-    s = tl.program_id(2) % per_seq
+    i_n, i_s = i_p // per_seq, i_p % per_seq
     N = tl.num_programs(2) // per_seq
-    h = hv // (HV // H)
-    rk = tl.arange(0, BK)
-    kmask = rk < K
+    i_qh = i_h // (HV // H)
+    DT = k.dtype.element_ty
     R: tl.constexpr = V + K if PROPAGATE else V     # rows of the carried block S^T (pass A: and P^T)
-    cv = iv * BV + tl.arange(0, BV)
-    vmask = cv < V
-    rc = tl.arange(0, C)
-    dt = k.dtype.element_ty
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
     # S^T [BV, BK]: element (v, k) of the state S [K, V]; h0 holds one state per program (sequence, or
     # sequence and segment)
-    st_off = (tl.program_id(2) * HV + hv).to(tl.int64) * (K * V) + rk[None, :] * V + cv[:, None]
-    st_mask = vmask[:, None] & kmask[None, :]
+    o_kv = (i_p * HV + i_h).to(tl.int64) * (K * V) + o_k[None, :] * V + o_v[:, None]
+    m_s = m_v[:, None] & m_k[None, :]
     if PROPAGATE:       # zero state rows, then the identity rows of P^T
-        b_st = tl.where((cv[:, None] - V == rk[None, :]) & (cv < R)[:, None], 1.0, 0.0)
+        b_st = tl.where((o_v[:, None] - V == o_k[None, :]) & (o_v < R)[:, None], 1.0, 0.0)
     elif HAS_H0:
-        b_st = tl.load(h0 + st_off, mask=st_mask, other=0.0)
+        b_st = tl.load(h0 + o_kv, mask=m_s, other=0.0)
     else:
         b_st = tl.zeros([BV, BK], dtype=tl.float32)
 
-    c0, c1 = segment_chunks(cu_chunks, n, s, segments)
-    for it in range(0, c1 - c0):
-        j = (c0 + it).to(tl.int64)
+    c0, c1 = segment_chunks(cu_chunks, i_n, i_s, segments)
+    for i_t in range(0, c1 - c0):
+        j = (c0 + i_t).to(tl.int64)
         start, length = chunk_rows(table, j, C)
-        base = j * HV + hv
-        live = rc < length
+        p_slot = j * HV + i_h
+        m_c = o_c < length
         # scalar int64 bases, int32 tile offsets (no per-element 64-bit address arithmetic)
-        p_k = k + start * (H * K) + h * K
-        qk_off = rc[:, None] * (H * K) + rk[None, :]
-        qk_mask = live[:, None] & kmask[None, :]
+        p_k = k + start * (H * K) + i_qh * K
+        o_qk = o_c[:, None] * (H * K) + o_k[None, :]
+        m_qk = m_c[:, None] & m_k[None, :]
         if not SPLIT_K:
-            b_k = tl.load(p_k + qk_off, mask=qk_mask, other=0.0)
-        p_v = start * (HV * V) + hv * V
-        vt_off = rc[None, :] * (HV * V) + cv[:, None]
-        vt_mask = vmask[:, None] & live[None, :]
-        b_vt = tl.load(v + p_v + vt_off, mask=vt_mask, other=0.0)
-        p_g = gates + base * (5 * C) + rc
-        g_beta = tl.load(p_g)
-        g_egk = tl.load(p_g + C)
-        g_wk = tl.load(p_g + 3 * C)
-        cc = rc[:, None] * C + rc[None, :]
-        b_st_in = b_st.to(dt)
+            b_k = tl.load(p_k + o_qk, mask=m_qk, other=0.0)
+        p_v = start * (HV * V) + i_h * V
+        o_vt = o_c[None, :] * (HV * V) + o_v[:, None]
+        m_vt = m_v[:, None] & m_c[None, :]
+        b_vt = tl.load(v + p_v + o_vt, mask=m_vt, other=0.0)
+        b_beta = gate_row(gates, p_slot, GATE_BETA, C)
+        b_egk = gate_row(gates, p_slot, GATE_EGK, C)
+        b_wk = gate_row(gates, p_slot, GATE_WK, C)
+        o_cc = o_c[:, None] * C + o_c[None, :]
+        b_st_in = b_st.to(DT)
         if STORE_STATES:     # the state as the dots below use it (rounded to the input dtype)
             if K == BK:     # the block's rows are contiguous: offsets from one arange (fewer registers)
-                st_tile = iv * (BV * K) + block_offsets(BV, BK)
+                o_st = i_v * (BV * K) + block_offsets(BV, BK)
             else:
-                st_tile = cv[:, None] * K + rk[None, :]
-            tl.store(s_out + base * (K * V) + st_tile, b_st_in, mask=st_mask)
+                o_st = o_v[:, None] * K + o_k[None, :]
+            tl.store(st + p_slot * (K * V) + o_st, b_st_in, mask=m_s)
         if SPLIT_K:
-            b_kst = _split_dot_t(b_st_in, p_k, rc * (H * K), live, K, BK)
+            b_kst = _split_dot_t(b_st_in, p_k, o_c * (H * K), m_c, K, BK)
         else:
             b_kst = tl.dot(b_st_in, tl.trans(b_k))                  # (K S)^T   [BV, C]
-        b_xt = g_beta[None, :] * (b_vt.to(tl.float32) - g_egk[None, :] * b_kst)    # X'^T      [BV, C]
-        b_xt_in = b_xt.to(dt)
-        b_ts = tl.load(ts + base * (C * C) + cc)
+        b_xt = b_beta[None, :] * (b_vt.to(tl.float32) - b_egk[None, :] * b_kst)    # X'^T      [BV, C]
+        b_xt_in = b_xt.to(DT)
+        b_ts = tl.load(ts + p_slot * (C * C) + o_cc)
         b_ut = tl.dot(b_xt_in, tl.trans(b_ts), b_xt)    # U^T = X'^T (I + Ts)^T
         if STORE_STATES:    # the backward's U^T: X'^T (I + Ts)^T of the rounded X', in the input dtype
-            tl.store(u_out + base * (V * C) + (cv[:, None] * C + rc[None, :]),
-                     tl.dot(b_xt_in, tl.trans(b_ts), b_xt_in.to(tl.float32)).to(dt), mask=vmask[:, None])
+            tl.store(ut + p_slot * (V * C) + (o_v[:, None] * C + o_c[None, :]),
+                     tl.dot(b_xt_in, tl.trans(b_ts), b_xt_in.to(tl.float32)).to(DT), mask=m_v[:, None])
         elif not PROPAGATE:
-            g_cq = tl.load(p_g + 2 * C)
+            b_egq = gate_row(gates, p_slot, GATE_EGQ, C)
             if SPLIT_K:
-                b_ot = _split_dot_t(b_st_in, q + start * (H * K) + h * K, rc * (H * K), live, K, BK)
+                b_ot = _split_dot_t(b_st_in, q + start * (H * K) + i_qh * K, o_c * (H * K), m_c, K, BK)
             else:
-                b_ot = tl.dot(b_st_in, tl.trans(tl.load(q + start * (H * K) + h * K + qk_off, mask=qk_mask,
+                b_ot = tl.dot(b_st_in, tl.trans(tl.load(q + start * (H * K) + i_qh * K + o_qk, mask=m_qk,
                                                         other=0.0)))
-            b_ot = b_ot * g_cq[None, :]                             # (Q S)^T scaled
-            b_ot = tl.dot(b_ut.to(dt), tl.trans(tl.load(mm + base * (C * C) + cc)), b_ot)   # + (M U)^T
-            tl.store(o + p_v + vt_off, b_ot.to(o.dtype.element_ty), mask=vt_mask)
-        b_uw = (b_ut * g_wk[None, :]).to(dt)
+            b_ot = b_ot * b_egq[None, :]                            # (Q S)^T scaled
+            b_ot = tl.dot(b_ut.to(DT), tl.trans(tl.load(mm + p_slot * (C * C) + o_cc)), b_ot)   # + (M U)^T
+            tl.store(o + p_v + o_vt, b_ot.to(o.dtype.element_ty), mask=m_vt)
+        b_uw = (b_ut * b_wk[None, :]).to(DT)
         if SPLIT_K:     # (k read again, an L1/L2 hit, half a tile at a time: fp32 with K > 128)
-            b_st = b_st * tl.load(eg_last + base) + _split_dot(b_uw, p_k, rc * (H * K), live, K, BK)
+            b_st = b_st * tl.load(eg_last + p_slot) + _split_dot(b_uw, p_k, o_c * (H * K), m_c, K, BK)
         else:
-            b_st = b_st * tl.load(eg_last + base) + tl.dot(b_uw, b_k)
+            b_st = b_st * tl.load(eg_last + p_slot) + tl.dot(b_uw, b_k)
     if PROPAGATE:       # the segment's end rows: S^T from a zero entering state, then P^T
-        sg = (tl.program_id(2) * HV + hv).to(tl.int64) * (R * K) + cv[:, None] * K + rk[None, :]
-        tl.store(ends + sg, b_st, mask=(cv < R)[:, None] & kmask[None, :])
-    elif not STORE_STATES and s == segments - 1:
-        tl.store(ht + (n * HV + hv).to(tl.int64) * (K * V) + rk[None, :] * V + cv[:, None], b_st,
-                 mask=st_mask)
-        a, b = padding_after(table, cu_chunks, n, N, T_rows)
-        col0, ncols = hv * V + iv * BV, tl.minimum(V - iv * BV, BV)
+        p_e = (i_p * HV + i_h).to(tl.int64) * (R * K) + o_v[:, None] * K + o_k[None, :]
+        tl.store(ends + p_e, b_st, mask=(o_v < R)[:, None] & m_k[None, :])
+    elif not STORE_STATES and i_s == segments - 1:
+        tl.store(ht + (i_n * HV + i_h).to(tl.int64) * (K * V) + o_k[None, :] * V + o_v[:, None], b_st,
+                 mask=m_s)
+        a, b = padding_after(table, cu_chunks, i_n, N, T_rows)
+        col0, ncols = i_h * V + i_v * BV, tl.minimum(V - i_v * BV, BV)
         zero_rows(o, a, b, col0, ncols, HV * V, BV, C)
-        if n == 0:
+        if i_n == 0:
             first = padding_before_first(table, cu_chunks, N, T_rows)
             zero_rows(o, first * 0, first, col0, ncols, HV * V, BV, C)
 
 
 @triton.jit(do_not_specialize=["segments"])
-def chunk_combine_kernel(seg, h0, ent, segments, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def chunk_combine_kernel(ends, h0, ent, segments, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, REVERSE: tl.constexpr,
                          PREC: tl.constexpr):
     """The state entering every segment (grid (cdiv(V, BV), HV, N)), for the forward state pass and
@@ -317,29 +318,26 @@ def chunk_combine_kernel(seg, h0, ent, segments, HV: tl.constexpr, K: tl.constex
     (E_t^T the segment's end state from zero, P_t its K x K transition; t = s forward, s - 1 reverse,
     as pass A covers the segments the walk leaves: the first segments - 1 forward, the last reverse);
     writes the state entering segment s, [K, V] fp32, to ent[n * segments + s]."""
-    iv = tl.program_id(0)
-    hv = tl.program_id(1)
-    n = tl.program_id(2)
-    rk = tl.arange(0, BK)
-    kmask = rk < K
-    cv = iv * BV + tl.arange(0, BV)
-    st_mask = (cv < V)[:, None] & kmask[None, :]
-    st_idx = rk[None, :] * V + cv[:, None]
+    i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_s = (o_v < V)[:, None] & m_k[None, :]
+    o_kv = o_k[None, :] * V + o_v[:, None]
     if HAS_H0:
-        b_st = tl.load(h0 + (n * HV + hv).to(tl.int64) * (K * V) + st_idx, mask=st_mask, other=0.0)
+        b_st = tl.load(h0 + (i_n * HV + i_h).to(tl.int64) * (K * V) + o_kv, mask=m_s, other=0.0)
     else:
         b_st = tl.zeros([BV, BK], dtype=tl.float32)
     for i in range(0, segments - 1):
-        s, t = i, i
+        i_s, i_t = i, i
         if REVERSE:
-            s, t = segments - 1 - i, segments - 2 - i
-        tl.store(ent + ((n * segments + s) * HV + hv).to(tl.int64) * (K * V) + st_idx, b_st, mask=st_mask)
-        end = seg + ((n * (segments - 1) + t) * HV + hv).to(tl.int64) * ((V + K) * K)
-        b_e = tl.load(end + cv[:, None] * K + rk[None, :], mask=st_mask, other=0.0)
-        b_p = tl.load(end + (V + rk)[:, None] * K + rk[None, :], mask=kmask[:, None] & kmask[None, :],
-                      other=0.0)
+            i_s, i_t = segments - 1 - i, segments - 2 - i
+        tl.store(ent + ((i_n * segments + i_s) * HV + i_h).to(tl.int64) * (K * V) + o_kv, b_st, mask=m_s)
+        p_e = ends + ((i_n * (segments - 1) + i_t) * HV + i_h).to(tl.int64) * ((V + K) * K)
+        b_e = tl.load(p_e + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
+        b_p = tl.load(p_e + (V + o_k)[:, None] * K + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.0)
         b_st = tl.dot(b_st, b_p, b_e, input_precision=PREC)
-    last = segments - 1
+    i_s = segments - 1
     if REVERSE:
-        last = 0
-    tl.store(ent + ((n * segments + last) * HV + hv).to(tl.int64) * (K * V) + st_idx, b_st, mask=st_mask)
+        i_s = 0
+    tl.store(ent + ((i_n * segments + i_s) * HV + i_h).to(tl.int64) * (K * V) + o_kv, b_st, mask=m_s)

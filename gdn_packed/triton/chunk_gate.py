@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gdn_packed.triton.configs import gate_config
+
 
 @triton.jit
 def _softplus_sigmoid(x):
@@ -79,22 +81,16 @@ def chunk_gate_bwd_kernel(a, b, A_log, dt_bias, dg, dbeta, da, db, dA_log_part, 
     tl.store(ddt_bias_part + p * HV + heads, tl.sum(b_da, 0), mask=heads < HV)
 
 
-def _gate_config(HV):
-    """Rows per program: 1024 // HV padded (a [BT, HV] tile of ~1k elements: 8 per thread at the
-    default 4 warps; the backward keeps about ten such tiles, which spill registers at 4k elements)."""
-    BH = triton.next_power_of_2(max(HV, 1))
-    return dict(BT=max(16, 1024 // BH), BH=BH)
-
-
 def gate_fwd_triton(a, b, A_log, dt_bias):
     """a, b [T, HV] -> g, beta [T, HV] float32 (the signature of torch_ref.chunk.gate_fwd_torch)."""
     T, HV = a.shape
     a, b, A_log, dt_bias = (x.contiguous() for x in (a, b, A_log, dt_bias))
     g = torch.empty(T, HV, dtype=torch.float32, device=a.device)
     beta = torch.empty_like(g)
-    c = _gate_config(HV)
+    c = gate_config(HV)
     if T > 0 and HV > 0:
-        chunk_gate_fwd_kernel[(triton.cdiv(T, c["BT"]),)](a, b, A_log, dt_bias, g, beta, T, HV, **c)
+        chunk_gate_fwd_kernel[(triton.cdiv(T, c["BT"]),)](
+            a=a, b=b, A_log=A_log, dt_bias=dt_bias, g=g, beta=beta, T=T, HV=HV, **c)
     return g, beta
 
 
@@ -102,12 +98,13 @@ def gate_bwd_triton(a, b, A_log, dt_bias, dg, dbeta):
     """Returns float32 da, db [T, HV] and dA_log, ddt_bias [HV] (see chunk_gate_bwd_kernel)."""
     T, HV = a.shape
     a, b, A_log, dt_bias, dg, dbeta = (x.contiguous() for x in (a, b, A_log, dt_bias, dg, dbeta))
-    c = _gate_config(HV)
+    c = gate_config(HV)
     P = triton.cdiv(T, c["BT"])
     f32 = dict(dtype=torch.float32, device=a.device)
     da, db = torch.empty(T, HV, **f32), torch.empty(T, HV, **f32)
     parts = torch.zeros(2, P, HV, **f32)
     if T > 0 and HV > 0:
-        chunk_gate_bwd_kernel[(P,)](a, b, A_log, dt_bias, dg, dbeta, da, db, parts[0], parts[1], T, HV,
-                                    **c)
+        chunk_gate_bwd_kernel[(P,)](
+            a=a, b=b, A_log=A_log, dt_bias=dt_bias, dg=dg, dbeta=dbeta, da=da, db=db, dA_log_part=parts[0],
+            ddt_bias_part=parts[1], T=T, HV=HV, **c)
     return da, db, parts[0].sum(0), parts[1].sum(0)      # fixed-order sums over the P programs

@@ -1,5 +1,5 @@
-"""Jit helpers shared by the Triton kernels: the chunk table, padding rows, gate sums, masks and block
-offsets.
+"""Jit helpers shared by the Triton kernels: the chunk table, padding rows, gate sums, the gate rows prep
+stores, masks and block offsets.
 
 The chunk table (gdn_packed/torch_ref/chunk_table.py) is int32 [NC, 4] rows (seq_id, chunk_idx,
 start_row, length); cu_chunks int32 [N+1] gives each sequence's slots. Real rows are exactly the union
@@ -11,6 +11,16 @@ loads with other=0 and every per-row factor is selected to 0 there, never multip
 import triton
 import triton.language as tl
 
+# The rows of `gates` [NC, HV, GATE_ROWS, C] fp32 that prep (chunk_fwd_prep_kernel) stores per chunk slot
+# and value head, 0 on dead rows (gam = in-chunk cumsum of g, w_i = exp(sum of g over (i, last]), rq, rk
+# the l2norm row factors, 1 without l2norm); read with gate_row.
+GATE_BETA = tl.constexpr(0)     # beta
+GATE_EGK = tl.constexpr(1)      # e^gam rk
+GATE_EGQ = tl.constexpr(2)      # scale e^gam rq
+GATE_WK = tl.constexpr(3)       # w rk
+GATE_BEGK = tl.constexpr(4)     # beta e^gam rk
+GATE_ROWS = tl.constexpr(5)
+
 
 @triton.jit
 def chunk_rows(table, j, C: tl.constexpr):
@@ -18,6 +28,12 @@ def chunk_rows(table, j, C: tl.constexpr):
     start = tl.load(table + j * 4 + 2).to(tl.int64)
     length = tl.load(table + j * 4 + 3)
     return start, length
+
+
+@triton.jit
+def gate_row(gates, p_slot, r: tl.constexpr, C: tl.constexpr):
+    """Gate row r (GATE_*) [C] of `gates` at p_slot = chunk slot * HV + value head."""
+    return tl.load(gates + p_slot * (GATE_ROWS * C) + tl.arange(0, C) + r * C)     # (a common base: CSE)
 
 
 @triton.jit

@@ -28,7 +28,8 @@ def dot_precision(dtype):
     """input_precision of every dot with fp32 operands: the C x C products of prep (T's doubling
     steps) for every input dtype, and every dot of fp32 inputs. "tf32" (one tensor-core pass, as
     Triton's default and FLA): the products are stored in the input dtype afterwards, and bf16/fp16
-    rounding (2^-9 / 2^-11) is not smaller than tf32's (2^-11); "tf32x3" spills registers in prep.
+    rounding (2^-9 / 2^-11) is not smaller than tf32's (2^-11); "tf32x3" spills registers in prep
+    (bench/NOTES.md).
     So fp32 inputs run at tf32 accuracy on a GPU and are held to the GPU fp32 budgets of
     docs/DESIGN.md there (the interpreter computes every dot in fp32: the CPU budgets)."""
     return "tf32"
@@ -47,10 +48,10 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     products take the state from registers), smaller only when V is, 4 warps. K > 128 or fp32 inputs (a
     [64, K] fp32 state with tf32 operands does not fit next to the tiles): BV = 16 at 8 warps; fp32 with
     K > 128: BV = 8 (tf32's inner dimension) and SPLIT_K, the K-products over the two halves of K, each
-    half's [C, BK / 2] fp32 tile loaded for its product (whole [C, 256] fp32 tiles as register operands
-    spilled 24-80 B by variant on sm_90; split: 0 at K = 256, 8 B left at K = 192: tests/test_sm90_aot.py's
-    known_spills). 2 stages (the next chunk's tiles copied while this one computes) when two fit in
-    shared memory, else 1; one stage holds q, k [C, BK], v [C, BV] and Ts, M [C, C] in the input dtype.
+    half's [C, BK / 2] fp32 tile loaded for its product (a whole [C, 256] fp32 tile as a register operand
+    spills; what is left: tests/test_sm90_aot.py's known_spills, the history in bench/NOTES.md).
+    2 stages (the next chunk's tiles copied while this one computes) when two fit in shared memory,
+    else 1; one stage holds q, k [C, BK], v [C, BV] and Ts, M [C, C] in the input dtype.
     The STORE_STATES variant (the backward's recompute; store_states) with V >= 128: BV = 128 at 8 warps,
     1 stage, each warpgroup one 64-row half of S^T (the same registers per thread as BV = 64 at 4
     warps), so k and Ts are read once per value head and segment instead of once per 64-row V-block
@@ -73,15 +74,14 @@ def bwd_configs(K, V, dtype):
       warpgroup one 64-row half of dS^T, the register A operand of its wgmma: q, k, dO, M, Ts read once
       per value head and segment; at 1 x 32768, HV = 32, V = 128: 32 programs per segment, S = 3),
       BV = 64 at 4 warps when V = 64, smaller when V is; fp32 inputs or K > 128 (as the forward's
-      state pass): BV = 16 at 8 warps; fp32 with K > 128: BV = 8 (16 spills 64 B on sm_90).
+      state pass): BV = 16 at 8 warps; fp32 with K > 128: BV = 8 (16 spills).
     - dq, dk (chunk_bwd_dq_kernel, chunk_bwd_dk_kernel; per K-block, qk head and chunk, the C x C part
-      and the state products of one gradient): 8 warps, the widest K-block without register spills on
-      sm_90 (tests/test_sm90_aot.py, every variant): dq K-blocks of 128 and V-blocks of 16 (32
-      spills); dk K-blocks of 128 and V-blocks of 32, K-blocks of 32 and V-blocks of 16 when V < 32
-      (V-blocks of 16 with K-blocks of 64 or more spill 64-160 B there), V-blocks of 16 when K <= 64
-      (32 spills 8 B at K = V = 64); fp32 inputs: K-blocks of 64 and V-blocks of 8 (tf32's
-      inner dimension) for both (V-blocks of 16 spill from K-blocks of 32 on). Every K-block reads the
-      V-blocks again (dO, U, dX', S^T, dSn^T).
+      and the state products of one gradient): 8 warps, the widest blocks without register spills on
+      sm_90 (tests/test_sm90_aot.py, every variant; which wider ones spill: bench/NOTES.md): dq K-blocks
+      of 128 and V-blocks of 16; dk K-blocks of 128 and V-blocks of 32, K-blocks of 32 and V-blocks of
+      16 when V < 32, V-blocks of 16 when K <= 64; fp32 inputs: K-blocks of 64 and V-blocks of 8
+      (tf32's inner dimension) for both. Every K-block reads the V-blocks again (dO, U, dX', S^T,
+      dSn^T).
     - finalize: K-blocks of 64 (the l2norm backward's row dot, then its rows), 4 warps (no dots)."""
     fp32 = dtype == torch.float32
     narrow = fp32 or pow2(K) > 128
@@ -142,3 +142,32 @@ def state_segments(T, N, HV, K, V, cfg, sms=132, dots=(5, 3), cfg_a=None):
 def combine_config(K, V, dtype):
     """chunk_combine_kernel: S^T blocks of BV = 16 rows times the whole K x K transition (fp32)."""
     return dict(BK=pow2(K), BV=min(16, pow2(V)), PREC=dot_precision(dtype), num_warps=4, num_stages=1)
+
+
+def gate_config(HV):
+    """chunk_gate_fwd_kernel / chunk_gate_bwd_kernel: rows per program BT = 1024 // HV padded (a [BT, HV]
+    tile of ~1k elements: 8 per thread at the default 4 warps; the backward keeps about ten such
+    tiles, which spill registers at 4k elements)."""
+    BH = pow2(max(HV, 1))
+    return dict(BT=max(16, 1024 // BH), BH=BH)
+
+
+RMSNORM_MAX_N = 16384       # the widest row gated_rmsnorm's kernels hold (one [BLOCK_M, BLOCK_N] tile)
+
+
+def rmsnorm_config(N):
+    """gated_rmsnorm_fwd_kernel / _bwd_kernel: whole rows of BLOCK_N = N padded, BLOCK_M rows per step
+    (a tile of at most 4096 elements, at most 16 rows), 4 warps up to rows of 1024, else 8."""
+    BLOCK_N = pow2(N)
+    if BLOCK_N > RMSNORM_MAX_N:
+        raise ValueError(f"gated_rmsnorm: the normalised dim {N} exceeds the Triton kernel's limit "
+                         f"{RMSNORM_MAX_N}")
+    return dict(BLOCK_M=max(1, min(16, 4096 // BLOCK_N)), BLOCK_N=BLOCK_N, num_warps=4 if BLOCK_N <= 1024 else 8)
+
+
+def rmsnorm_bwd_programs(device, row_blocks):
+    """Programs of gated_rmsnorm_bwd_kernel (each owns a contiguous range of row blocks and writes one
+    partial weight gradient): two per SM on a GPU, a few under the interpreter (enough to exercise the
+    partial sums)."""
+    cap = 2 * num_sms(device) if device.type == "cuda" else 4
+    return max(1, min(cap, row_blocks))

@@ -21,8 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_N = 16384
-
+from gdn_packed.triton.configs import rmsnorm_bwd_programs, rmsnorm_config
 
 @triton.jit
 def _real_rows(real, o_m, M, HAS_REAL: tl.constexpr):
@@ -90,42 +89,24 @@ def gated_rmsnorm_bwd_kernel(dy, x, z, w, rstd, real, dx, dz, dw_partial, M, N, 
     tl.store(dw_partial + i_p * N + o_n, b_dw, mask=m_n)
 
 
-def _blocks(N):
-    BLOCK_N = triton.next_power_of_2(N)
-    if BLOCK_N > MAX_N:
-        raise ValueError(f"gated_rmsnorm: the normalised dim {N} exceeds the Triton kernel's limit {MAX_N}")
-    BLOCK_M = max(1, min(16, 4096 // BLOCK_N))
-    return BLOCK_M, BLOCK_N, (4 if BLOCK_N <= 1024 else 8)
-
-
 def gated_rmsnorm_fwd_triton(x, z, weight, eps, zero_centered, y, rstd, real=None):
     """x, z, y [M, N] contiguous; weight [N]; rstd [M] float32; real [M] bool or None (all rows)."""
     M, N = x.shape
-    BLOCK_M, BLOCK_N, num_warps = _blocks(N)
-    grid = (triton.cdiv(M, BLOCK_M),)
-    gated_rmsnorm_fwd_kernel[grid](x, z, weight, y, rstd, rstd if real is None else real, M, N, eps,
-                                   ZERO_CENTERED=zero_centered, HAS_REAL=real is not None,
-                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps)
-
-
-def _num_programs(device, row_blocks):
-    if device.type == "cuda":
-        cap = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        cap = 4  # interpreter: a few programs, enough to exercise the partial-sum reduction
-    return max(1, min(cap, row_blocks))
+    cfg = rmsnorm_config(N)
+    gated_rmsnorm_fwd_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](
+        x=x, z=z, w=weight, y=y, rstd=rstd, real=real, M=M, N=N, eps=eps, ZERO_CENTERED=zero_centered,
+        HAS_REAL=real is not None, **cfg)
 
 
 def gated_rmsnorm_bwd_triton(dy, x, z, weight, rstd, zero_centered, dx, dz, dweight, real=None):
     """Writes dx, dz [M, N] (contiguous) and dweight [N] (weight's dtype), deterministically."""
     M, N = x.shape
-    BLOCK_M, BLOCK_N, num_warps = _blocks(N)
-    row_blocks = triton.cdiv(M, BLOCK_M)
-    P = _num_programs(x.device, row_blocks)
-    rows_per_prog = triton.cdiv(row_blocks, P) * BLOCK_M
+    cfg = rmsnorm_config(N)
+    row_blocks = triton.cdiv(M, cfg["BLOCK_M"])
+    P = rmsnorm_bwd_programs(x.device, row_blocks)
     dw_partial = torch.empty(P, N, dtype=torch.float32, device=x.device)
-    gated_rmsnorm_bwd_kernel[(P,)](dy, x, z, weight, rstd, rstd if real is None else real, dx, dz,
-                                   dw_partial, M, N, rows_per_prog,
-                                   ZERO_CENTERED=zero_centered, HAS_REAL=real is not None,
-                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps)
-    dweight.copy_(dw_partial.sum(0))
+    gated_rmsnorm_bwd_kernel[(P,)](
+        dy=dy, x=x, z=z, w=weight, rstd=rstd, real=real, dx=dx, dz=dz, dw_partial=dw_partial, M=M, N=N,
+        rows_per_prog=triton.cdiv(row_blocks, P) * cfg["BLOCK_M"], ZERO_CENTERED=zero_centered,
+        HAS_REAL=real is not None, **cfg)
+    dweight.copy_(dw_partial.sum(0))      # fixed-order sum over the P programs
