@@ -212,9 +212,11 @@ def cu_seqlens_from_position_ids(position_ids: Tensor, dtype: torch.dtype = torc
     """``cu_seqlens`` from packed ``position_ids`` (HF padding-free convention).
 
     ``position_ids``: ``[T]`` or ``[1, T]`` (a ``[B, T]`` tensor is read row by row as if the rows
-    were concatenated, each row starting a new document). A new document starts at every position
-    where ``position_ids == 0`` and at the first token (even if its position is not 0, e.g. a
-    document continued from a previous chunk).
+    were concatenated, each row starting a new document). A new document starts at the first token
+    (even if its position is not 0, e.g. a document continued from a previous chunk) and wherever
+    the position does not increase by 1 over the previous token's: transformers' own rule for
+    padding-free batches (DataCollatorWithFlattening), which gdn_packed.integrations.transformers
+    follows too. A restart at 0 is such a place; so is a jump (``[0, 1, 2, 7, 8]`` is two documents).
 
     **[sync]** the number of documents is data dependent; pass ``num_seqs`` (the exact number of
     documents) to avoid the synchronisation. If the hint is too large the extra sequences are
@@ -231,11 +233,8 @@ def cu_seqlens_from_position_ids(position_ids: Tensor, dtype: torch.dtype = torc
     if num_seqs is not None:
         num_seqs = _check_int(num_seqs, "num_seqs")
     pos = position_ids if position_ids.dim() == 2 else position_ids.unsqueeze(0)
-    starts = pos == 0
-    if starts.shape[1] > 0:
-        first = torch.zeros_like(starts)
-        first[:, 0] = True
-        starts = starts | first
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
     flat = starts.reshape(-1)
     t = flat.numel()
     begin = _nonzero_1d(flat, num_seqs, fill_value=t)

@@ -111,6 +111,9 @@ def test_cu_seqlens_from_position_ids(dtype):
     assert f(torch.arange(5)).tolist() == [0, 5]
     # all 1-token documents
     assert f(torch.zeros(1, 4, dtype=torch.long)).tolist() == [0, 1, 2, 3, 4]
+    # transformers' rule: a new document wherever the position does not increase by 1 (a jump too)
+    assert f(torch.tensor([[0, 1, 2, 7, 8, 0]])).tolist() == [0, 3, 5, 6]
+    assert f(torch.tensor([[0, 1, 1, 2]])).tolist() == [0, 2, 4]
     # first token is a start even when its position is not 0 (continued document)
     assert f(torch.tensor([[3, 4, 0, 1]])).tolist() == [0, 2, 4]
     # a single token, and an empty tensor
