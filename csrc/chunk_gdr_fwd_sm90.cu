@@ -1,27 +1,32 @@
 // Chunked gated delta rule forward for sm_90a (H100 / H200): one persistent, warp-specialised CTA per
-// (value head, sequence) walks the sequence's chunk slots of the device chunk table (chunk_table.cu).
-// Formulas, what is rounded where, and the tile program itself: chunk_gdr_sm90.cuh (written once for
-// this kernel and its host mirror). Shapes: K = V = 128, C = 64, bf16 or fp16, GVA (HV = G H).
+// (V-block of 64 value columns, value head, sequence) walks the sequence's chunk slots of the device
+// chunk table (chunk_table.cu). Formulas, what is rounded where, and the tile program itself:
+// chunk_gdr_sm90.cuh (written once for this kernel and its host mirror). Shapes: K = V = 128, C = 64,
+// bf16 or fp16, GVA (HV = G H).
 //   in   q, k [T, H, K], v [T, HV, V] (bf16 / fp16, contiguous, 16-byte aligned: TMA);
 //        g, beta [T, HV] fp32 (or, with raw_gates, the raw a, b fp32 and A_log, dt_bias [HV] fp32:
 //        g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), computed here in fp32);
 //        table int32 [NC, 4], cu_chunks int32 [N + 1] (the device chunk table); h0 [N, HV, K, V] fp32 or 0
-//   out  o [T, HV, V] (every row: the CTA of (hv, n) writes its sequence's rows and the padding rows
-//        after them, n = 0 also those before the first sequence); ht [N, HV, K, V] fp32 (or 0)
-// CTA (512 threads, 1 per SM, ~180 KB shared memory), grid (HV, N):
-//   warpgroup 0, producer: one thread waits for a free stage of the 2-stage ring and issues the TMA
-//        loads of the chunk's k, q (qk head, [64 rows, 128] each, 128B-swizzled) and v ([64, 128]);
-//        rows past T arrive as 0 (TMA), rows of other sequences are zeroed by prep
-//   warpgroup 1, prep: for chunk j + 1 while the state warpgroups run chunk j: g, beta (plain loads:
-//        they are 4-byte strided columns, below TMA's 16-byte granule), row norms, gate sums, E,
-//        K K^T and Q K^T (wgmma), M, T = (I + A)^-1 by block doubling (wgmma) -> Ts, M, gates in
-//        shared memory (2 buffers; never written to global memory)
-//   warpgroups 2, 3, state: S^T [64 v, 128] fp32 in registers each (value columns 0..63, 64..127),
-//        the chunk step of chunk_gdr_sm90.cuh (wgmma with S^T, X'^T, U^T as register A operands),
-//        o through a transposing stmatrix into shared memory and 16-byte stores of the live rows
+//   out  o [T, HV, V] (every row: the CTAs of (hv, n) write their columns of the sequence's rows and of
+//        the padding rows after them, n = 0 also those before the first sequence); ht [N, HV, K, V]
+//        fp32 (or 0)
+// CTA (384 threads, 1 per SM, 154 KB shared memory), grid (V-blocks 2, HV, N):
+//   warpgroup 0, producer (40 registers): one thread waits for a free stage of the 2-stage ring and
+//        issues the TMA loads of the chunk's k, q (qk head, [64 rows, 128] each, 128B-swizzled) and the
+//        CTA's 64 columns of v; rows past T arrive as 0 (TMA), rows of other sequences are zeroed by prep
+//   warpgroup 1, prep (232 registers): chunk j + 1 while the state warpgroup runs chunk j: K K^T and
+//        Q K^T (wgmma) issued first, then on the CUDA cores g, beta (plain loads: 4-byte strided
+//        columns, below TMA's 16-byte granule), |q|^2, the gate sums from strips of 8 rows, |k|^2 from
+//        the diagonal of K K^T, E, A and M in the accumulator layout, the 16 x 16 diagonal blocks of
+//        (I + A)^-1 by substitution, two doubling levels (wgmma) -> Ts, M, gates in shared memory
+//        (2 buffers; never written to global memory). Both V-block CTAs of a head compute the same prep.
+//   warpgroup 2, state (240 registers): S^T [64 v, 128] fp32 in registers, the chunk step of
+//        chunk_gdr_sm90.cuh (wgmma with S^T, X'^T, U^T as register A operands), o through a
+//        transposing stmatrix into shared memory and 16-byte stores of the live rows
 // Synchronisation: mbarriers full / empty (TMA ring), prepped / prepfree (prep buffers); named
 // barriers within a warpgroup. The host mirror (chunk_gdr_fwd_sm90 with host = true) runs the same tile
-// program over every CTA in a CPU loop, with plain loops in place of wgmma / TMA / ldmatrix.
+// program over every (value head, sequence) in a CPU loop, with plain loops in place of wgmma / TMA /
+// ldmatrix, prep once per chunk for both V-blocks.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -170,19 +175,24 @@ struct HostPolicy {
       for (int c = 0; c < kC; ++c) f.d[r * kC + c] = to_f(p[c * v.ld + r]);
     return f;
   }
-  template <typename T>
-  float row_sumsq(const Smem& t, int i) const {
-    const T* p = static_cast<const T*>(t.base);
+  template <typename T>   // __host__ __device__ only because prep_chunk calls it from a lambda (host only)
+  GDN_HD float row_sumsq_half(const Smem& t, int i, int h) const {
+    const T* p = static_cast<const T*>(t.base) + i * t.ld + h * (kK / 2);
     float s = 0.f;
-    for (int c = 0; c < kK; ++c) s += to_f(p[i * t.ld + c]) * to_f(p[i * t.ld + c]);
+    for (int c = 0; c < kK / 2; ++c) s += to_f(p[c]) * to_f(p[c]);
     return s;
   }
   template <class F>
   void for_rows(F&& fn) {
     for (int i = 0; i < kC; ++i) fn(i);
   }
+  template <class F>
+  void for_threads(F&& fn) {
+    for (int t = 0; t < 128; ++t) fn(t);
+  }
   void sync() {}
-  void wait_mma() {}
+  template <class... Tiles>
+  void wait_mma(const Tiles&...) {}
 };
 
 // The host policy with the input dtype bound (vt reads v of that type).
@@ -196,8 +206,9 @@ struct HostPolicyT : HostPolicy {
 template <typename T> struct InvType { using type = __half; };
 template <> struct InvType<float> { using type = float; };
 
+// The kVBlocks CTAs of value head hv and sequence n (their prep is the same: run once per chunk here).
 template <typename T>
-void mirror_cta(const Args& a, int64_t hv, int64_t n) {
+void mirror_head(const Args& a, int64_t hv, int64_t n) {
   using P = HostPolicyT<T>;
   using TInv = typename InvType<T>::type;
   P p;
@@ -206,8 +217,8 @@ void mirror_cta(const Args& a, int64_t hv, int64_t n) {
   std::vector<TInv> at(kC * kC), dt(kC * kC);
   PrepScratch s;
   Gates gates;
-  auto S = std::make_unique<typename P::template Frag<kK>[]>(kStateWGs);
-  for (int wg = 0; wg < kStateWGs; ++wg)
+  auto S = std::make_unique<typename P::template Frag<kK>[]>(kVBlocks);
+  for (int wg = 0; wg < kVBlocks; ++wg)
     P::for_each(S[wg], [&](int r, int c, float& x) {
       x = a.h0 ? a.h0[((n * HV + hv) * kK + c) * kV + wg * kVB + r] : 0.f;
     });
@@ -235,7 +246,7 @@ void mirror_cta(const Args& a, int64_t hv, int64_t n) {
     prep_chunk<P, T, TInv>(p, q_a, kq_b, s, length, a.scale, a.l2norm,
                            [&](int i, float* g, float* b) { load_gate(a, start + i, hv, g, b); }, gates,
                            at_s, at_s, dt_s, dt_s, ts_s, m_s);
-    for (int wg = 0; wg < kStateWGs; ++wg) {
+    for (int wg = 0; wg < kVBlocks; ++wg) {         // the CTAs of the V-blocks (prep is the same for both)
       const typename P::Smem v_t{vt.data() + wg * kVB, kV, false};
       state_step<P, T>(p, S[wg], gates, kq_b, k_mn, ts_s, m_s, v_t, [&](typename P::template Frag<2 * kC>& acc) {
         P::for_each_hi(acc, [&](int r, int c, float& x) {
@@ -245,7 +256,7 @@ void mirror_cta(const Args& a, int64_t hv, int64_t n) {
     }
   }
   if (a.ht)
-    for (int wg = 0; wg < kStateWGs; ++wg)
+    for (int wg = 0; wg < kVBlocks; ++wg)
       P::for_each(S[wg], [&](int r, int c, float& x) { a.ht[((n * HV + hv) * kK + c) * kV + wg * kVB + r] = x; });
   int64_t pa, pb;
   padding_after(a.table, a.cu_chunks, n, a.N, a.T, &pa, &pb);
@@ -261,7 +272,7 @@ void mirror_cta(const Args& a, int64_t hv, int64_t n) {
 template <typename T>
 void run_mirror(const Args& a) {
   for (int64_t n = 0; n < a.N; ++n)
-    for (int64_t hv = 0; hv < a.HV; ++hv) mirror_cta<T>(a, hv, n);
+    for (int64_t hv = 0; hv < a.HV; ++hv) mirror_head<T>(a, hv, n);
 }
 
 }  // namespace

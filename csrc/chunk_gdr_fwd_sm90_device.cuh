@@ -12,22 +12,21 @@ namespace gdn {
 namespace sm90 {
 namespace {
 
-constexpr int kThreads = 512;              // producer, prep, two state warpgroups
+constexpr int kThreads = 384;              // producer, prep, state warpgroups
 constexpr int kStages = 2;                 // TMA ring of (k, q, v) tiles; prep buffers: 2 as well
 constexpr uint32_t kBlock = 8192;          // one [64 rows, 64 cols] 16-bit block
-constexpr uint32_t kStageBytes = 6 * kBlock;
-constexpr int kRegsProducer = 24, kRegsPrep = 120, kRegsState = 184;   // 24 + 120 + 2 x 184 = 512
-static_assert(kRegsProducer + kRegsPrep + kStateWGs * kRegsState <= 65536 / 128, "register file");
+constexpr uint32_t kStageBytes = 5 * kBlock;                            // k, q: 2 blocks each; v: 1
+constexpr int kRegsProducer = 40, kRegsPrep = 232, kRegsState = 240;   // 40 + 232 + 240 = 512
+static_assert(kRegsProducer + kRegsPrep + kRegsState <= 65536 / 128, "register file");
 
 struct alignas(1024) Shared {
   uint8_t kq[kStages][2][2 * kBlock];   // per stage and K half: [K rows 0..63 ; Q rows 0..63] x 64 cols
-  uint8_t v[kStages][2][kBlock];        // per stage and V half: [64 rows, 64 cols]
+  uint8_t v[kStages][kBlock];           // per stage: the CTA's 64 value columns, [64 rows, 64 cols]
   uint8_t ts[kStages][kBlock];          // Ts [c][c'] (input dtype)
   uint8_t mm[kStages][kBlock];          // M [c][c']
   uint8_t at[kBlock];                   // A^T (the inverse's operand type)
   uint8_t dt[kBlock];                   // D_b^T
-  uint8_t ostage[kStateWGs][kBlock];    // O [c][v] of each state warpgroup
-  uint8_t sop[kStateWGs][2][kBlock];    // S^T [v][K] in the input dtype: the A operand of S^T [K; Q]^T
+  uint8_t ostage[kBlock];               // O [c][v] of the chunk, staged for the row stores
   Gates gates[kStages];
   PrepScratch scratch;
   uint64_t full[kStages], empty[kStages], prepped[kStages], prepfree[kStages];
@@ -75,7 +74,6 @@ template <> struct Gmma<__nv_bfloat16> {
   template <cute::SM90::GMMA::Major B> using RS64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, B>;
   template <cute::SM90::GMMA::Major B> using RS128 = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, B>;
   using SS64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using SS128 = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
   static __device__ uint32_t pack(float x, float y) {
     __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
     return *reinterpret_cast<uint32_t*>(&h);
@@ -88,7 +86,6 @@ template <> struct Gmma<__half> {
   template <cute::SM90::GMMA::Major B> using RS64 = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, B>;
   template <cute::SM90::GMMA::Major B> using RS128 = cute::SM90::GMMA::MMA_64x128x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, B>;
   using SS64 = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using SS128 = cute::SM90::GMMA::MMA_64x128x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
   static __device__ uint32_t pack(float x, float y) {
     __half2 h = __floats2half2_rn(x, y);
     return *reinterpret_cast<uint32_t*>(&h);
@@ -120,8 +117,6 @@ __device__ __forceinline__ void fence_regs(uint32_t* d) {
 template <typename T>
 struct DevPolicy {
   int bar;           // the warpgroup's named barrier
-  uint32_t sop;      // state warpgroups: where a 64 x 128 A operand (S^T) goes (shared memory: registers
-                     // for S^T, the product and a register operand do not fit next to prep's)
 
   template <int N>
   struct Frag {
@@ -176,15 +171,12 @@ struct DevPolicy {
     for (int i = 0; i < N / 2; ++i) f.d[i] = 0.f;
   }
 
+  // the register A operand of k-steps 0 .. KD / 16 - 1: columns 16 kk .. 16 kk + 15 of the fragment
+  // (the accumulator layout's pairs are the A fragment's: rows r, r + 8; columns c, c + 8)
   template <typename U, int KD, int N>
   __device__ Op<U, KD> op(const Frag<N>& f, float sign) const {
+    static_assert(KD <= N, "an operand of the fragment's columns");
     Op<U, KD> o;
-    if constexpr (KD == kK) {          // S^T: to shared memory, [v][K] in two 64-column blocks
-      stmatrix<U>(f.d, sop, false);
-      stmatrix<U>(f.d + kC / 2, sop + kBlock, false);
-      sync();
-      return o;
-    }
 #pragma unroll
     for (int kk = 0; kk < KD / 16; ++kk)
 #pragma unroll
@@ -212,6 +204,7 @@ struct DevPolicy {
     return desc(b.addr + kk * 2048, b.kstep);
   }
 
+  // issue (no wait) the KD / 16 wgmma of acc[:, :NCOL] += a B as one group
   template <typename U, int KD, int NCOL>
   __device__ void mma_n(float* d, const Op<U, KD>& a, const Smem& b) const {
     using namespace cute::SM90::GMMA;
@@ -220,10 +213,7 @@ struct DevPolicy {
 #pragma unroll
     for (int kk = 0; kk < KD / 16; ++kk) {
       const uint64_t db = desc_k(b, kk);
-      if constexpr (KD == kK) {        // the operand op() left in shared memory
-        static_assert(NCOL == 128, "S^T [K; Q]^T only");
-        ss_fma<typename Gmma<U>::SS128>(desc_k(Smem{sop, kBlock, true}, kk), db, d, std::make_index_sequence<64>{});
-      } else if constexpr (NCOL == 128) {
+      if constexpr (NCOL == 128) {
         if (b.kmajor) rs_fma<typename Gmma<U>::template RS128<Major::K>>(a.r[kk], db, d, std::make_index_sequence<64>{});
         else rs_fma<typename Gmma<U>::template RS128<Major::MN>>(a.r[kk], db, d, std::make_index_sequence<64>{});
       } else {
@@ -232,9 +222,6 @@ struct DevPolicy {
       }
     }
     cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs<NCOL / 2>(d);
-    if constexpr (KD != kK) fence_regs<KD / 4>(const_cast<uint32_t*>(&a.r[0][0]));   // live until the wait
   }
   template <typename U, int KD, int N>
   __device__ void mma(Frag<N>& acc, const Op<U, KD>& a, const Smem& b) const { mma_n<U, KD, N>(acc.d, a, b); }
@@ -252,10 +239,18 @@ struct DevPolicy {
     for (int kk = 0; kk < kK / 16; ++kk)
       ss_fma<typename Gmma<U>::SS64>(desc_k(a, kk), desc_k(b, kk), acc.d, std::make_index_sequence<32>{});
     cute::warpgroup_commit_batch();
-    cute::warpgroup_wait<0>();
-    fence_regs<kC / 2>(acc.d);
   }
-  __device__ void wait_mma() const {}
+  // wait for every issued group; the named accumulators and A operands are pinned past the wait (the
+  // compiler neither reads an accumulator nor reuses an operand's registers before it)
+  template <class... Tiles>
+  __device__ void wait_mma(Tiles&... tiles) const {
+    cute::warpgroup_wait<0>();
+    (fence_tile(tiles), ...);
+  }
+  template <int N>
+  static __device__ void fence_tile(Frag<N>& f) { fence_regs<N / 2>(f.d); }
+  template <typename U, int KD>
+  static __device__ void fence_tile(Op<U, KD>& o) { fence_regs<KD / 4>(&o.r[0][0]); }
 
   // a 64 x 64 fragment (32 floats in the accumulator layout) to a B128 block, rounded to U; with
   // transpose the block holds its transpose (stmatrix .trans)
@@ -308,30 +303,30 @@ struct DevPolicy {
     }
     return f;
   }
-  // sum of squares of row i of a K-major [rows, 128] tile (two blocks kstep apart)
+  // sum of squares of row i of a K-major [rows, 128] tile over K-half h (the block h kstep on)
   template <typename U>
-  __device__ float row_sumsq(const Smem& t, int i) const {
+  __device__ float row_sumsq_half(const Smem& t, int i, int h) const {
     float s = 0.f;
 #pragma unroll
-    for (int kc = 0; kc < 2; ++kc)
+    for (int x = 0; x < 8; ++x) {
+      uint32_t r[4];
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(t.addr + h * t.kstep + swz(i, x)) : "memory");
 #pragma unroll
-      for (int x = 0; x < 8; ++x) {
-        uint32_t r[4];
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(t.addr + kc * t.kstep + swz(i, x)) : "memory");
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = Gmma<U>::unpack(r[e]);
-          s += f.x * f.x;
-          s += f.y * f.y;
-        }
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = Gmma<U>::unpack(r[e]);
+        s += f.x * f.x;
+        s += f.y * f.y;
       }
+    }
     return s;
   }
   template <class F>
   __device__ void for_rows(F&& fn) const {
     if (tid_wg() < kC) fn(tid_wg());
   }
+  template <class F>
+  __device__ void for_threads(F&& fn) const { fn(tid_wg()); }
   __device__ void sync() const {
     fence_async_smem();
     named_sync(bar);
@@ -344,6 +339,8 @@ __device__ __forceinline__ void zero16(uint32_t addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0) : "memory");
 }
 
+// grid (kVBlocks, HV, N): CTA (vb, hv, n) owns value columns vb * 64 .. vb * 64 + 63 of value head hv
+// over sequence n (the V-blocks of a head next to each other: their k, q tiles are read from L2 once)
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 1)
 chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
@@ -351,18 +348,21 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
   using P = DevPolicy<T>;
   using TInv = __half;
   extern __shared__ uint8_t smem_raw[];
-  Shared& sm = *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // aligned by an offset from smem_raw (not through an integer), so the compiler keeps knowing that every
+  // access through `sm` is to shared memory (ld.shared, not generic loads)
+  Shared& sm = *reinterpret_cast<Shared*>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
-  const int64_t hv = blockIdx.x, n = blockIdx.y, HV = a.HV;
+  const int vb = blockIdx.x;
+  const int64_t hv = blockIdx.y, n = blockIdx.z, HV = a.HV;
   const int h = static_cast<int>(hv / (HV / a.H));
   const int64_t c0 = a.cu_chunks[n], c1 = a.cu_chunks[n + 1];
   const int nchunks = static_cast<int>(c1 - c0);
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&sm.full[i], 1);
-      mbar_init(&sm.empty[i], 3 * 128);          // prep and both state warpgroups, every thread
+      mbar_init(&sm.empty[i], 2 * 128);          // prep and state warpgroups, every thread
       mbar_init(&sm.prepped[i], 128);
-      mbar_init(&sm.prepfree[i], kStateWGs * 128);
+      mbar_init(&sm.prepfree[i], 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -379,8 +379,8 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
         for (int half = 0; half < 2; ++half) {
           cute::SM90_TMA_LOAD_3D::copy(&tm_k, &sm.full[st], 0, sm.kq[st][half], half * 64, h, start);
           cute::SM90_TMA_LOAD_3D::copy(&tm_q, &sm.full[st], 0, sm.kq[st][half] + kBlock, half * 64, h, start);
-          cute::SM90_TMA_LOAD_3D::copy(&tm_v, &sm.full[st], 0, sm.v[st][half], half * 64, static_cast<int>(hv), start);
         }
+        cute::SM90_TMA_LOAD_3D::copy(&tm_v, &sm.full[st], 0, sm.v[st], vb * kVB, static_cast<int>(hv), start);
       }
     }
     return;
@@ -388,7 +388,7 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
 
   if (wg == 1) {                                  // ---- prep
     set_regs<kRegsPrep>();
-    P p{1, 0};
+    P p{1};
     const typename P::Smem at{smem_u32(sm.at), 0, true}, dt{smem_u32(sm.dt), 0, true};
     for (int it = 0; it < nchunks; ++it) {
       const int st = it % kStages, ph = (it / kStages) & 1;
@@ -403,8 +403,8 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
           for (int half = 0; half < 2; ++half) {
             zero16(smem_u32(sm.kq[st][half]) + swz(r, x));
             zero16(smem_u32(sm.kq[st][half]) + kBlock + swz(r, x));
-            zero16(smem_u32(sm.v[st][half]) + swz(r, x));
           }
+          zero16(smem_u32(sm.v[st]) + swz(r, x));
         }
       }
       p.sync();
@@ -421,15 +421,14 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
     return;
   }
 
-  // ---- state warpgroups: value columns vb * 64 .. vb * 64 + 63
+  // ---- state warpgroup: S^T of value columns vb * 64 .. vb * 64 + 63 in registers
   set_regs<kRegsState>();
-  const int vb = wg - 2;
-  P p{1 + wg, smem_u32(sm.sop[vb][0])};
+  P p{2};
   typename P::template Frag<kK> S;
   const float* h0 = a.h0 ? a.h0 + (n * HV + hv) * kK * kV : nullptr;
   P::for_each(S, [&](int r, int c, float& x) { x = h0 ? h0[c * kV + vb * kVB + r] : 0.f; });
   T* o = static_cast<T*>(a.o);
-  const uint32_t ostage = smem_u32(sm.ostage[vb]);
+  const uint32_t ostage = smem_u32(sm.ostage);
   for (int it = 0; it < nchunks; ++it) {
     const int st = it % kStages, ph = (it / kStages) & 1;
     mbar_wait(&sm.full[st], ph);
@@ -440,7 +439,7 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
     const uint32_t kq = smem_u32(sm.kq[st][0]);
     const typename P::Smem kq_b{kq, 2 * kBlock, true}, k_mn{kq, 2 * kBlock, false};
     const typename P::Smem ts{smem_u32(sm.ts[st]), 0, true}, m{smem_u32(sm.mm[st]), 0, true};
-    const typename P::Smem v{smem_u32(sm.v[st][vb]), 0, true};
+    const typename P::Smem v{smem_u32(sm.v[st]), 0, true};
     state_step<P, T>(p, S, sm.gates[st], kq_b, k_mn, ts, m, v, [&](typename P::template Frag<2 * kC>& acc) {
       p.template stmatrix<T>(acc.d + kC / 2, ostage, true);      // O [c][v] in the staging block
       named_sync(p.bar);
@@ -511,8 +510,9 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
   auto kernel = chunk_gdr_fwd_sm90_kernel<T>;
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return cuda_error("chunk_gdr_fwd_sm90: cudaFuncSetAttribute", e);
-  if (a.N > 65535) return Status::invalid("chunk_gdr_fwd_sm90: at most 65535 sequences");
-  kernel<<<dim3(static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N)), kThreads, kSmemBytes, stream>>>(tq, tk, tv, a);
+  if (a.N > 65535 || a.HV > 65535) return Status::invalid("chunk_gdr_fwd_sm90: at most 65535 sequences and value heads");
+  const dim3 grid(kVBlocks, static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(tq, tk, tv, a);
   return launch_status("chunk_gdr_fwd_sm90");
 }
 

@@ -16,16 +16,22 @@
 //   P::Frag<N>            a 64 x N fp32 tile: on the device the thread's share in the wgmma accumulator
 //                         layout, on the host all of it; P::for_each(f, (row, col, value&)) visits it
 //   P::Op<T, KD>          a 64 x KD A operand in registers (the fp32 tile rounded to T, times a sign)
-//   P::mma(acc, a, b)     acc += a B, B a [KD, N] tile in shared memory (P::Smem: K-major or MN-major)
+//   P::mma(acc, a, b)     acc += a B, B a [KD, N] tile in shared memory (P::Smem: K-major or MN-major);
+//                         issued only: P::wait_mma(tiles...) waits for every product issued, and the
+//                         tiles it names (accumulators and A operands) are not touched before it
 //   P::mma_ss(acc, a, b)  acc += A B, both in shared memory (prep's Gram matrices)
 //   P::store(frag, tile, transpose)   a fragment to a shared tile of the operand type
 //   P::vt(tile)           V^T [64 v, 64 c] of the state block's 64 columns of v, as fp32
-//   P::for_rows(f)        f(i) for the 64 chunk rows (device: threads 0..63 of the prep warpgroup)
+//   P::for_rows(f)        f(i) for i in 0..63, chunk rows or columns (device: threads 0..63 of prep)
+//   P::for_threads(f)     f(t) for t in 0..127 (device: every thread of the warpgroup)
+//   P::row_sumsq_half(tile, i, h)    the sum of squares of row i over K-half h of a [64, K] tile
 //   P::sync()             shared-memory writes visible to the warpgroup's generic and async (wgmma) reads
+// The inverse: the four 16 x 16 diagonal blocks of I + A by forward substitution in fp32 (one column a
+// thread), then two doubling levels D_2b = D_b - (D_b A_b) D_b (b = 16, 32) on the tensor cores.
 // Values rounded (bf16 / fp16 inputs; an fp32 host mirror rounds nothing): the A operands S^T, X'^T, U^T
 // and (w rk) U^T of the state warpgroup (to the input dtype); Ts and M (stored in the input dtype); the
-// inverse's doubling operands D_b, X_b and A (to the operand type of the inverse, kInvT); q, k, v
-// enter exactly. Gate sums, exponentials, row norms, accumulators and the state are fp32.
+// doubling operands D_b, X_b and A (to the operand type of the inverse, TInv); q, k, v enter exactly.
+// Gate sums, exponentials, row norms, the substitution, accumulators and the state are fp32.
 #pragma once
 
 #include <cmath>
@@ -38,11 +44,13 @@ namespace sm90 {
 constexpr int kC = 64;         // chunk rows
 constexpr int kK = 128;        // key dim (the kernel's only K)
 constexpr int kV = 128;        // value dim (the kernel's only V)
-constexpr int kVB = 64;        // state rows (value columns) per state warpgroup
-constexpr int kStateWGs = kV / kVB;
-constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kVB = 64;        // state rows (value columns) of a CTA: its V-block
+constexpr int kVBlocks = kV / kVB;
+constexpr int kSub = 16;       // the diagonal blocks of I + A inverted by substitution
+constexpr int kStrip = 8;      // rows of a strip of the gate sums (8 strips a chunk)
+constexpr int kStrips = kC / kStrip;
 
-// Per chunk, what prep leaves in shared memory for the state warpgroups (besides Ts and M).
+// Per chunk, what prep leaves in shared memory for the state warpgroup (besides Ts and M).
 struct Gates {
   float beta[kC];        // beta (0 on dead rows)
   float egk[kC];         // e^gam rk
@@ -51,38 +59,106 @@ struct Gates {
   float eg_last;         // e^(sum of g over the chunk)
 };
 
-// Prep's row scratch: g, beta of the chunk (0 on dead rows), the row factors and E (fp32 [C, C]).
+// Prep's scratch. g is 0 on dead rows. The sums of g over row ranges are built from strips of 8 rows
+// (every one a sum of g, never a difference of two sums):
+//   insuf[c]     over (c, end of c's strip]            sigma[j]  over strip j
+//   dsum[r][p]   over (8 (r / 8) + p, r], p <= r % 8   strip[r][j] over (8 j + 7, r], j < r / 8
+// (0 elsewhere), so the sum over (c, r] for c <= r is dsum[r][c % 8] in r's strip, else
+// insuf[c] + strip[r][c / 8].
 struct PrepScratch {
   float g[kC];
   float beta[kC];
   float rq[kC];
   float rk[kC];
-  float e[kC][kC];       // E_ij for j <= i (0 above the diagonal and on dead rows / columns)
+  float qn[2][kC];       // |q_i|^2 over the two halves of K
+  float kn[kC];          // |k_i|^2: the diagonal of K K^T
+  float insuf[kC];
+  float sigma[kStrips];
+  float dsum[kC][kStrip];
+  float strip[kC][kStrips];
+  alignas(16) float a16[kC][kSub];   // A's 16 x 16 diagonal blocks: a16[r][c % 16] = A_rc, r / 16 == c / 16
+  float t16[kC][kSub];               // their inverses (I + A_bb)^-1, the same layout
 };
 
-GDN_HD float exp_f(float x) { return expf(x); }
+// exp: the hardware's ex2 (2 ulp, results below 2^-126 flushed to 0) on the device, libm on the host
+// (where the fp32 mirror is judged against float64)
+GDN_HD float exp_f(float x) {
+#if defined(__CUDA_ARCH__)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+#else
+  return expf(x);
+#endif
+}
 
-// Row i of the chunk's gate sums and of E (a reverse scan of g over (j, i]); g is 0 on dead rows.
-GDN_HD void gate_row(const PrepScratch& s, int i, int length, float scale, Gates& out, float* e_row) {
-  float gam = 0.f, suf = 0.f, tot = 0.f;
-  for (int t = 0; t < kC; ++t) {
-    const float gt = s.g[t];
-    if (t <= i) gam += gt;
-    if (t > i) suf += gt;
-    tot += gt;
+// insuf[c], and sigma of c's strip when c starts it.
+GDN_HD void strip_sums(PrepScratch& s, int c) {
+  const int base = c - c % kStrip;
+  float sum = 0.f;
+#pragma unroll
+  for (int t = kStrip - 1; t > 0; --t)
+    if (t > c % kStrip) sum += s.g[base + t];
+  s.insuf[c] = sum;
+  if (c == base) s.sigma[c / kStrip] = s.g[c] + sum;
+}
+
+// Row r: its dsum and strip rows, its gate row and row factors (rk from the diagonal of K K^T, rq
+// from the halves of |q_r|^2), and with r = 0 the chunk's decay.
+GDN_HD void gate_row(PrepScratch& s, int r, int length, float scale, bool l2norm, Gates& out) {
+  const int jr = r / kStrip, pr = r % kStrip;
+  float seg = 0.f;                          // sum of g over (8 jr + p, r], then over [8 j, r]
+#pragma unroll
+  for (int p = kStrip - 1; p >= 0; --p) {
+    s.dsum[r][p] = p <= pr ? seg : 0.f;
+    if (p <= pr) seg += s.g[jr * kStrip + p];
   }
-  const bool live = i < length;
-  const float eg = exp_f(gam);
-  out.beta[i] = live ? s.beta[i] : 0.f;
-  out.egk[i] = live ? eg * s.rk[i] : 0.f;
-  out.cq[i] = live ? scale * eg * s.rq[i] : 0.f;
-  out.wk[i] = live ? exp_f(suf) * s.rk[i] : 0.f;
-  if (i == 0) out.eg_last = exp_f(tot);
-  float seg = 0.f;                          // sum of g over (j, i]
-  for (int j = kC - 1; j >= 0; --j) {
-    if (j < i) seg += s.g[j + 1];
-    e_row[j] = (j <= i && live) ? exp_f(seg) : 0.f;
+  float suf = s.insuf[r], tot = 0.f;        // suf: sum of g over (r, 63]
+#pragma unroll
+  for (int j = kStrips - 1; j >= 0; --j) {
+    s.strip[r][j] = j < jr ? seg : 0.f;
+    if (j < jr) seg += s.sigma[j];
+    if (j > jr) suf += s.sigma[j];
+    tot += s.sigma[j];
   }
+  const float rk = l2norm ? 1.f / sqrtf(s.kn[r] + 1e-6f) : 1.f;
+  const float rq = l2norm ? 1.f / sqrtf(s.qn[0][r] + s.qn[1][r] + 1e-6f) : 1.f;
+  s.rk[r] = rk;
+  s.rq[r] = rq;
+  const bool live = r < length;
+  const float eg = exp_f(seg);              // seg: gam_r, the sum over [0, r]
+  out.beta[r] = live ? s.beta[r] : 0.f;
+  out.egk[r] = live ? eg * rk : 0.f;
+  out.cq[r] = live ? scale * eg * rq : 0.f;
+  out.wk[r] = live ? exp_f(suf) * rk : 0.f;
+  if (r == 0) out.eg_last = exp_f(tot);
+}
+
+// E_rc = exp(sum of g over (c, r]) for c <= r on live rows, else 0 (every table entry read is defined,
+// so nothing is conditional but the choice)
+GDN_HD float decay(const PrepScratch& s, int r, int c, int length) {
+  const float across = s.insuf[c] + s.strip[r][c / kStrip], within = s.dsum[r][c % kStrip];
+  const float e = exp_f(c / kStrip < r / kStrip ? across : within);
+  return c <= r && r < length ? e : 0.f;
+}
+
+// Column `col` of (I + A_bb)^-1 for the diagonal block b = col / 16 (forward substitution, fp32):
+// x_l = 1, x_i = -sum_{j < i} A_ij x_j for i > l (l = col % 16), 0 above l.
+GDN_HD void sub_inverse_col(PrepScratch& s, int col) {
+  const int b = col / kSub, l = col % kSub;
+  float x[kSub];
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) {
+    float a[kSub];                          // row i of the block, in 16-byte pieces
+#pragma unroll
+    for (int j = 0; j < i; j += 4) *reinterpret_cast<float4*>(a + j) = *reinterpret_cast<const float4*>(&s.a16[b * kSub + i][j]);
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < i; ++j) acc += a[j] * x[j];
+    x[i] = i < l ? 0.f : (i == l ? 1.f : -acc);
+  }
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) s.t16[b * kSub + i][l] = x[i];
 }
 
 // The doubling step's mask: the lower-left b x b block of each 2b x 2b diagonal block.
@@ -103,61 +179,66 @@ GDN_HD void prep_chunk(P& p, const typename P::Smem& q_t, const typename P::Smem
                        const typename P::Smem& at_store, const typename P::Smem& at_b,
                        const typename P::Smem& dt_store, const typename P::Smem& dt_b,
                        const typename P::Smem& ts_store, const typename P::Smem& m_store) {
-  p.for_rows([&](int i) {
-    float g = 0.f, b = 0.f;
-    if (i < length) load_gate(i, &g, &b);
-    s.g[i] = g;
-    s.beta[i] = b;
-    s.rk[i] = l2norm ? 1.f / sqrtf(p.template row_sumsq<T>(k_kmaj, i) + 1e-6f) : 1.f;
-    s.rq[i] = l2norm ? 1.f / sqrtf(p.template row_sumsq<T>(q_t, i) + 1e-6f) : 1.f;
-  });
-  p.sync();
-  p.for_rows([&](int i) { gate_row(s, i, length, scale, gates, s.e[i]); });
-  p.sync();
-  // Gram matrices (fp32 accumulators of the exact q, k): K K^T first, A and D_2 from it, then Q K^T
-  typename P::template Frag<kC> kk, d;
+  // the Gram matrices (fp32 accumulators of the exact q, k) run on the tensor cores during the row work
+  typename P::template Frag<kC> kk, qk;
   P::zero(kk);
+  P::zero(qk);
   p.template mma_ss<T>(kk, k_kmaj, k_kmaj);
-  p.wait_mma();
-  // A = beta E (k^ k^^T), strictly lower; D_2 = I - A_1 (the 1 x 1 lower-left blocks)
-  P::for_each(kk, [&](int r, int c, float& x) {
-    x = (c < r) ? s.beta[r] * s.rk[r] * s.rk[c] * x * s.e[r][c] : 0.f;
+  p.template mma_ss<T>(qk, q_t, k_kmaj);
+  p.for_threads([&](int t) {                // g, beta of the rows; |q_i|^2 over the halves of K
+    const int i = t % kC, h = t / kC;
+    if (h == 0) {
+      float g = 0.f, b = 0.f;
+      if (i < length) load_gate(i, &g, &b);
+      s.g[i] = g;
+      s.beta[i] = b;
+    }
+    s.qn[h][i] = l2norm ? p.template row_sumsq_half<T>(q_t, i, h) : 0.f;
   });
-  P::for_each2(d, kk, [&](int r, int c, float& dv, float av) {
-    dv = (r == c) ? 1.f : (lower_left(r, c, 1) ? -av : 0.f);
+  p.sync();
+  p.for_rows([&](int c) { strip_sums(s, c); });
+  p.wait_mma(kk, qk);
+  P::for_each(kk, [&](int r, int c, float& x) { if (r == c) s.kn[r] = x; });
+  p.sync();
+  p.for_rows([&](int r) { gate_row(s, r, length, scale, l2norm, gates); });
+  p.sync();
+  // A = beta E (k^ k^^T), strictly lower (A^T for the doubling, its diagonal blocks for the
+  // substitution); M = scale E (q^ k^^T), lower incl. diagonal, in the input dtype
+  P::for_each2(kk, qk, [&](int r, int c, float& a, float& m) {
+    const float e = decay(s, r, c, length) * s.rk[c], ea = (s.beta[r] * s.rk[r]) * e * a;
+    a = c < r ? ea : 0.f;
+    m = (scale * s.rq[r]) * e * m;
   });
+  P::for_each(kk, [&](int r, int c, float& a) { if (r / kSub == c / kSub) s.a16[r][c % kSub] = a; });
   p.template store<TInv>(kk, at_store, true);        // A^T: the B operand [k, n] = A[k][n], K-major
-  {
-    // M = scale E (q^ k^^T), lower incl. diagonal, stored in the input dtype
-    typename P::template Frag<kC> qk;
-    P::zero(qk);
-    p.template mma_ss<T>(qk, q_t, k_kmaj);
-    p.wait_mma();
-    P::for_each(qk, [&](int r, int c, float& x) {
-      x = (c <= r) ? scale * s.rq[r] * s.rk[c] * x * s.e[r][c] : 0.f;
-    });
-    p.template store<T>(qk, m_store, false);
-  }
-  // block doubling: D_2b = D_b - (D_b A_b) D_b, (D_b A_b) = lower_left_b(D_b A) as D_b is block-diagonal
-  for (int b = 2; b < kC; b *= 2) {
+  p.template store<T>(qk, m_store, false);
+  p.sync();
+  p.for_rows([&](int c) { sub_inverse_col(s, c); });
+  p.sync();
+  // D_16, the block diagonal of the substituted inverses; then D_2b = D_b - (D_b A_b) D_b, where
+  // (D_b A_b) = lower_left_b(D_b A) as D_b is block-diagonal
+  typename P::template Frag<kC> d;
+  P::for_each(d, [&](int r, int c, float& v) { v = (r / kSub == c / kSub) ? s.t16[r][c % kSub] : 0.f; });
+#pragma unroll
+  for (int b = kSub; b < kC; b *= 2) {
     p.template store<TInv>(d, dt_store, true);       // D_b^T: the B operand [k, n] = D_b[k][n]
     p.sync();
     typename P::template Frag<kC> x;
     P::zero(x);
     auto d_op = p.template op<TInv, kC>(d, 1.f);
     p.mma(x, d_op, at_b);
-    p.wait_mma();
+    p.wait_mma(x, d_op);
     P::for_each(x, [&](int r, int c, float& v) { if (!lower_left(r, c, b)) v = 0.f; });
     auto x_op = p.template op<TInv, kC>(x, -1.f);
     p.mma(d, x_op, dt_b);
-    p.wait_mma();
+    p.wait_mma(d, x_op);
     p.sync();                                        // every wgmma read of dt_b done before its rewrite
   }
   P::for_each(d, [&](int r, int c, float& v) { if (r == c) v = 0.f; });
   p.template store<T>(d, ts_store, false);           // Ts = T - I, [c][c'] (K-major B of X'^T Ts^T)
 }
 
-// ---- the state step: one chunk, one state warpgroup (64 value columns) -----------------------------
+// ---- the state step: one chunk, the state warpgroup (the CTA's 64 value columns) -------------------
 // S: S^T [64 v, K] fp32 (accumulator layout). kq_b: [K; Q] rows as the K-major B operand of N = 128
 // (columns 0..63 of the product are S^T K^T, 64..127 S^T Q^T); k_mn: K as the MN-major B operand
 // [c, K]; ts_b, m_b: Ts and M [c][c'] as K-major B operands; vt: the v tile for P::vt.
@@ -175,7 +256,7 @@ GDN_HD void state_step(P& p, typename P::template Frag<kK>& S, const Gates& gt,
   {
     auto s_op = p.template op<T, kK>(S, 1.f);
     p.mma(acc, s_op, kq_b);
-    p.wait_mma();
+    p.wait_mma(acc, s_op);
   }
   auto vt = p.vt(v_tile);                            // V^T [64 v, 64 c] fp32
   // X'^T in columns 0..63, then U^T = X'^T + X'^T Ts^T accumulated in place
@@ -185,7 +266,7 @@ GDN_HD void state_step(P& p, typename P::template Frag<kK>& S, const Gates& gt,
   {
     auto x_op = p.template op_lo<T>(acc, 1.f);
     p.mma_lo(acc, x_op, ts_b);
-    p.wait_mma();
+    p.wait_mma(acc, x_op);
   }
   // O^T = cq (S^T Q^T) + U^T M^T in columns 64..127
   P::for_each_hi(acc, [&](int, int c, float& x) { x *= gt.cq[c]; });
@@ -197,7 +278,7 @@ GDN_HD void state_step(P& p, typename P::template Frag<kK>& S, const Gates& gt,
     auto w_op = p.template op_lo<T>(acc, 1.f);
     P::for_each(S, [&](int, int, float& x) { x *= gt.eg_last; });
     p.mma(S, w_op, k_mn);
-    p.wait_mma();
+    p.wait_mma(acc, S, u_op, w_op);                  // both products (their A operands live until here)
   }
   o_out(acc);
 }

@@ -1,7 +1,10 @@
-"""The build path: csrc/ compiles for sm_80 and sm_90a without register spills or stack frames,
-gdn_packed._C imports when it was built, the CUDA backend reports itself unavailable (with a reason)
-on a machine without a GPU, and the package installs without nvcc."""
+"""The build path: csrc/ compiles for sm_80 and sm_90a without register spills or stack frames, the
+sm_90a chunked kernel's SASS has the tensor-core products of its tile program in its chunk loops (one
+compile: cuobjdump reads the object ptxas reported on), gdn_packed._C imports when it was built, the
+CUDA backend reports itself unavailable (with a reason) on a machine without a GPU, and the package
+installs without nvcc."""
 import glob
+import importlib.util
 import os
 import re
 import shutil
@@ -9,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -22,13 +26,9 @@ KERNEL_FAMILIES = ("chunk_count_scan_kernel", "chunk_table_fill_kernel", "conv1d
                    "recurrent_gdr_fwd_kernel", "chunk_gdr_fwd_sm90_kernel")
 # kernels built for sm_90a only (wgmma / TMA / setmaxnreg), with the CuTe headers of nvidia-cutlass
 SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": "chunk_gdr_fwd_sm90_kernel"}
-# spills a kernel is known to have (bytes of spill stores + loads, per arch): each gets a strict xfail
-# below, so the number stays visible and its removal shows
-KNOWN_SPILLS = {("chunk_gdr_fwd_sm90_kernel", "sm_90a"): 8}
 
 
 def cutlass_include():
-    import importlib.util
     spec = importlib.util.find_spec("cutlass_library")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -36,14 +36,22 @@ def cutlass_include():
     return d if os.path.isdir(os.path.join(d, "cute")) else None
 
 
-def find_nvcc():
-    for c in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+def find_tool(name):
+    """nvcc / cuobjdump: next to $CUDACXX, on PATH, in /usr/local/cuda/bin; cuobjdump also the copy
+    triton ships (the CUDA toolkit here has nvcc and ptxas only)."""
+    where = [os.path.join(os.path.dirname(os.environ.get("CUDACXX") or "/nonexistent"), name), shutil.which(name),
+             f"/usr/local/cuda/bin/{name}"]
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.submodule_search_locations:
+        where.append(os.path.join(list(spec.submodule_search_locations)[0], "backends", "nvidia", "bin", name))
+    for c in where:
         if c and os.path.isfile(c) and os.access(c, os.X_OK):
             return c
     return None
 
 
-NVCC = find_nvcc()
+NVCC, CUOBJDUMP = find_tool("nvcc"), find_tool("cuobjdump")
+SASS = {}   # file name -> cuobjdump -sass of its object (the sm_90a-only sources), filled by ptxas_report
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH, /usr/local/cuda/bin): "
                                                      "csrc/ compile checks skipped")
 
@@ -106,6 +114,9 @@ def ptxas_report():
         else:
             cmd += ["-gencode=arch=compute_80,code=sm_80"]
         p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode == 0 and CUOBJDUMP and os.path.basename(src) in SM90_ONLY:
+            SASS[os.path.basename(src)] = subprocess.run([CUOBJDUMP, "-sass", obj], capture_output=True,
+                                                         text=True, check=True).stdout
         return src, cmd, p
 
     try:
@@ -138,22 +149,65 @@ def test_csrc_compiles_without_spills(ptxas_report, report_table):
     for k in kernels:
         want = {"sm_90a"} if any(f in names[k] for f in SM90_ONLY.values()) else set(ARCHS)
         assert {r["arch"] for r in recs if r["name"] == k} >= want, f"{names[k]} not built for {want}"
-    known = lambda r: any(f in names[r["name"]] and a == r["arch"] for f, a in KNOWN_SPILLS)  # noqa: E731
     bad = [f"{names[r['name']]} {r['arch']}: spill {r['spill']} B, stack {r['stack']} B"
-           for r in recs if (r["spill"] or r["stack"]) and not known(r)]
+           for r in recs if r["spill"] or r["stack"]]
     assert not bad, "register spills / stack frames:\n" + "\n".join(bad)
 
 
 @needs_nvcc
-@pytest.mark.parametrize("kernel, arch", sorted(KNOWN_SPILLS))
-@pytest.mark.xfail(strict=True, reason="known spill (KNOWN_SPILLS): the sm_90a chunked kernel's setmaxnreg split "
-                   "24 / 120 / 2 x 184 leaves 4 B of spill stores + 4 B loads")
-def test_known_spills_are_gone(ptxas_report, kernel, arch):
-    recs = [r for _, _, p in ptxas_report for r in parse_ptxas(p.stdout + "\n" + p.stderr)]
-    names = demangle(sorted({r["name"] for r in recs}))
-    (r,) = [r for r in recs if kernel in names[r["name"]] and r["arch"] == arch]
-    assert r["spill"] <= KNOWN_SPILLS[(kernel, arch)], f"{kernel}: spill grew to {r['spill']} B"
-    assert r["spill"] == 0 and r["stack"] == 0, f"{kernel} {arch}: spill {r['spill']} B, stack {r['stack']} B"
+def test_sm90_chunk_kernel_resources(ptxas_report):
+    """The warp-specialised chunked kernel (384 threads: 65536 / 384 -> 168 registers at launch, which
+    setmaxnreg redistributes 40 / 232 / 240 to the producer, prep and state warpgroups): no local memory
+    in either instantiation (bf16, fp16); ptxas checks every setmaxnreg region against its count."""
+    recs = [r for src, _, p in ptxas_report if os.path.basename(src) in SM90_ONLY
+            for r in parse_ptxas(p.stdout + "\n" + p.stderr)]
+    assert len(recs) == 2, recs
+    for r in recs:
+        assert (r["registers"], r["spill"], r["stack"]) == (168, 0, 0), r
+
+
+def sass_loops(sass):
+    """{kernel name: [Counter of the HGMMA shapes of each loop holding one]}: a loop is a backward branch
+    before the kernel's last EXIT (ptxas moves an mbarrier try-wait's retry after it, with a branch back:
+    not a loop); an inner loop's instructions are also its outer loop's (the kernel's loops do not nest)."""
+    out = {}
+    for body in re.split(r"\n\s*Function : ", sass)[1:]:
+        name = body.split("\n", 1)[0].strip()
+        ins = [(int(a, 16), op, rest) for a, op, rest in
+               re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);", body)]
+        last_exit = max(a for a, op, _ in ins if op == "EXIT")
+        loops = []
+        for a, op, rest in ins:
+            m = re.match(r"\s*(0x[0-9a-f]+)", rest)
+            if op.startswith("BRA") and m and int(m.group(1), 16) < a < last_exit:
+                body_ops = [o for x, o, _ in ins if int(m.group(1), 16) <= x <= a]
+                shapes = Counter(re.match(r"HGMMA\.(\d+x\d+x\d+)", o).group(1) for o in body_ops
+                                 if o.startswith("HGMMA"))
+                waits = sum(o.startswith("WARPGROUP.DEPBAR") for o in body_ops)
+                if shapes:
+                    loops.append((shapes, waits))
+        out[name] = loops
+    return out
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="no cuobjdump (CUDA toolkit or triton's copy): SASS not read")
+def test_sm90_chunk_loops_run_the_tile_program_on_the_tensor_cores(ptxas_report, report_table):
+    """cuobjdump SASS of both instantiations: the two chunk loops hold exactly the wgmma of the tile
+    program (csrc/chunk_gdr_sm90.cuh), each issued once per chunk (nothing serialised into a loop of its
+    own): prep 32 HGMMA 64x64x16 (K K^T and Q K^T, 8 each; two doubling levels of the inverse, 2 x 2 x 4)
+    in 5 waits; state 12 HGMMA 64x128x16 (S^T [K; Q]^T 8, the state update U K 4) and 8 HGMMA
+    64x64x16 (X'^T Ts^T, U^T M^T) in 3 waits (U^T M^T and U K share one)."""
+    sass = SASS.get("chunk_gdr_fwd_sm90.cu")
+    assert sass, "no SASS of chunk_gdr_fwd_sm90.cu"
+    loops = sass_loops(sass)
+    assert len(loops) == 2, list(loops)
+    want = sorted([(Counter({"64x64x16": 32}), 5), (Counter({"64x128x16": 12, "64x64x16": 8}), 3)],
+                  key=lambda x: sorted(x[0].items()))
+    for name, got in loops.items():
+        report_table("sm_90a chunked kernel, HGMMA per chunk loop (cuobjdump)",
+                     f"{name[-60:]}: " + "; ".join(f"{dict(c)} in {w} waits" for c, w in got))
+        assert sorted(got, key=lambda x: sorted(x[0].items())) == want, (name, got)
 
 
 def test_parse_ptxas_sample():
