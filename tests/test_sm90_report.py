@@ -2,6 +2,7 @@
 
 The end-to-end test runs the CLI on a small shape (our kernels only: seconds per compile) in a
 subprocess without TRITON_INTERPRET; the others check the readers and the model on known inputs."""
+import csv
 import json
 import os
 import subprocess
@@ -12,17 +13,21 @@ import pytest
 from bench.sm90 import model as M
 from bench.sm90 import sass as S
 from bench.sm90 import ttir as IR
+from bench.sm90 import validate as V
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECK_CSV = os.path.join(ROOT, "bench", "results", "sm90_validated_check.csv")
+CLAIM = 0.25        # the largest |error| of any published FLA row under the model (bench/NOTES.md)
+WITHIN = 190        # rows within 20%
 
 
 RECORD = """
 import json, torch
 from bench.sm90 import launches
-rec = launches.Recorder()
+rec = launches.Recorder(torch_ops=True)
 with launches.fake_hopper(), rec.active():
     launches.record_ours(rec, (1, 128, 2, 4, 64, 64), torch.bfloat16, ("fwd", "bwd"))
-print(json.dumps([[lc.phase, lc.kernel] for lc in rec.launches]))
+print(json.dumps([[lc.phase, lc.kernel] for lc in rec.launches if not isinstance(lc, launches.TorchOp)]))
 """
 
 
@@ -48,16 +53,20 @@ def test_small_shape_report_lists_every_launch(tmp_path, sm90_toolchain):
     launched = subprocess.run([sys.executable, "-c", RECORD], env=_env(), cwd=ROOT, capture_output=True,
                               text=True, timeout=300)
     assert launched.returncode == 0, launched.stderr[-3000:]
+    ops = [r for r in rows if r["kernel"].startswith("torch ops")]      # the torch operators, one row a direction
+    rows = [r for r in rows if r not in ops]
     assert [[r["mode"], r["kernel"]] for r in rows] == json.loads(launched.stdout.splitlines()[-1])
+    assert all(r["bound"] == "bytes" and r["est_us"] > 0 for r in ops)
     for r in rows:
         assert not r["error"], r
         assert 0 < r["regs"] <= 255 and r["smem_kb"] <= 227 and r["ctas_per_sm"] >= 1, r
-        assert r["est_us"] > 0 and r["hbm_gb"] > 0, r
+        assert r["est_us"] > 0 and r["hbm_gb"] > 0 and r["bound"] in ("latency", "bytes", "FLOPs"), r
     loops = [r for r in rows if r["loop_hgmma"] != ""]
     assert loops, "no kernel with a sequential chunk loop holding HGMMA was found"
     assert all(r["loop_instr"] > r["loop_hgmma"] > 0 for r in loops)
     assert {t["mode"] for t in data["totals"]} == {"fwd", "bwd"}
     assert "MODEL ESTIMATE" in proc.stdout and (tmp_path / "r.csv").read_text().startswith("impl,")
+    assert "model check: FLA rows within" in proc.stdout
 
 
 def test_bad_shape_is_a_usage_error():
@@ -155,11 +164,6 @@ def test_ctas_per_sm(regs, smem, warps, want):
     assert M.ctas_per_sm(regs, smem, warps) == want
 
 
-def test_calibrate_hits_the_target():
-    kappa = M.calibrate(lambda k: 1e-4 + 1e-4 * k)
-    assert abs(1e-4 + 1e-4 * kappa - M.FLA_FWD_ANCHOR_S) < 1e-9
-
-
 def test_batched_dot_counts_its_batch():
     """A 3D (batched) tt.dot, [B, M, K] x [B, K, N], is 2 B M N K FLOPs and reads its operand types."""
     line = ("    %d = tt.dot %a, %b, %c, inputPrecision = tf32 : tensor<4x16x8xf32> * tensor<4x8x32xf32> "
@@ -167,3 +171,162 @@ def test_batched_dot_counts_its_batch():
     text = "module {\n  tt.func public @k() {\n" + line + "\n    tt.return\n  }\n}\n"
     r = IR.read_ttir(text, {}, seq_chunks=1)
     assert r["flops"] == 2 * 4 * 16 * 32 * 8 and r["dots"] == [("f32", "f32", "tf32")]
+
+
+# ------------------------------------------------------------------ the timing model (bench/sm90/model.py)
+
+def _stub(lines):
+    """A SASS text of one instruction per line, addresses 0x10 apart."""
+    return "\n".join(f"        /*{16 * i:04x}*/                   {x} ;" for i, x in enumerate(lines))
+
+
+def _sim(lines, trips=lambda k, loop: 1, **lat):
+    return S.simulate(S.program(_stub(lines)), trips, S.Latencies(**lat))
+
+
+def test_dependent_instructions_wait_for_their_sources():
+    lat = S.Latencies()
+    chain = _sim(["FFMA R1, R2, R3, R4", "FFMA R5, R1, R3, R4", "FFMA R6, R5, R3, R4", "EXIT"])
+    free = _sim(["FFMA R1, R2, R3, R4", "FFMA R5, R2, R3, R4", "FFMA R6, R2, R3, R4", "EXIT"])
+    assert chain["cycles"] == 1 + 2 * lat.alu + 1 and free["cycles"] == 4
+    assert chain["instr"] == free["instr"] == 4 and chain["stalls"]["alu"] == 2 * (lat.alu - 1)
+
+
+def test_global_load_latency_is_exposed_unless_prefetched():
+    used_at_once = _sim(["LDG.E R4, desc[UR4][R2.64]", "FADD R5, R4, R4", "EXIT"], ldg=500)
+    assert used_at_once["cycles"] == 1 + 500 + 1 and used_at_once["stalls"] == {"global": 499}
+    # two cp.async groups in flight; the wait for all but the newest one waits for the first only
+    two_groups = ["LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]", "LDGDEPBAR",
+                  "LDGSTS.E.BYPASS.128 [R3+0x800], desc[UR4][R6.64]", "LDGDEPBAR", "DEPBAR.LE SB0, 0x1", "EXIT"]
+    assert _sim(two_groups, ldg=500)["stalls"] == {"global": (1 + 500) - 5}       # the wait issues at 5
+    assert _sim(two_groups[:4] + ["DEPBAR.LE SB0, 0x0", "EXIT"], ldg=500)["stalls"] == {"global": (3 + 500) - 5}
+
+
+def test_wgmma_group_runs_on_the_tensor_pipe_then_waits_its_latency():
+    r = _sim(["WARPGROUP.ARRIVE", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ",
+              "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR12], R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+              "FADD R5, R24, R24", "EXIT"], hgmma=100)
+    # the first HGMMA issues at 2 and holds the pipe 32 cycles (64x64x16: N / 2), the second follows it
+    assert r["cycles"] == 2 + 32 + 32 + 100 + 2 and r["mma_cycles"] == 64 and r["stalls"]["wgmma"] > 0
+
+
+def test_barrier_costs_its_cycles():
+    assert _sim(["BAR.SYNC.DEFER_BLOCKING 0x0", "EXIT"], bar=40)["cycles"] == 1 + 40 + 1
+
+
+def test_loop_runs_its_trips():
+    body = ["IADD3 R1, R1, 0x1, RZ", "ISETP.GE.AND P0, PT, R1, R2, PT", "@!P0 BRA 0x0", "EXIT"]
+    lat = S.Latencies()
+    per_trip = [_sim(body, trips=lambda k, loop, n=n: n)["cycles"] for n in (1, 5, 10)]
+    assert per_trip[2] - per_trip[1] == 5 * (per_trip[1] - per_trip[0]) / 4
+    assert per_trip[1] - per_trip[0] == 4 * (2 * lat.alu + 1)     # IADD3 -> ISETP -> BRA, each waiting
+    assert S.loops_in_order(S.program(_stub(body))) == [(0, 2, False)]
+
+
+def test_sass_loops_take_the_ttir_trip_counts():
+    sass = _stub(["MOV R1, RZ", "HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], RZ, gsb0", "@P0 BRA 0x10",
+                  "FADD R2, R2, R2", "@P1 BRA 0x30", "EXIT"])
+    prog = S.program(sass)
+    ttir_loops = [dict(trips=7, dot=True, seq=True, const=False), dict(trips=2, dot=False, seq=False, const=True),
+                  dict(trips=3, dot=False, seq=False, const=False)]
+    table, seq_at = M.loop_trips(prog, ttir_loops)
+    # the constant 2-trip loop is unrolled away; the MMA loop is the chunk loop, the other takes 3
+    assert seq_at == 0 and [t["trips"] for t in table] == [7, 3]
+
+
+class _Kernel:
+    def __init__(self, lines, regs=32, smem=0):
+        self.prog, self.regs, self.smem, self.error = S.program(_stub(lines)), regs, smem, ""
+        self.ttir_loops, self.dots = [], []
+        self.bytes_ld = self.bytes_st = self.flops = 0.0
+
+
+def test_co_resident_ctas_hide_latency_up_to_the_issue_limit():
+    chain = [f"MUFU.EX2 R{i + 1}, R{i}" for i in range(1, 200)] + ["EXIT"]      # 200 instructions, xu each
+    const = M.CONSTANTS
+    one, four = _Kernel(chain, smem=120 * 1024), _Kernel(chain, regs=128)
+    t_one = M.estimate(one, 132 * 16, 4, (), 0, const)
+    t_four = M.estimate(four, 132 * 16, 4, (), 0, const)
+    assert t_one["ctas_per_sm"] == 1 and t_four["ctas_per_sm"] == 4
+    # chain-bound CTAs (199 x xu cycles > 4 warps x 200 instructions per scheduler): 4 per SM take the time
+    # of one, so 16 waves become 4
+    assert t_one["bound"] == t_four["bound"] == "latency" and abs(t_one["t_lat"] / t_four["t_lat"] - 4) < 1e-9
+    free = _Kernel([f"FFMA R{i + 1}, R0, R0, R0" for i in range(1, 200)] + ["EXIT"], regs=32)
+    t_free = M.estimate(free, 132 * 16, 4, (), 0, const)      # 16 CTAs a SM, nothing to wait for:
+    assert abs(t_free["t_lat"] * M.CLOCK_HZ - 200 * 16) < 1e-6      # 16 warps a scheduler issue 200 each
+
+
+def test_unequal_sequences_schedule_on_the_slots():
+    assert M._schedule([10, 10, 10], 3) == 10 and M._schedule([10, 10, 10, 10], 3) == 20
+    assert M._schedule([40, 10, 10, 10, 10], 2) == 40      # the short ones run beside the long one
+
+
+def test_bytes_come_from_hbm_once_and_from_l2_again():
+    k = _Kernel(["EXIT"])
+    k.bytes_ld = 1e6
+    e = M.estimate(k, 1000, 4, (), 250e6, M.CONSTANTS)        # 1 GB of tiles over 250 MB of tensors
+    want = 250e6 / M.HBM_BPS + 750e6 / M.CONSTANTS.l2_bps
+    assert e["bound"] == "bytes" and abs(e["t_mem"] - want) < 1e-12
+
+
+# ------------------------------------------------------------------ the model against FLA's published H200 times
+
+def test_published_table_is_fla_on_h200():
+    rows = V.load_published()
+    assert len(rows) == 203 and {r["mode"] for r in rows} == {"fwd", "bwd"}
+    anchor = [r for r in rows if (r["mode"], r["seqlens"], r["h_qk"], r["h_v"]) == ("fwd", "1x32768", 16, 32)]
+    assert [r["fla_ms"] for r in anchor] == [1.89]
+    assert all(sum(r["lengths"]) in (8192, 32768) for r in rows if r["mode"] == "bwd")
+
+
+def test_check_table_from_the_committed_facts():
+    """The model check (python -m bench kernels) from bench/results/sm90_validated_facts.json.gz at the
+    committed constants: every row as bench/results/sm90_validated_check.csv has it, and within CLAIM."""
+    chk = V.Check(V.load())
+    table = chk.table(M.CONSTANTS)
+    with open(CHECK_CSV) as f:
+        want = list(csv.DictReader(f))
+    assert [(t["mode"], t["config"], t["seqlens"]) for t in table] == [(w["mode"], w["config"], w["seqlens"])
+                                                                       for w in want]
+    for t, w in zip(table, want):
+        assert abs(t["est_ms"] - float(w["est_ms"])) <= 1e-3 * t["est_ms"], (t, w)
+    worst, held, within = V.summary(table)
+    n_held = sum(not t["train"] for t in table)
+    assert n_held == 149 and worst <= CLAIM and within >= WITHIN, (worst, held, within)
+    assert all(b in ("latency", "bytes", "FLOPs") for t in table for _, _, b in t["kernels"])
+
+
+def test_fla_rows_time_flas_own_kernels(monkeypatch):
+    """bench's fla provider on a GPU sets FLA_DISABLE_BACKEND_DISPATCH=1 (recent FLA hands its ops to
+    FlashQLA when flash_qla imports), also when fla was imported before, and its rows say so."""
+    pytest.importorskip("fla")
+    import torch
+
+    from bench.providers import PROVIDERS
+    fla_backends = pytest.importorskip("fla.backends")
+    monkeypatch.delenv("FLA_DISABLE_BACKEND_DISPATCH", raising=False)
+    monkeypatch.setattr(fla_backends, "_DISPATCH_DISABLED", False)
+    p = PROVIDERS["gdr"]["fla"]
+    assert p.why_not(torch.device("cuda")) == ""
+    assert os.environ["FLA_DISABLE_BACKEND_DISPATCH"] == "1" and fla_backends._DISPATCH_DISABLED
+    assert "FLA_DISABLE_BACKEND_DISPATCH=1" in p.note_for("packed")
+
+
+def test_torch_operators_are_recorded_by_their_bytes():
+    """Recorder(torch_ops=True): an operator on device (meta) tensors that moves data is a TorchOp with
+    the bytes it reads and writes; views, allocations and host tensors are not."""
+    import torch
+
+    from bench.sm90 import launches
+    rec = launches.Recorder(torch_ops=True)
+    with rec.active():
+        x = torch.empty(1000, device="meta")
+        x.view(10, 100).t()                     # views: nothing
+        x.sum()                                 # reads 4000 B, writes 4
+        x.add_(1)                               # reads and writes 4000 B
+        torch.zeros(10, device="meta")          # writes 40 B
+        torch.ones(5).sum()                     # a host tensor: nothing
+    ops = [(op.kernel, op.bytes) for op in rec.launches]
+    assert ops == [("torch aten.sum.default", 4004), ("torch aten.add_.Tensor", 8000),
+                   ("torch aten.zeros.default", 40)], ops
+    assert all(isinstance(op, launches.TorchOp) for op in rec.launches)

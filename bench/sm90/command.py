@@ -4,6 +4,7 @@ parse(argv) checks the command line (ValueError for a bad one: bench/cli.py turn
 error); run(args) records, compiles, models and writes the report."""
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -23,12 +24,29 @@ def parser():
         description="The static sm_90 report: every Triton kernel the launchers run (ours and FLA 0.6.0's), "
         "compiled for the H200 without a GPU, with registers, shared memory, spills, occupancy, per-iteration "
         "SASS counts of the sequential chunk loop and a byte/FLOP/latency model (bench/NOTES.md, \"sm_90 "
-        "report\").")
-    ap.add_argument("--shape", action="append", help="anchor, 32x1024 or N,L,H,HV,K,V (repeatable; "
+        "report\").",
+        epilog="""examples:
+  python -m bench kernels                                    # anchor + 32x1024, bf16 + fp32, ours + FLA, the check
+  python -m bench kernels --shape anchor --dtype bf16 --no-fla --no-check --kernels 'dq|dk'
+                                                             # a subset of ours: only those kernels compile
+  python -m bench kernels --shape anchor --shape 4x8192 --dtype bf16 --modes bwd   # ours and FLA's backward
+  python -m bench kernels --check-only                       # the model check alone (seconds)
+Every est us is a model estimate naming its bound (latency, bytes, FLOPs); compiles are cached on disk
+($GDN_PACKED_SM90_CACHE, default ~/.cache/gdn_packed/sm90), so a rerun compiles only changed kernels.""")
+    ap.add_argument("--shape", action="append", help="anchor, 4x8192, 32x1024 or N,L,H,HV,K,V (repeatable; "
                     "default: anchor and 32x1024)")
     ap.add_argument("--dtype", type=_csv, default=("bf16", "fp32"), help="bf16,fp16,fp32 (default bf16,fp32)")
     ap.add_argument("--modes", type=_csv, default=("fwd", "bwd"), help="fwd,bwd (default both)")
     ap.add_argument("--no-fla", action="store_true", help="leave FLA 0.6.0's kernels out")
+    ap.add_argument("--kernels", metavar="REGEX", help="only the launches whose kernel name this regular expression "
+                    "finds, e.g. 'dq|dk' or 'state' (the FLA config choice then sees only those too)")
+    ap.add_argument("--no-check", action="store_true", help="leave out the model check against FLA's published "
+                    "H200 times (seconds, from the committed facts in bench/results/sm90_validated_facts.json.gz)")
+    ap.add_argument("--check-only", action="store_true", help="only the model check (no recording, no compiles)")
+    ap.add_argument("--fit", action="store_true", help="fit the model's FIT constants again on the committed facts "
+                    "and print them with the check (minutes; model.CONSTANTS holds the committed ones)")
+    ap.add_argument("--collect", action="store_true", help="record FLA at every published row again and compile "
+                    "its kernels at the reference heads, writing the facts file (minutes) before the check")
     ap.add_argument("--json", help="write the rows as JSON here")
     ap.add_argument("--csv", help="write the rows as CSV here")
     ap.add_argument("--txt", help="write the table here")
@@ -43,14 +61,36 @@ def parse(argv):
         if bad:
             raise ValueError(f"unknown {what} {', '.join(map(repr, bad))}; valid: {', '.join(valid)}")
     args.shapes = [parse_shape(s) for s in (args.shape or DEFAULT_SHAPES)]
-    why = toolchain_missing()
+    if args.kernels:
+        try:
+            re.compile(args.kernels)
+        except re.error as e:
+            raise ValueError(f"--kernels {args.kernels!r}: {e}") from None
+    why = toolchain_missing() if not args.check_only or args.collect else ""
     if why:
         raise ValueError(f"kernels: {why}")
     return args
 
 
+def check(args, log):
+    """The model check against FLA's published times (validate.py): its text, or why there is none."""
+    from bench.sm90 import model as M
+    from bench.sm90 import validate as V
+    if args.collect:
+        V.save(V.collect(V.load_published(), log=log))
+    if not os.path.exists(V.FACTS):
+        return f"model check: no facts file {os.path.relpath(V.FACTS)} (python -m bench kernels --collect writes it)"
+    chk = V.Check(V.load())
+    const, chosen = chk.fit(log=log) if args.fit else (M.CONSTANTS, None)
+    return V.format_check(chk.table(const, chosen), const)
+
+
 def run(args):
     from bench.sm90.report import format_table, run_report, write_outputs
+    log = lambda m: print(m, file=sys.stderr, flush=True)    # noqa: E731
+    if args.check_only:
+        print(check(args, log))
+        return 0
     fla = not args.no_fla and not fla_missing()
     if not args.no_fla and not fla:
         print(f"kernels: {fla_missing()}: FLA rows left out", file=sys.stderr)
@@ -58,12 +98,13 @@ def run(args):
         stem = os.path.join(RESULTS_DIR, time.strftime("%Y-%m-%d_%H%M%S") + "_sm90")
         args.json, args.csv, args.txt = stem + ".json", stem + ".csv", stem + ".txt"
     t0 = time.perf_counter()
-    log = lambda m: print(m, file=sys.stderr, flush=True)    # noqa: E731
-    rows, totals, meta = run_report(args.shapes, args.dtype, args.modes, fla=fla, log=log)
+    rows, totals, meta = run_report(args.shapes, args.dtype, args.modes, fla=fla, kernels=args.kernels, log=log)
     import triton
     meta.update(triton=triton.__version__, shapes={n: d for n, d in args.shapes}, modes=list(args.modes),
                 dtypes=list(args.dtype))
     text = format_table(rows, totals, meta)
+    if not args.no_check:
+        text += "\n\n" + check(args, log)
     print(text)
     write_outputs(rows, totals, meta, args.json, args.csv, args.txt, text)
     log(f"done in {time.perf_counter() - t0:.1f} s; " + ", ".join(

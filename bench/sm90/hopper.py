@@ -10,6 +10,7 @@ NUM_SMS = 132
 CLOCK_HZ = 1.98e9                   # SM boost clock
 HBM_BPS = 4.3e12                    # measured device copy bandwidth of the H200 (docs/DESIGN.md section 8)
 TC_FLOPS = {"bf16": 790e12, "f16": 790e12, "f32": 395e12}    # dense bf16 measured; tf32 is half
+SM_BPS = 64 * CLOCK_HZ              # what one SM takes from L2: 64 bytes a cycle
 REGS_PER_SM = 65536
 SMEM_PER_SM = 233472                # 228 KB
 SMEM_PER_CTA = 232448               # 227 KB: the opt-in maximum of one CTA

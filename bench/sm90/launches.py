@@ -30,6 +30,7 @@ class Launch:
     scalars: dict                   # name -> int/float value of the non-constexpr scalar arguments
     tensors: dict                   # name -> (shape, dtype name, element bytes) of the tensor arguments
     group: int = 0                  # launches with the same group id are configs of one autotuned launch
+    seq_lens: tuple = ()            # the recorded call's sequence lengths (tokens), in cu_seqlens order
 
     @property
     def programs(self):
@@ -53,11 +54,49 @@ class Launch:
         return {names[path[0]]: v for path, v in self.constexprs.items() if len(path) == 1}
 
 
-class Recorder:
-    """Patches JITFunction.run and Autotuner.run so that launches are recorded, not run."""
+@dataclasses.dataclass
+class TorchOp:
+    """One torch operator on device (meta) tensors that moves data: an elementwise op, a reduction, a copy
+    or a fill (views and allocations move nothing and are not recorded). bytes: the tensors it reads
+    and writes."""
+    kernel: str                     # "torch " + the aten overload, e.g. "torch aten.sum.dim_IntList"
+    phase: str
+    bytes: int
+    group: int = 0
+    seq_lens: tuple = ()
+    programs = 1
+    num_warps = 0
+    num_stages = 0
+    grid = (1, 1, 1)
 
-    def __init__(self):
+    def config_text(self):
+        return ""
+
+
+_NO_DATA = ("empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "lift_fresh", "detach",
+            "alias", "_local_scalar_dense", "set_", "resize_")
+_WRITE_ONLY = ("fill_", "zero_", "zeros", "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full",
+               "full_like", "new_full", "fill", "arange", "scalar_tensor")
+
+
+def _meta_tensors(x):
+    import torch
+    if isinstance(x, torch.Tensor):
+        return [x] if x.device.type == "meta" else []
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _meta_tensors(y)]
+    if isinstance(x, dict):
+        return [t for y in x.values() for t in _meta_tensors(y)]
+    return []
+
+
+class Recorder:
+    """Patches JITFunction.run and Autotuner.run so that launches are recorded, not run; with torch_ops,
+    torch operators on device (meta) tensors that move data are recorded too (TorchOp)."""
+
+    def __init__(self, torch_ops=False):
         self.launches, self.phase, self._group, self._next_group = [], "", None, 0
+        self.lengths, self.torch_ops = (), torch_ops
 
     @contextlib.contextmanager
     def active(self):
@@ -78,9 +117,32 @@ class Recorder:
                 rec._group = None
                 tuner.nargs = None
 
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                rec._torch_op(func, args, kwargs or {}, out)
+                return out
+
         with mock.patch.object(jit.JITFunction, "run", run), \
-                mock.patch.object(autotuner.Autotuner, "run", autotuned):
+                mock.patch.object(autotuner.Autotuner, "run", autotuned), \
+                Ops() if self.torch_ops else contextlib.nullcontext():
             yield self
+
+    def _torch_op(self, func, args, kwargs, out):
+        name = func.overloadpacket.__name__
+        returns = func._schema.returns
+        if name in _NO_DATA or not _meta_tensors(out):
+            return
+        if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+            return                  # a view
+        written = _meta_tensors(out)
+        read = [] if name in _WRITE_ONLY else _meta_tensors((args, kwargs))
+        nbytes = sum(t.numel() * t.element_size() for t in read + written)
+        self._next_group += 1
+        self.launches.append(TorchOp(kernel=f"torch aten.{func.__name__}", phase=self.phase, bytes=nbytes,
+                                     group=self._next_group, seq_lens=tuple(self.lengths)))
 
     def _record(self, fn, args, grid, kwargs):
         import torch
@@ -103,13 +165,14 @@ class Recorder:
         self.launches.append(Launch(
             kernel=fn.__name__, phase=self.phase, fn=fn, signature=signature, constexprs=constexprs,
             attrs=attrs, options=dataclasses.asdict(options), grid=grid, scalars=scalars, tensors=tensors,
-            group=self._group or 0))
+            group=self._group or 0, seq_lens=tuple(self.lengths)))
         if not self._group:
             self._next_group += 1
             self.launches[-1].group = self._next_group
 
 
-SHAPES = {"anchor": (1, 32768, 16, 32, 128, 128), "32x1024": (32, 1024, 16, 32, 128, 128)}
+SHAPES = {"anchor": (1, 32768, 16, 32, 128, 128), "4x8192": (4, 8192, 16, 32, 128, 128),
+          "32x1024": (32, 1024, 16, 32, 128, 128)}
 DEFAULT_SHAPES = ("anchor", "32x1024")
 
 
@@ -161,7 +224,7 @@ def record_ours(rec, dims, dtype, modes, l2norm=False, h0=False, dht=False, gate
                   cu_seqlens_padded=None, scale=K ** -0.5, use_qk_l2norm=l2norm, backend="triton")
     if gates:
         common.update(A_log=torch.empty(HV, device="meta"), dt_bias=torch.empty(HV, device="meta"))
-    rec.phase = "fwd"
+    rec.phase, rec.lengths = "fwd", (L,) * N
     start = len(rec.launches)
     _, _, kept = _op_body("chunk_gdr_fwd")(**common)
     if "fwd" not in modes:      # run for its `kept` only (what autograd hands the backward)
@@ -172,20 +235,29 @@ def record_ours(rec, dims, dtype, modes, l2norm=False, h0=False, dht=False, gate
                                   kept=kept if kept.numel() else None)
 
 
-def record_fla(rec, dims, dtype, modes):
+def record_fla(rec, dims, dtype, modes, lengths=None, h0=False, dht=False):
     """FLA 0.6.0's chunk_gated_delta_rule (Triton path: FLA_DISABLE_BACKEND_DISPATCH=1) through autograd
-    on meta tensors; cu_seqlens (host-read by FLA) on the CPU."""
+    on meta tensors; cu_seqlens (host-read by FLA) on the CPU, for N > 1 or where `lengths` (the sequence
+    lengths, replacing dims' N x L) are given; h0: an initial state; dht: a final-state gradient."""
     import torch
     os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     N, L = dims[:2]
+    varlen = lengths is not None or N > 1
+    lengths = tuple(lengths) if lengths is not None else (L,) * N
+    dims = (1, sum(lengths)) + tuple(dims[2:])
     q, k, v, g, beta = _meta_inputs(dims, dtype, grad="bwd" in modes)
-    cu = torch.arange(0, N + 1, dtype=torch.int32) * L if N > 1 else None
-    rec.phase = "fwd"
-    o, _ = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, dtype=torch.int32) if varlen else None
+    state = torch.empty(len(lengths), *dims[3:], dtype=torch.float32, device="meta")
+    rec.phase, rec.lengths = "fwd", lengths
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state if h0 else None, output_final_state=True,
+                                   cu_seqlens=cu)
     if "bwd" in modes:
         rec.phase = "bwd"
-        o.backward(torch.empty_like(o))
+        torch.autograd.backward([o, ht] if dht else [o], [torch.empty_like(o)] + ([torch.empty_like(ht)] if dht else []))
 
 
 def fla_missing():
@@ -200,7 +272,7 @@ def record_cases(shapes, dtypes, modes, fla=True, log=print):
     """[(impl, shape name, dims, dtype, [Launch])] for every shape x dtype x impl."""
     import torch
     cases = []
-    rec = Recorder()
+    rec = Recorder(torch_ops=True)
     with fake_hopper(), rec.active():
         for name, dims in shapes:
             for dt in dtypes:

@@ -1,29 +1,67 @@
-"""The byte/FLOP/latency model of `python -m bench kernels` (written out in bench/NOTES.md, "sm_90 report").
+"""The timing model of `python -m bench kernels` (bench/NOTES.md, "sm_90 report": the model, its constants
+and its check against FLA's published H200 times).
 
-Per launch, from toolchain.py's Compiled facts and the launch's grid:
-    CTAs/SM  = min(64K regs / (regs rounded up to 8 x 32 x warps), 228 KB / (smem + 1 KB), 64 / warps, 32)
-    waves    = ceil(programs / (CTAs/SM x 132))
-    bytes    = programs x tile bytes loaded and stored per program (no L2 reuse credited)
-    FLOPs    = programs x 2 M N K of every tt.dot executed per program (masked lanes included)
-    t_mem    = bytes / 4.3 TB/s;  t_tc = FLOPs / (790 TFLOP/s bf16/fp16, 395 for tf32)
-    t_loop   = waves x trips x (kappa x instructions + MMA issue cycles) / 1.98 GHz
-               (only for kernels whose dot loop has a run-time trip count: the sequential chunk
-               pass, trips = chunks per sequence (per segment where the kernel splits sequences),
-               or a loop over segments; the SASS counts are those of one iteration of that loop)
-    t        = max(t_mem x tail, t_tc x tail, t_loop) + 2.5 us launch,  tail = waves x slots / programs
-               (infinite when not one CTA fits an SM: such an autotune config is never picked)
-kappa (cycles per non-MMA instruction of the latency-bound loop) is the one free constant: it is set
-so that FLA 0.6.0's forward at the anchor shape (bf16) sums to the 1.89 ms measured on an H200.
-"""
+Per launch of P programs of w warps, from the compile's facts (kernel_facts):
+    c        CTAs per SM = min(64K regs / (regs rounded up to 8 x 32 x w), 228 KB / (smem + 1 KB), 64 / w, 32)
+    latency  one warp's path through the kernel's SASS (sass.simulate: in-order issue, each instruction
+             waiting for its sources, results at issue + latency, cp.async / wgmma / TMA waits, barriers;
+             loops run their TTIR trip counts, a sequential chunk loop its sequence's chunks); one CTA
+             takes D = max(path, instructions x s, MMA cycles x s), s = max(1, w c / 4): the 4 warp
+             schedulers and the tensor pipe of an SM shared by the warps of its c co-resident CTAs (the
+             latency one CTA exposes is hidden by the others only up to those two limits); the CTAs go to
+             the c x 132 slots in launch order, each to the slot free first; the CTAs of a kernel with a
+             chunk loop split evenly over the sequences in cu_seqlens order.
+    bytes    the tiles loaded and stored (ttir.py): up to the size of the tensors touched from HBM at
+             4.3 TB/s, the rest (tiles read again) at l2_bps, a fitted effective rate (it comes out below
+             HBM's: re-read tiles cost more than streamed ones, see bench/NOTES.md); no more than SM_BPS
+             for each busy SM.
+    FLOPs    2MNK of every dot / the tensor-core rate (bf16 790 TFLOP/s, tf32 395)
+    est      max(latency, bytes, FLOPs) + launch; the bound is the largest term.
+The constants (Constants: the latencies of sass.Latencies, l2_bps, launch_s) are global: none is per
+kernel. FIT names the ones fitted on FLA's published rows (validate.py); the others are fixed."""
+import dataclasses
+import heapq
 import math
 
+from bench.sm90 import sass
 from bench.sm90.hopper import (CLOCK_HZ, HBM_BPS, MAX_CTAS_PER_SM, MAX_WARPS_PER_SM, NUM_SMS, REGS_PER_SM,
-                               SMEM_PER_SM, TC_FLOPS)
+                               SMEM_PER_SM, SM_BPS, TC_FLOPS)
 
-LAUNCH_S = 2.5e-6
-FLA_FWD_ANCHOR_S = 1.89e-3       # FLA 0.6.0 chunk_gated_delta_rule forward, H200, 1x32768, 16/32 heads, K=V=128, bf16
-KAPPA_DEFAULT = 4.0
-KAPPA_MAX = 64.0
+
+@dataclasses.dataclass(frozen=True)
+class Constants:
+    lat: sass.Latencies = sass.Latencies()
+    l2_bps: float = 3.22e12     # tiles read again (fitted)
+    launch_s: float = 2.5e-6
+
+    def get(self, name):
+        return getattr(self.lat, name) if name in sass.Latencies.__dataclass_fields__ else getattr(self, name)
+
+    def fitted_text(self):
+        return ", ".join(f"{n} {self.get(n):.4g}" for n in FIT)
+
+    def as_dict(self):
+        return dict(dataclasses.asdict(self.lat), l2_bps=self.l2_bps, launch_s=self.launch_s)
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls().with_(**d)
+
+    def text(self):
+        lat = ", ".join(f"{k} {v:.4g}" for k, v in dataclasses.asdict(self.lat).items())
+        return (f"latencies (cycles) {lat}; L2 {self.l2_bps / 1e12:.3g} TB/s; launch {self.launch_s * 1e6:.3g} us; "
+                f"fitted: {', '.join(FIT)}")
+
+    def with_(self, **kw):
+        lat = {k: v for k, v in kw.items() if k in sass.Latencies.__dataclass_fields__}
+        rest = {k: v for k, v in kw.items() if k not in lat}
+        return dataclasses.replace(self, lat=dataclasses.replace(self.lat, **lat), **rest)
+
+
+FIT = ("ldg", "hgmma", "bar", "l2_bps")
+BOUNDS = dict(ldg=(300.0, 1500.0), hgmma=(20.0, 600.0), bar=(10.0, 200.0), l2_bps=(1e12, 2e13), alu=(2.0, 8.0),
+              smem=(15.0, 120.0), xu=(6.0, 40.0), launch_s=(1e-6, 1e-5))   # what a fit may take
+CONSTANTS = Constants()
 
 
 def ctas_per_sm(regs, smem, warps):
@@ -33,37 +71,120 @@ def ctas_per_sm(regs, smem, warps):
     return max(0, min(by_regs, by_smem, MAX_WARPS_PER_SM // warps, MAX_CTAS_PER_SM))
 
 
-def estimate(programs, warps, c, kappa):
-    """Model numbers of one launch (c: toolchain.Compiled) as a dict."""
-    ctas = ctas_per_sm(c.regs, c.smem, warps)
-    slots = max(1, ctas) * NUM_SMS
-    waves = math.ceil(programs / slots) if programs else 0
-    tail = waves * slots / programs if programs else 1.0
-    nbytes = programs * (c.bytes_ld + c.bytes_st)
-    flops = programs * c.flops
-    ab = {a for a, _, _ in c.dots}
-    rate = TC_FLOPS["f32"] if "f32" in ab else TC_FLOPS["bf16"]
-    t_mem, t_tc = nbytes / HBM_BPS * tail, flops / rate * tail
-    t_loop, cycles = 0.0, 0.0
-    if c.seq_loop and c.loop:
-        cycles = kappa * c.loop["instr"] + c.loop["mma_cycles"]
-        t_loop = waves * c.seq_trips * cycles / CLOCK_HZ
-    parts = {"mem": t_mem, "tc": t_tc, "loop": t_loop}
-    bound = max(parts, key=parts.get) if ctas else "nofit"
-    if not ctas:            # more shared memory or registers than an SM has: cannot launch
-        parts["nofit"] = math.inf
-    return dict(ctas_per_sm=ctas, waves=waves, hbm_bytes=nbytes, flops=flops, t_mem=t_mem, t_tc=t_tc,
-                t_loop=t_loop, cycles_per_iter=cycles, bound=bound,
-                est_s=(parts[bound] + LAUNCH_S) if programs else 0.0)
+def loop_trips(prog, ttir_loops):
+    """trips(k, loop) for sass.simulate: the SASS loops (in program order) matched to the TTIR loops
+    that can stay loops (bounds not compile-time constants, or more than 8 trips), those holding an MMA
+    to those holding a dot and the others to the others, in order. Returns (trips function, index of the
+    chunk loop among the SASS loops or None); `n` chunks for the chunk loop."""
+    sl = sass.loops_in_order(prog)
+    keep = [t for t in ttir_loops if not t["const"] or t["trips"] > 8]
+    mma = [t for t in keep if t["dot"]]
+    other = [t for t in keep if not t["dot"]]
+    table, seq_at = [], None
+    for i, (_, _, has_mma) in enumerate(sl):
+        pool = mma if has_mma else other
+        t = pool.pop(0) if pool else dict(trips=1, seq=False)
+        table.append(t)
+        if t.get("seq") and seq_at is None:
+            seq_at = i
+    return table, seq_at
 
 
-def calibrate(total_at, target=FLA_FWD_ANCHOR_S, lo=0.0, hi=KAPPA_MAX):
-    """The kappa at which total_at(kappa) (monotone) equals target; clamped to [lo, hi]."""
-    if total_at(lo) >= target:
-        return lo
-    if total_at(hi) <= target:
-        return hi
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if total_at(mid) < target else (lo, mid)
-    return (lo + hi) / 2
+def footprint(tensors):
+    """Bytes of the tensors a launch touches (launches.Launch.tensors)."""
+    return sum(math.prod(shape) * esize for shape, _, esize in tensors.values())
+
+
+def _per_cta_linear(c, const):
+    """One CTA's cycles, instructions and MMA cycles as a + b x n when its chunk loop runs n trips
+    (sass.simulate at 4 and 8; linear beyond the simulated iterations): {"a", "b", "seq_at" (the chunk
+    loop's index among the SASS loops, None without one), "seq_trips" (its TTIR trips at c.chunks chunks
+    a sequence), "stalls" (a chunk step's waits by kind)}."""
+    if c.prog is None:          # facts without their SASS: the terms computed at the constants they came with
+        if c.linear_const != const.as_dict():
+            raise ValueError("these facts hold no SASS, only per-CTA terms at other constants")
+        return c.linear
+    key = (id(c.prog), repr(c.ttir_loops), const)
+    if key not in _LINEAR:
+        table, seq_at = loop_trips(c.prog, c.ttir_loops)
+
+        def run(n):
+            return sass.simulate(c.prog, lambda k, _l: (n if k == seq_at else table[k]["trips"])
+                                 if k < len(table) else 1, const.lat)
+        r4, r8 = run(4), run(8)
+        terms = ("cycles", "instr", "mma_cycles")
+        _LINEAR[key] = dict(a={k: r4[k] - (r8[k] - r4[k]) for k in terms}, b={k: (r8[k] - r4[k]) / 4 for k in terms},
+                            seq_at=seq_at, seq_trips=table[seq_at]["trips"] if seq_at is not None else 0,
+                            stalls={k: (r8["stalls"].get(k, 0.0) - r4["stalls"].get(k, 0.0)) / 4 for k in r8["stalls"]})
+    return _LINEAR[key]
+
+
+_LINEAR = {}
+
+
+def chunk_step(c, const):
+    """One chunk step of a kernel's chunk loop on one warp's path: {"cycles", "stalls": {what: cycles}}, or
+    None for a kernel without one."""
+    lin = _per_cta_linear(c, const)
+    return None if lin["seq_at"] is None else dict(cycles=lin["b"]["cycles"], stalls=lin["stalls"])
+
+
+def _schedule(durations, slots):
+    """Makespan of CTAs (in launch order) on `slots` identical slots, each to the slot free first."""
+    if len(durations) <= slots:
+        return max(durations, default=0.0)
+    free = [0.0] * slots
+    for d in durations:
+        heapq.heapreplace(free, free[0] + d)
+    return max(free)
+
+
+CHUNK = 64      # rows per chunk of every chunked kernel here (ours and FLA's BT)
+
+
+def estimate(c, programs, warps, seq_lens, tensor_bytes, const):
+    """The model of one launch: c (toolchain.Compiled, per program), its grid size and warps, the
+    recorded sequence lengths (tokens), the bytes of the tensors it touches, the constants."""
+    P, w = programs, warps
+    ctas = ctas_per_sm(c.regs, c.smem, w)
+    if not ctas or c.error:
+        return dict(ctas_per_sm=ctas, waves=0, est_s=math.inf, bound="nofit", t_lat=math.inf, t_mem=0.0,
+                    t_tc=0.0, hbm_bytes=0.0, flops=0.0)
+    slots = ctas * NUM_SMS
+    s = max(1.0, w * ctas / 4)
+    lin = _per_cta_linear(c, const)
+    a, b, seq_at = lin["a"], lin["b"], lin["seq_at"]
+    lens = tuple(seq_lens) or (CHUNK,)
+    # a CTA's chunk loop runs the TTIR's trips (read at c.chunks chunks a sequence: per segment, or over
+    # the segments) scaled to its own sequence's chunks
+    per_chunk = lin["seq_trips"] / max(1, c.chunks) if seq_at is not None else 0.0
+    chunks = [per_chunk * max(1, -(-n // CHUNK)) for n in lens]
+
+    def dur(n):
+        return max(a["cycles"] + b["cycles"] * n, (a["instr"] + b["instr"] * n) * s,
+                   (a["mma_cycles"] + b["mma_cycles"] * n) * s)
+    if seq_at is None:
+        durations = [dur(0)] * P
+    elif P % len(lens):
+        durations = [dur(max(chunks))] * P
+    else:
+        durations = [dur(n) for n in chunks for _ in range(P // len(lens))]
+    t_lat = _schedule(durations, slots) / CLOCK_HZ
+    tiles = P * (c.bytes_ld + c.bytes_st)
+    hbm = min(tiles, tensor_bytes)
+    busy = min(P, slots) / ctas
+    t_mem = max(hbm / HBM_BPS + (tiles - hbm) / const.l2_bps, tiles / (busy * SM_BPS))
+    flops = P * c.flops
+    rate = TC_FLOPS["f32"] if any(a == "f32" for a, _, _ in c.dots) else TC_FLOPS["bf16"]
+    t_tc = flops / rate
+    parts = {"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc}
+    bound = max(parts, key=parts.get)
+    return dict(ctas_per_sm=ctas, waves=math.ceil(P / slots) if P else 0, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc,
+                hbm_bytes=tiles, flops=flops, bound=bound, est_s=(parts[bound] + const.launch_s) if P else 0.0)
+
+
+def torch_estimate(nbytes, launches, const):
+    """torch operators between the kernels (launches.TorchOp): their bytes from HBM, one launch each."""
+    t = nbytes / HBM_BPS
+    return dict(ctas_per_sm="", waves="", t_lat=0.0, t_mem=t, t_tc=0.0, hbm_bytes=nbytes, flops=0.0, bound="bytes",
+                est_s=t + launches * const.launch_s if launches else 0.0)

@@ -2,9 +2,10 @@
 model finds fastest), totals per direction, the text table and the JSON / CSV / text files."""
 import math
 import os
+import re
 
 from bench.sm90 import model as M
-from bench.sm90.launches import SHAPES, record_cases
+from bench.sm90.launches import TorchOp, record_cases
 from bench.sm90.toolchain import compile_all, compile_launch
 
 
@@ -14,46 +15,67 @@ def dot_precision(c):
     return "+".join(kinds) or "-"
 
 
-def _rows_of(case, kappa):
+def _estimate(lc, c, const):
+    if c.error:
+        return dict(est_s=math.inf, bound="error")
+    return M.estimate(c, lc.programs, lc.num_warps, lc.seq_lens, M.footprint(lc.tensors), const)
+
+
+def _us(t):
+    return round(t * 1e6, 1) if t is not None and math.isfinite(t) else ""
+
+
+def _rows_of(case, const):
     """Model rows of one case: per launch group, the candidate the model finds fastest."""
     impl, name, dims, dt, launches = case
     N, L = dims[:2]
-    seq_chunks = -(-L // 64)
-    groups = {}
+    seq_chunks = -(-L // M.CHUNK)
+    groups, ops = {}, {}
     for lc in launches:
-        groups.setdefault((lc.phase, lc.group), []).append(lc)
+        if isinstance(lc, TorchOp):
+            ops.setdefault(lc.phase, []).append(lc)
+        else:
+            groups.setdefault((lc.phase, lc.group), []).append(lc)
     rows = []
     for (phase, _), cands in groups.items():
         best = None
         for lc in cands:
             c = compile_launch(lc, seq_chunks)
-            est = M.estimate(lc.programs, lc.num_warps, c, kappa) if not c.error else dict(est_s=math.inf)
+            est = _estimate(lc, c, const)
             if best is None or est["est_s"] < best[2]["est_s"]:
                 best = (lc, c, est)
         lc, c, est = best
         loop = c.loop if c.seq_loop else {}
+        step = M.chunk_step(c, const) if not c.error else None
         rows.append(dict(
             impl=impl, shape=name, dtype=dt, mode=phase, kernel=lc.kernel, config=lc.config_text(),
             candidates=len(cands), grid="x".join(map(str, lc.grid)), ctas=lc.programs, warps=lc.num_warps,
             stages=lc.num_stages, regs=c.regs, smem_kb=round(c.smem / 1024, 1), spill_b=c.spill,
             ctas_per_sm=est.get("ctas_per_sm", 0), waves=est.get("waves", 0),
-            loop_hgmma=loop.get("hgmma", ""), loop_hmma=loop.get("hmma", ""), loop_instr=loop.get("instr", ""), loop_waits=loop.get("waits", ""),
-            loop_bars=loop.get("bars", ""), loop_f2fp=loop.get("f2fp", ""), dots=dot_precision(c),
-            hbm_gb=float(f"{est.get('hbm_bytes', 0) / 1e9:.4g}"), gflop=round(est.get("flops", 0) / 1e9, 2),
-            bound=est.get("bound", ""), est_us=round(est["est_s"] * 1e6, 1) if c.error == "" else "",
-            error=c.error))
+            loop_hgmma=loop.get("hgmma", ""), loop_hmma=loop.get("hmma", ""), loop_instr=loop.get("instr", ""),
+            loop_waits=loop.get("waits", ""), loop_bars=loop.get("bars", ""), loop_f2fp=loop.get("f2fp", ""),
+            step_cycles=round(step["cycles"]) if step else "",
+            step_stalls={k: round(v) for k, v in step["stalls"].items()} if step else {},
+            dots=dot_precision(c), hbm_gb=float(f"{est.get('hbm_bytes', 0) / 1e9:.4g}"),
+            gflop=round(est.get("flops", 0) / 1e9, 2), lat_us=_us(est.get("t_lat")), bytes_us=_us(est.get("t_mem")),
+            flops_us=_us(est.get("t_tc")), bound=est.get("bound", ""),
+            est_us=round(est["est_s"] * 1e6, 1) if c.error == "" else "", error=c.error))
+    for phase, these in ops.items():
+        est = M.torch_estimate(sum(op.bytes for op in these), len(these), const)
+        rows.append(dict(
+            impl=impl, shape=name, dtype=dt, mode=phase, kernel=f"torch ops ({len(these)} launches)", config="",
+            candidates=1, grid="", ctas="", warps="", stages="", regs="", smem_kb="", spill_b=0, ctas_per_sm="",
+            waves="", loop_hgmma="", loop_hmma="", loop_instr="", loop_waits="", loop_bars="", loop_f2fp="",
+            step_cycles="", step_stalls={}, dots="-", hbm_gb=float(f"{est['hbm_bytes'] / 1e9:.4g}"), gflop=0.0,
+            lat_us="", bytes_us=_us(est["t_mem"]), flops_us="", bound="bytes", est_us=round(est["est_s"] * 1e6, 1),
+            error="", ops=sorted({op.kernel[6:] for op in these})))
     return rows
 
 
-def report(cases):
-    """(rows, totals, kappa): kappa calibrated on FLA's bf16 forward at the anchor shape when recorded."""
-    anchor = [cs for cs in cases if cs[0] == "fla" and cs[2] == SHAPES["anchor"] and cs[3] == "bf16"]
-    kappa, calibrated = M.KAPPA_DEFAULT, False
-    if anchor:
-        def fwd_total(kap):
-            return sum(r["est_us"] for r in _rows_of(anchor[0], kap) if r["mode"] == "fwd" and r["est_us"] != "") / 1e6
-        kappa, calibrated = M.calibrate(fwd_total), True
-    rows = [r for cs in cases for r in _rows_of(cs, kappa)]
+def report(cases, const=None):
+    """(rows, totals, meta) of recorded cases under the model's constants (model.CONSTANTS)."""
+    const = const or M.CONSTANTS
+    rows = [r for cs in cases for r in _rows_of(cs, const)]
     totals = {}
     for r in rows:
         t = totals.setdefault((r["impl"], r["shape"], r["dtype"], r["mode"]),
@@ -67,18 +89,19 @@ def report(cases):
     for t in totals.values():
         fla = totals.get(("fla", t["shape"], t["dtype"], t["mode"]))
         t["vs_fla"] = round(t["est_us"] / fla["est_us"], 2) if fla and fla["est_us"] else ""
-    clamped = calibrated and kappa in (0.0, M.KAPPA_MAX)
-    return rows, list(totals.values()), dict(kappa=round(kappa, 3), calibrated=calibrated and not clamped,
-                                             calibration_clamped=clamped)
+    return rows, list(totals.values()), dict(constants=const.as_dict())
 
 
-def run_report(shapes, dtypes, modes, fla=True, log=print):
+def run_report(shapes, dtypes, modes, fla=True, kernels=None, log=print):
     """(rows, totals, meta) of the whole report. An autotuned (FLA) kernel's configs are all compiled
     and modelled at the first shape only; the other shapes keep the config chosen there (FLA's
-    autotune keys hold the head counts and dims, not the token count), which saves ~2/3 of the compiles."""
+    autotune keys hold the head counts and dims, not the token count), which saves ~2/3 of the compiles.
+    kernels: a regular expression; only the launches whose kernel name it finds are kept."""
     cases = record_cases(shapes, dtypes, modes, fla=fla, log=log)
+    if kernels:
+        cases = [(*cs[:4], [lc for lc in cs[4] if re.search(kernels, lc.kernel)]) for cs in cases]
     first = [cs for cs in cases if cs[1] == shapes[0][0]]
-    compile_all([lc for *_, launches in first for lc in launches], log=log)
+    compile_all([lc for *_, launches in first for lc in launches if not isinstance(lc, TorchOp)], log=log)
     rows, _, _ = report(first)
     chosen = {(r["impl"], r["dtype"], r["mode"], r["kernel"]): r["config"] for r in rows if r["candidates"] > 1}
 
@@ -90,39 +113,32 @@ def run_report(shapes, dtypes, modes, fla=True, log=print):
             (impl, dt, lc.phase, lc.kernel), lc.config_text()) == lc.config_text()])
 
     cases = [keep(cs) for cs in cases]
-    compile_all([lc for *_, launches in cases for lc in launches], log=log)
+    compile_all([lc for *_, launches in cases for lc in launches if not isinstance(lc, TorchOp)], log=log)
     return report(cases)
 
 
 COLUMNS = [("impl", 4), ("mode", 3), ("kernel", 44), ("config", 22), ("ctas", 6), ("warps", 2), ("regs", 3),
            ("smem_kb", 6), ("spill_b", 5), ("ctas_per_sm", 2), ("waves", 3), ("loop_hgmma", 3),
-           ("loop_instr", 4), ("loop_waits", 3), ("loop_bars", 3), ("dots", 9), ("hbm_gb", 7), ("gflop", 7),
-           ("bound", 4), ("est_us", 8)]
+           ("loop_instr", 4), ("loop_waits", 3), ("loop_bars", 3), ("step_cycles", 5), ("dots", 9), ("hbm_gb", 7),
+           ("gflop", 7), ("lat_us", 8), ("bytes_us", 8), ("flops_us", 7), ("bound", 7), ("est_us", 8)]
 HEAD = dict(impl="impl", mode="dir", kernel="kernel", config="config", ctas="CTAs", warps="w", regs="reg",
             smem_kb="smemKB", spill_b="spill", ctas_per_sm="/SM", waves="wav", loop_hgmma="HGM",
-            loop_instr="inst", loop_waits="wt", loop_bars="bar", dots="dots", hbm_gb="HBM GB", gflop="GFLOP",
-            bound="bnd", est_us="est us")
-
-
-def _calibration_text(meta):
-    if meta.get("calibration_clamped"):
-        return "NOT calibrated: no kappa in the model's range gives FLA's 1.89 ms; clamped"
-    if meta["calibrated"]:
-        return "calibrated: FLA 0.6.0 bf16 forward at the anchor = 1.89 ms on an H200"
-    return "default, not calibrated: FLA not recorded at the anchor shape"
+            loop_instr="inst", loop_waits="wt", loop_bars="bar", step_cycles="cyc", dots="dots", hbm_gb="HBM GB",
+            gflop="GFLOP", lat_us="lat us", bytes_us="bytes us", flops_us="flop us", bound="bound", est_us="est us")
+LEFT = ("kernel", "config", "impl", "dots", "bound", "mode")
 
 
 def format_table(rows, totals, meta):
     """The text report: one table per (shape, dtype), then the totals."""
-    out = [f"static sm_90 report (no GPU): triton {meta.get('triton', '?')}, model kappa = {meta['kappa']} "
-           f"cycles/instruction ({_calibration_text(meta)}).",
-           "est us is a MODEL ESTIMATE (bench/NOTES.md, 'sm_90 report'), not a measurement. HGM/inst/wt/bar: per "
-           "iteration of the sequential chunk loop (SASS; HGM 'Nh': N HMMA, no HGMMA).", ""]
+    out = [f"static sm_90 report (no GPU): triton {meta.get('triton', '?')}; model constants: "
+           f"{M.Constants.from_dict(meta['constants']).text()}.",
+           "est us is a MODEL ESTIMATE (bench/NOTES.md, 'sm_90 report'), not a measurement: max(lat, bytes, flop) + "
+           "launch, bound = the largest. HGM/inst/wt/bar: per iteration of the sequential chunk loop (SASS; HGM "
+           "'Nh': N HMMA, no HGMMA); cyc: one warp's cycles per chunk step on its critical path.", ""]
     keys = list(dict.fromkeys((r["shape"], r["dtype"]) for r in rows))
     for shape, dt in keys:
         out.append(f"== {shape} {dt}")
-        out.append(" ".join(f"{HEAD[c]:>{w}}" if c not in ("kernel", "config", "impl", "dots", "bound", "mode")
-                            else f"{HEAD[c]:<{w}}" for c, w in COLUMNS))
+        out.append(" ".join(f"{HEAD[c]:>{w}}" if c not in LEFT else f"{HEAD[c]:<{w}}" for c, w in COLUMNS))
         for r in rows:
             if (r["shape"], r["dtype"]) != (shape, dt):
                 continue
@@ -133,7 +149,7 @@ def format_table(rows, totals, meta):
                     v = f"{r['loop_hmma']}h"
                 if c == "config" and r["candidates"] > 1:
                     v = f"{v} ({r['candidates']})"
-                left = c in ("kernel", "config", "impl", "dots", "bound", "mode")
+                left = c in LEFT
                 cells.append(f"{str(v)[:w] if left else str(v):<{w}}" if left else f"{str(v):>{w}}")
             out.append(" ".join(cells) + (f"  ERROR {r['error']}" if r["error"] else ""))
         out.append("")
@@ -158,7 +174,7 @@ def write_outputs(rows, totals, meta, json_path=None, csv_path=None, txt_path=No
             json.dump(dict(meta=meta, rows=rows, totals=totals), f, indent=1)
     if csv_path:
         with open(csv_path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["impl"])
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)) or ["impl"])
             w.writeheader()
             w.writerows(rows)
     if txt_path:

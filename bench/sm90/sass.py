@@ -1,4 +1,6 @@
-"""Reading cuobjdump's SASS: the instructions and the per-iteration counts of the sequential chunk loop."""
+"""Reading cuobjdump's SASS: the instructions, the per-iteration counts of the sequential chunk loop, and
+the critical path of one warp through the kernel (simulate)."""
+import dataclasses
 import math
 import re
 
@@ -40,3 +42,240 @@ def sass_loop(ins):
                 bars=sum(o.startswith("BAR.") for o in body), f2fp=sum(o.startswith("F2FP") for o in body))
 
 
+
+# ---------------------------------------------------------------- the critical path of one warp
+
+@dataclasses.dataclass(frozen=True)
+class Latencies:
+    """Cycles from an instruction's issue to its result: the model's constants. ldg, hgmma and bar are
+    fitted on FLA's published H200 times (model.FIT, validate.py; bench/NOTES.md), the others fixed."""
+    alu: float = 4.0        # integer / fp32 pipes, dependent issue
+    xu: float = 12.0        # conversions (F2F, I2F, F2I, FRND) and MUFU (EX2, RCP, ...)
+    smem: float = 30.0      # LDS / LDSM / SHFL: a shared-memory round trip
+    ldg: float = 856.0      # a global load (LDG, cp.async, TMA) from issue to data (fitted)
+    hgmma: float = 442.1    # a warpgroup-MMA group's latency after the tensor pipe has done its work (fitted)
+    hmma: float = 32.0      # mma.sync
+    bar: float = 43.72      # a CTA barrier (BAR.SYNC) once every warp has arrived (fitted)
+
+
+_FULL = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
+_NO_DEST = ("ST", "RED", "BAR", "BRA", "EXIT", "LDGSTS", "LDGDEPBAR", "DEPBAR", "WARPGROUP", "NOP", "MEMBAR",
+            "FENCE", "ERRBAR", "CCTL", "BSSY", "BSYNC", "WARPSYNC", "CALL", "RET", "YIELD", "UTMA", "UBLKCP",
+            "SYNCS", "ARRIVES", "USTG")
+_REG = re.compile(r"(?<![\w.])(UR|R|UP|P)(\d+)(?:\.(64|128))?")
+
+
+def _regs(text, width=1):
+    """Register names in an operand text; R4.64 is R4, R5; `width` registers from a bare base register."""
+    out = []
+    for kind, n, w in _REG.findall(text):
+        k = 1 if kind in ("P", "UP") else {"64": 2, "128": 4}.get(w, width)
+        out += [f"{kind}{int(n) + i}" for i in range(k)]
+    return out
+
+
+def _dest_width(op):
+    """Registers an instruction writes from its destination's base register."""
+    m = re.match(r"HGMMA\.64x(\d+)x\d+\.(F32|F16)", op)
+    if m:
+        return int(m.group(1)) // (2 if m.group(2) == "F32" else 4)
+    if op.startswith("HMMA"):
+        return 4 if ".F32" in op else 2
+    if op.startswith("LDSM"):
+        last = op.rsplit(".", 1)[-1]
+        return int(last) if last.isdigit() else 1
+    return 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+
+
+@dataclasses.dataclass
+class Instr:
+    addr: int
+    guarded: bool           # has a predicate guard (@P0 ...)
+    op: str
+    rest: str               # operands
+    dest: list
+    src: list
+
+    @property
+    def target(self):
+        """A branch's target address, else None."""
+        m = re.match(r"(0x[0-9a-f]+)", self.rest) if self.op == "BRA" else None
+        return int(m.group(1), 16) if m else None
+
+
+def program(sass):
+    """[Instr] of cuobjdump's SASS text. The first operand is the destination of every op that has one
+    (a second operand that is a bare predicate too: carry-outs, ISETP's second result); every other
+    register named, addresses and the predicate guard included, is a source."""
+    out = []
+    for a, guard, op, rest in _FULL.findall(sass or ""):
+        rest = rest.strip()
+        parts = [p.strip() for p in rest.split(",")] if rest else []
+        dest, n = [], 0
+        if parts and not op.startswith(_NO_DEST):
+            dest, n = _regs(parts[0], _dest_width(op)), 1
+            if len(parts) > 1 and re.fullmatch(r"U?P\d", parts[1]):
+                dest, n = dest + [parts[1]], 2
+        src = _regs(", ".join(parts[n:])) + _regs(guard)
+        if op.startswith("HGMMA"):     # the accumulator chains inside the tensor pipe, not through the warp
+            src = [r for r in src if not r.startswith("R")]
+        out.append(Instr(int(a, 16), bool(guard), op, rest, dest, src))
+    return out
+
+
+def loop_tree(prog):
+    """The executed path as a tree: a list of instruction indices and loops (first, last, body), a loop
+    being the instructions from a backward branch's target to the branch (branches after the last EXIT
+    excepted, see sass_loop), a loop inside another one its child. An unguarded forward branch is taken
+    (the code it jumps over is not on the path); a guarded one falls through (both sides are counted)."""
+    last_exit = max((x.addr for x in prog if x.op == "EXIT"), default=math.inf)
+    index = {x.addr: i for i, x in enumerate(prog)}
+    spans = [(index[x.target], j) for j, x in enumerate(prog)
+             if x.target is not None and x.target < x.addr < last_exit and x.target in index]
+
+    def body(lo, hi, outer):
+        out, i = [], lo
+        while i <= hi:
+            here = [e for b, e in spans if b == i and e <= hi and (b, e) != outer]
+            if here:
+                e = max(here)
+                out.append((i, e, body(i, e, (i, e))))
+                i = e + 1
+                continue
+            x = prog[i]
+            out.append(i)
+            if x.op == "EXIT" and not x.guarded:
+                break
+            if x.op == "BRA" and not x.guarded and x.target is not None and x.target > x.addr:
+                i = index.get(x.target, hi + 1)
+                continue
+            i += 1
+        return out
+
+    return body(0, len(prog) - 1, None)
+
+
+def _hgmma_cycles(op):
+    m = re.match(r"HGMMA\.64x(\d+)x", op)
+    return int(m.group(1)) / 2 if m else 0.0
+
+
+def simulate(prog, trips, lat, cap=3):
+    """One warp's in-order issue of the path of loop_tree(prog), one instruction a cycle at most, each
+    waiting for its source registers: {"cycles", "instr", "mma_cycles"} for the whole kernel, loops
+    run trips(i, loop) times (i: the loop's index among all loops in program order). Results are ready
+    at issue + their latency (Latencies); cp.async groups (LDGSTS ... LDGDEPBAR) land ldg cycles after
+    their last load and DEPBAR.LE SB0, n waits for all but the n newest; warpgroup MMAs run one after
+    the other on the tensor pipe (64xNx16: N/2 cycles each), a group (up to the one marked gsb0) is
+    done hgmma cycles after the pipe finishes it, and WARPGROUP.DEPBAR.LE gsb0, n waits for all but
+    the n newest groups; TMA loads (UTMALDG, UBLKCP) land ldg cycles after issue and an mbarrier wait
+    (SYNCS.PHASECHK) waits for the oldest one; BAR.SYNC costs bar cycles. A loop runs at most `cap`
+    iterations; the rest are charged at the last simulated iteration's cycles and instructions. "stalls":
+    the cycles the warp waited, by what it waited for (wgmma, global, shared, barrier, alu, xu, mma)."""
+    tree = loop_tree(prog)
+    st = dict(t=0.0, extra=0.0, instr=0.0, extra_instr=0.0, mma=0.0, extra_mma=0.0, pipe=0.0, cp_open=0.0,
+              wg_open=0.0)
+    ready, cp_groups, wg_groups, tma, stalls = {}, [], [], [], {}
+    loop_no = [0]
+
+    def issue(x):
+        t0 = st["t"] + 1.0
+        src = [ready.get(r, (0.0, "")) for r in x.src]
+        t, cause = max([(t0, "")] + src)
+        op = x.op
+        if op.startswith("HGMMA"):
+            start = max(t, st["pipe"])
+            st["pipe"] = start + _hgmma_cycles(op)
+            st["mma"] += _hgmma_cycles(op)
+            st["wg_open"] = st["pipe"] + lat.hgmma
+            for r in x.dest:
+                ready[r] = (st["wg_open"], "wgmma")
+            if "gsb0" in x.rest:
+                wg_groups.append(st["wg_open"])
+        elif op.startswith("WARPGROUP.DEPBAR"):
+            n = int(x.rest.rsplit(",", 1)[-1], 16) if "," in x.rest else 0
+            if len(wg_groups) > n and wg_groups[-n - 1] > t:
+                t, cause = wg_groups[-n - 1], "wgmma"
+        elif op.startswith("LDGSTS"):
+            st["cp_open"] = max(st["cp_open"], t + lat.ldg)
+        elif op.startswith("LDGDEPBAR"):
+            cp_groups.append(max(st["cp_open"], t))
+            st["cp_open"] = 0.0
+        elif op.startswith("DEPBAR"):
+            m = re.search(r"SB0,\s*(0x[0-9a-f]+|\d+)", x.rest)
+            n = int(m.group(1), 0) if m else 0
+            if m and len(cp_groups) > n and cp_groups[-n - 1] > t:
+                t, cause = cp_groups[-n - 1], "global"
+        elif op.startswith(("UTMALDG", "UBLKCP")):
+            tma.append(t + lat.ldg)
+        elif op.startswith("SYNCS.PHASECHK"):
+            if tma and tma[0] > t:
+                t, cause = tma.pop(0), "global"
+            elif tma:
+                tma.pop(0)
+        elif op.startswith("BAR."):
+            t, cause = t + lat.bar, "barrier"
+        elif op.startswith("HMMA"):
+            st["mma"] += 8.0 if op.startswith("HMMA.16816") else 4.0
+            for r in x.dest:
+                ready[r] = (t + lat.hmma, "mma")
+        else:
+            kind = ("global" if op.startswith(("LDG", "LD.", "ATOMG", "ATOM.")) or op == "LD" else
+                    "shared" if op.startswith(("LDS", "SHFL", "ATOMS", "S2R", "LDC")) else
+                    "xu" if op.startswith(("F2F", "I2F", "F2I", "FRND", "MUFU", "I2I")) else "alu")
+            d = {"global": lat.ldg, "shared": lat.smem, "xu": lat.xu, "alu": lat.alu}[kind]
+            for r in x.dest:
+                ready[r] = (t + d, kind)
+        if t > t0:
+            stalls[cause] = stalls.get(cause, 0.0) + t - t0
+        st["t"] = t
+        if not op.startswith("NOP"):
+            st["instr"] += 1.0
+
+    def run(nodes):
+        for node in nodes:
+            if isinstance(node, int):
+                issue(prog[node])
+                continue
+            first, last, inner = node
+            k = loop_no[0]
+            loop_no[0] += 1
+            n = max(0, int(trips(k, node)))
+            before = None
+            for _ in range(min(n, cap)):
+                before = (st["t"] + st["extra"], st["instr"] + st["extra_instr"], st["mma"] + st["extra_mma"],
+                          dict(stalls))
+                mark = loop_no[0]
+                loop_no[0] = k + 1
+                run(inner)
+                loop_no[0] = max(loop_no[0], mark)
+            if n > cap and before is not None:
+                st["extra"] += (n - cap) * (st["t"] + st["extra"] - before[0])
+                st["extra_instr"] += (n - cap) * (st["instr"] + st["extra_instr"] - before[1])
+                st["extra_mma"] += (n - cap) * (st["mma"] + st["extra_mma"] - before[2])
+                for k, v in list(stalls.items()):
+                    stalls[k] = v + (n - cap) * (v - before[3].get(k, 0.0))
+            if n == 0:
+                loop_no[0] = k + 1 + _count_loops(inner)
+
+    run(tree)
+    end = max([st["t"]] + cp_groups + wg_groups)
+    return dict(cycles=end + st["extra"], instr=st["instr"] + st["extra_instr"], mma_cycles=st["mma"] + st["extra_mma"],
+                stalls=stalls)
+
+
+def _count_loops(nodes):
+    return sum(1 + _count_loops(n[2]) for n in nodes if not isinstance(n, int))
+
+
+def loops_in_order(prog):
+    """[(first, last, holds an MMA)] of every loop of loop_tree(prog), in the order simulate numbers them."""
+    out = []
+
+    def walk(nodes):
+        for n in nodes:
+            if not isinstance(n, int):
+                out.append((n[0], n[1], any(prog[i].op.startswith(("HGMMA", "HMMA")) for i in range(n[0], n[1] + 1))))
+                walk(n[2])
+    walk(loop_tree(prog))
+    return out

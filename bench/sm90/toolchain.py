@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 
 from bench.sm90.hopper import SM90_TARGET
-from bench.sm90.sass import sass_instructions, sass_loop
+from bench.sm90.sass import program, sass_instructions, sass_loop
 from bench.sm90.ttir import read_ttir
 
 
@@ -31,6 +31,9 @@ class Compiled:
     hgmma: int = 0                  # whole-kernel SASS counts
     hmma: int = 0
     error: str = ""
+    chunks: int = 0                 # the chunks per sequence this was read at (seq_chunks)
+    prog: list = dataclasses.field(default_factory=list, repr=False)     # sass.program of the SASS
+    ttir_loops: list = dataclasses.field(default_factory=list)           # ttir.read_ttir's "loops"
 
 
 def _bindir():
@@ -53,7 +56,7 @@ def toolchain_missing():
     return ""
 
 
-_BUILDS, _READS = {}, {}
+_BUILDS, _READS, _PROGS = {}, {}, {}
 
 
 def _build_key(launch):
@@ -119,12 +122,12 @@ def compile_launch(launch, seq_chunks):
     assumed for a data-dependent loop that holds a dot (chunks per sequence at the report's shape); a
     kernel that splits every sequence into segments says so with a run-time scalar argument named
     `segments`, and its data-dependent chunk loop counts cdiv(seq_chunks, segments) trips."""
-    seq_chunks = -(-seq_chunks // max(1, int(launch.scalars.get("segments", 1))))
-    key = (_build_key(launch), seq_chunks, repr(sorted(launch.scalars.items())))
+    chunks, seq_chunks = seq_chunks, -(-seq_chunks // max(1, int(launch.scalars.get("segments", 1))))
+    key = (_build_key(launch), chunks, seq_chunks, repr(sorted(launch.scalars.items())))
     if key in _READS:
         return _READS[key]
     b = build(launch)
-    out = _READS[key] = Compiled()
+    out = _READS[key] = Compiled(chunks=chunks)
     if "error" in b:
         out.error = b["error"]
         return out
@@ -134,6 +137,10 @@ def compile_launch(launch, seq_chunks):
     ir = read_ttir(b["ttir"], launch.scalars, seq_chunks)
     out.flops, out.bytes_ld, out.bytes_st, out.seq_loop, out.seq_trips, out.dots = (
         ir["flops"], ir["ld"], ir["st"], ir["seq_loop"], ir["seq_trips"], ir["dots"])
+    out.ttir_loops = ir["loops"]
+    if "prog" not in _PROGS.get(key[0], {}):
+        _PROGS[key[0]] = dict(prog=program(b["sass"]))
+    out.prog = _PROGS[key[0]]["prog"]
     ins = sass_instructions(b["sass"])
     out.hgmma = sum(op.startswith("HGMMA") for _, op, _ in ins)
     out.hmma = sum(op.startswith("HMMA") for _, op, _ in ins)

@@ -67,9 +67,12 @@ def read_ttir(text, scalars, seq_chunks):
     precision, and whether a loop whose trip count is not a compile-time constant holds a dot (the
     sequential chunk loop) and its trip count. Trip counts come from constants and the scalar arguments;
     a loop whose bounds are loaded from memory runs seq_chunks times if it holds a dot (the chunk loop)
-    and 0 times if not (padding rows: the report's shapes have none); both branches of an if are counted."""
+    and 0 times if not (padding rows: the report's shapes have none); both branches of an if are counted.
+    "loops": every scf.for in program order (outer before inner): its trips per entry, whether it holds a
+    dot, whether it is the sequential chunk loop (a dot, bounds not compile-time constants) and whether
+    its bounds are compile-time constants."""
     vals, consts = _int_values(text, scalars), _int_values(text, {})
-    acc = dict(flops=0.0, ld=0.0, st=0.0, seq_loop=False, seq_trips=0, dots=[])
+    acc = dict(flops=0.0, ld=0.0, st=0.0, seq_loop=False, seq_trips=0, dots=[], loops=[])
 
     def has_dot(node):
         return any(has_dot(x) if isinstance(x, dict) else " tt.dot " in x for x in node["items"])
@@ -85,8 +88,11 @@ def read_ttir(text, scalars, seq_chunks):
                         trips = seq_chunks if has_dot(x) else 0
                     else:
                         trips = max(0, -(-(ub - lb) // st))
-                    if has_dot(x) and any(v not in consts for v in m.groups()):
+                    seq = has_dot(x) and any(v not in consts for v in m.groups())
+                    if seq:
                         acc["seq_loop"], acc["seq_trips"] = True, max(acc["seq_trips"], trips)
+                    acc["loops"].append(dict(trips=trips, dot=has_dot(x), seq=seq,
+                                             const=all(v in consts for v in m.groups())))
                 walk(x, mult * trips)
             elif " tt.dot " in x:
                 m = re.search(r": tensor<((?:\d+x)+)(\w+)> \* tensor<((?:\d+x)+)(\w+)>", x)
