@@ -9,6 +9,9 @@ stands for a backend an op does not have. The layers use `ours` (the backend the
 register(provider) adds a provider to every op of its family and unregister(provider) removes it
 (the tests register deliberately wrong providers to check that the gate stops them).
 """
+import os
+import sys
+
 from bench import gdr, kernels, layers
 from bench.common import NEEDS_GPU, Provider, import_reason
 from gdn_packed.ops import BACKENDS
@@ -55,11 +58,20 @@ def _ours(family, fn_name, call_for):
     return [Provider(f"ours-{b}", family, call_for(b), _ours_why_not(fn_name, b)) for b in BACKENDS[fn_name]]
 
 
+FLA_NOTE = "FLA's Triton kernels (FLA_DISABLE_BACKEND_DISPATCH=1: no dispatch to FlashQLA)"
+
+
 def _fla_why_not(fn_name):
     def why_not(device):
         if device.type != "cuda":
             return "fla-core needs a GPU (its CPU path is the Triton interpreter)"
-        return import_reason("fla.ops.gated_delta_rule", fn_name)
+        # recent FLA hands its ops to FlashQLA when flash_qla imports; the fla row times FLA's own kernels
+        os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"
+        why = import_reason("fla.ops.gated_delta_rule", fn_name)
+        backends = sys.modules.get("fla.backends")
+        if not why and backends is not None and hasattr(backends, "_DISPATCH_DISABLED"):
+            backends._DISPATCH_DISABLED = True      # fla imported before the variable was set: it read it then
+        return why
     return why_not
 
 
@@ -73,14 +85,15 @@ _NAIVE = _needs("gdn_packed.torch_ref.naive", "naive_recurrent_gdr")
 
 DECLARED = (
     *_ours(gdr.FAMILY, "chunk_gated_delta_rule", gdr.ours),
-    Provider("fla", gdr.FAMILY, gdr.fla, _fla_why_not("chunk_gated_delta_rule")),
+    Provider("fla", gdr.FAMILY, gdr.fla, _fla_why_not("chunk_gated_delta_rule"), note=FLA_NOTE),
     Provider("hf-torch", gdr.FAMILY, gdr.hf, _needs("transformers.models.qwen3_next.modeling_qwen3_next",
                                                     "torch_chunk_gated_delta_rule"), varlen=False),
     Provider("naive", gdr.FAMILY, gdr.naive, _NAIVE, note="per-token loop, fp32", varlen=False,
              max_token_heads=gdr.NAIVE_MAX_TOKEN_HEADS),
     *_ours(kernels.CONV, "causal_conv1d_varlen", kernels.ours_conv),
     *_ours(kernels.RECURRENT, "fused_recurrent_gated_delta_rule", kernels.ours_rec),
-    Provider("fla", kernels.RECURRENT, kernels.fla_rec, _fla_why_not("fused_recurrent_gated_delta_rule")),
+    Provider("fla", kernels.RECURRENT, kernels.fla_rec, _fla_why_not("fused_recurrent_gated_delta_rule"),
+             note=FLA_NOTE),
     Provider("naive", kernels.RECURRENT, kernels.naive_rec, _NAIVE,
              note="torch per-token reference in fp32, the N decode steps batched"),
     Provider("ours", layers.LAYER, layers.ours_layer, _needs("gdn_packed.layers", "GatedDeltaNet")),
