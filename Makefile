@@ -1,7 +1,10 @@
 # gdn_packed: set-up, tests and benchmarks.
 #   make venv    .venv (python3.11, --system-site-packages so a machine's CUDA torch is reused),
 #                dependencies, editable install that compiles csrc/ into gdn_packed/_C (when nvcc exists)
-#   make test    the whole pytest suite
+#   make test    the whole pytest suite (what CI runs), a progress line per test module and before each
+#                slow test, the 25 slowest tests at the end
+#   make test-fast  the suite without the slow lanes (markers interpreter, aot, subprocess, megatron;
+#                tests/conftest.py): the torch backend, the csrc/ host mirrors, packing, layers, bench
 #   make test-aot  the full sm_90 AOT sweep of every Triton kernel variant (tests/test_sm90_aot.py with
 #                GDN_PACKED_AOT=full; `make test` compiles a subset that reaches every launch config)
 #   make bench   the microbenchmark CLI (python -m bench $(ARGS)); results in bench/results/local/
@@ -27,7 +30,7 @@ NO_CUDA := $(filter-out 0 false False FALSE no No NO off Off OFF,$(GDN_PACKED_NO
 REQUIRE_C := $(if $(and $(NVCC),$(if $(NO_CUDA),,1)),1,0)
 ARGS ?=
 
-.PHONY: venv test test-aot bench clean-build gpu-check gpu-wheels test-compat
+.PHONY: venv test test-fast test-aot bench clean-build gpu-check gpu-wheels test-compat
 
 venv: $(BUILD_STAMP)
 
@@ -51,8 +54,14 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(BUILD_INPUTS)
 	@$(VPY) -c "from gdn_packed import _cext as c; print('gdn_packed._C built:', c.built(), '| cuda available:', c.cuda_available(), '|', c.cuda_unavailable_reason() or 'ok')"
 	touch $@
 
+PYTEST_ARGS := -q -rfE --durations=25 --module-progress
+SLOW_LANES := interpreter or aot or subprocess or megatron
+
 test: venv
-	GDN_PACKED_REQUIRE_C=$(REQUIRE_C) $(VPY) -m pytest -q tests
+	GDN_PACKED_REQUIRE_C=$(REQUIRE_C) $(VPY) -m pytest $(PYTEST_ARGS) tests
+
+test-fast: venv
+	GDN_PACKED_REQUIRE_C=$(REQUIRE_C) $(VPY) -m pytest $(PYTEST_ARGS) -m "not ($(SLOW_LANES))" tests
 
 test-aot: venv
 	GDN_PACKED_AOT=full $(VPY) -m pytest -q tests/test_sm90_aot.py

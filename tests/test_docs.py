@@ -173,3 +173,19 @@ def test_triton_backend_without_triton_says_how_to_get_it(monkeypatch):
     with pytest.raises(RuntimeError) as e:
         gdn_packed.chunk_gated_delta_rule(q, k, v, g, beta, backend="triton")
     assert "pip install 'gdn_packed[triton]'" in str(e.value) and "backend='torch'" in str(e.value)
+
+
+def test_lane_marks_name_tests_that_exist():
+    """tests/conftest.py's LANE_MARKS (what `make test-fast` leaves out, README "Commands") names
+    modules and test functions that exist: a renamed slow test must not drop into the fast lane."""
+    import ast as _ast
+
+    from conftest import LANE_MARKS, LANES
+    for key, lanes in LANE_MARKS.items():
+        module, _, name = key.partition("::")
+        path = os.path.join(ROOT, "tests", module)
+        assert os.path.isfile(path), key
+        assert set(lanes) <= set(LANES), key
+        if name:
+            tree = _ast.parse(open(path, encoding="utf-8").read())
+            assert name in {n.name for n in _ast.walk(tree) if isinstance(n, _ast.FunctionDef)}, key
