@@ -6,8 +6,10 @@ run (ours and FLA's), compiled for the H200 without a GPU, read, and timed by a 
     launches.py   what the launchers launch: the Recorder, our op bodies and FLA's autograd on meta tensors
     toolchain.py  triton.compile for sm_90 and cuobjdump: registers, spills, shared memory, TTIR, SASS
     ttir.py       per-program FLOPs, tile bytes, loop trip counts and dots, read from the TTIR
-    sass.py       the SASS: instructions and the sequential chunk loop's per-iteration counts
-    model.py      the timing model (bench/NOTES.md, "sm_90 report")
+    sass.py       the SASS: instructions, the sequential chunk loop's per-iteration counts, and one warp's
+                  critical path through the kernel (simulate)
+    model.py      the timing model and its constants (bench/NOTES.md, "sm_90 report")
+    validate.py   the model against FLA's published H200 times (published_h200.csv): fit and check
     report.py     rows per launch, totals, the text table and the result files
     command.py    the `python -m bench kernels` command line
 """
