@@ -159,11 +159,12 @@ def test_help_and_list_name_every_suite_and_no_issue_numbers(capsys):
     assert not re.search(r"\bissue \d+", listing)
 
 
-def test_a_providers_warning_goes_into_its_row_note(tmp_path, capsys):
+def _rows_of_a_warning_provider(tmp_path, message):
+    """The result rows of a run of ours-torch as a provider that warns `message` on every call."""
     right = providers.PROVIDERS["gdr"]["ours-torch"].call
 
     def warns(q, k, v, g, beta, cu):
-        warnings.warn("this platform is not supported, rolling back", UserWarning)
+        warnings.warn(message, UserWarning)
         return right(q, k, v, g, beta, cu)
     p = providers.register(Provider("warns", gdr.FAMILY, warns))
     try:
@@ -172,7 +173,11 @@ def test_a_providers_warning_goes_into_its_row_note(tmp_path, capsys):
     finally:
         providers.unregister(p)
     assert rc == 0
-    rows = output.load(glob.glob(str(tmp_path / "*.json"))[0])
+    return output.load(glob.glob(str(tmp_path / "*.json"))[0])
+
+
+def test_a_providers_warning_goes_into_its_row_note(tmp_path, capsys):
+    rows = _rows_of_a_warning_provider(tmp_path, "this platform is not supported, rolling back")
     note = next(r["note"] for r in rows if r["provider"] == "warns" and r["metric"] == "time")
     assert "UserWarning: this platform is not supported, rolling back" in note
     assert "rolling back" not in capsys.readouterr().err
@@ -181,20 +186,8 @@ def test_a_providers_warning_goes_into_its_row_note(tmp_path, capsys):
 def test_fla_platform_warning_is_not_a_note(tmp_path):
     """FLA warns 'Triton is not supported on current platform' at import wherever Triton has no GPU;
     transformers imports FLA, so every hf-torch row carried it (issue 29): it is no row's note."""
-    right = providers.PROVIDERS["gdr"]["ours-torch"].call
-
-    def warns(q, k, v, g, beta, cu):
-        warnings.warn("Triton is not supported on current platform, roll back to CPU.", UserWarning)
-        return right(q, k, v, g, beta, cu)
-    p = providers.register(Provider("warns", gdr.FAMILY, warns))
-    try:
-        rc = main(["--scenarios", "TINY_N3_T201_H2x4_K32_V32", "--providers", "warns", "--modes", "fwd",
-                   "--out", str(tmp_path), "--no-memory", *FAST])
-    finally:
-        providers.unregister(p)
-    assert rc == 0
-    rows = output.load(glob.glob(str(tmp_path / "*.json"))[0])
-    assert not any("Triton is not supported" in r["note"] for r in rows)
+    rows = _rows_of_a_warning_provider(tmp_path, "Triton is not supported on current platform, roll back to CPU.")
+    assert rows and not any("Triton is not supported" in r["note"] for r in rows)
 
 
 @pytest.mark.parametrize("repeats", ["1", "2", "0"])
