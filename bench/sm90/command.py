@@ -43,10 +43,12 @@ Every est us is a model estimate naming its bound (latency, bytes, FLOPs); compi
     ap.add_argument("--no-check", action="store_true", help="leave out the model check against FLA's published "
                     "H200 times (seconds, from the committed facts in bench/results/sm90_validated_facts.json.gz)")
     ap.add_argument("--check-only", action="store_true", help="only the model check (no recording, no compiles)")
-    ap.add_argument("--fit", action="store_true", help="fit the model's FIT constants again on the committed facts "
-                    "and print them with the check (minutes; model.CONSTANTS holds the committed ones)")
+    ap.add_argument("--fit", action="store_true", help="fit the model's FIT constants again (records FLA at every "
+                    "published row and compiles its candidates: minutes) and print them with the check; "
+                    "model.CONSTANTS holds the committed ones")
     ap.add_argument("--collect", action="store_true", help="record FLA at every published row again and compile "
-                    "its kernels at the reference heads, writing the facts file (minutes) before the check")
+                    "its kernels at the reference heads, writing the facts file (minutes; with --fit, at the "
+                    "fitted constants)")
     ap.add_argument("--json", help="write the rows as JSON here")
     ap.add_argument("--csv", help="write the rows as CSV here")
     ap.add_argument("--txt", help="write the table here")
@@ -66,7 +68,7 @@ def parse(argv):
             re.compile(args.kernels)
         except re.error as e:
             raise ValueError(f"--kernels {args.kernels!r}: {e}") from None
-    why = toolchain_missing() if not args.check_only or args.collect else ""
+    why = toolchain_missing() if not args.check_only or args.collect or args.fit else ""
     if why:
         raise ValueError(f"kernels: {why}")
     return args
@@ -76,12 +78,16 @@ def check(args, log):
     """The model check against FLA's published times (validate.py): its text, or why there is none."""
     from bench.sm90 import model as M
     from bench.sm90 import validate as V
-    if args.collect:
-        V.save(V.collect(V.load_published(), log=log))
-    if not os.path.exists(V.FACTS):
+    if args.collect or args.fit:        # a fit needs every candidate's SASS, which the committed file omits
+        data = V.collect(V.load_published(), log=log)
+    elif not os.path.exists(V.FACTS):
         return f"model check: no facts file {os.path.relpath(V.FACTS)} (python -m bench kernels --collect writes it)"
-    chk = V.Check(V.load())
+    else:
+        data = V.load()
+    chk = V.Check(data)
     const, chosen = chk.fit(log=log) if args.fit else (M.CONSTANTS, None)
+    if args.collect:
+        V.save(data, const)
     return V.format_check(chk.table(const, chosen), const)
 
 
