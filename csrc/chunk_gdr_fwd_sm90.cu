@@ -1,8 +1,8 @@
 // Chunked gated delta rule forward for sm_90a (H100 / H200): one persistent, warp-specialised CTA per
 // (V-block of 64 value columns, value head, sequence) walks the sequence's chunk slots of the device
-// chunk table (chunk_table.cu). Formulas, what is rounded where, and the tile program itself:
-// chunk_gdr_sm90.cuh (written once for this kernel and its host mirror). Shapes: K = V = 128, C = 64,
-// bf16 or fp16, GVA (HV = G H).
+// chunk table (chunk_table.cu); the two V-block CTAs of a head share the per-chunk prep as a cluster.
+// Formulas, what is rounded where, and the tile program itself: chunk_gdr_sm90.cuh (written once for
+// this kernel and its host mirror). Shapes: K = V = 128, C = 64, bf16 or fp16, GVA (HV = G H).
 //   in   q, k [T, H, K], v [T, HV, V] (bf16 / fp16, contiguous, 16-byte aligned: TMA);
 //        g, beta [T, HV] fp32 (or, with raw_gates, the raw a, b fp32 and A_log, dt_bias [HV] fp32:
 //        g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), computed here in fp32);
@@ -10,23 +10,26 @@
 //   out  o [T, HV, V] (every row: the CTAs of (hv, n) write their columns of the sequence's rows and of
 //        the padding rows after them, n = 0 also those before the first sequence); ht [N, HV, K, V]
 //        fp32 (or 0)
-// CTA (384 threads, 1 per SM, 154 KB shared memory), grid (V-blocks 2, HV, N):
-//   warpgroup 0, producer (40 registers): one thread waits for a free stage of the 2-stage ring and
+// Grid (V-blocks 2, HV, N) in clusters of 2: the two V-block CTAs of a (value head, sequence). CTA
+// (384 threads, 1 per SM, 220 KB shared memory):
+//   warpgroup 0, producer (40 registers): one thread waits for a free stage of the 3-stage ring and
 //        issues the TMA loads of the chunk's k, q (qk head, [64 rows, 128] each, 128B-swizzled) and the
-//        CTA's 64 columns of v; rows past T arrive as 0 (TMA), rows of other sequences are zeroed by prep
-//   warpgroup 1, prep (232 registers): chunk j + 1 while the state warpgroup runs chunk j: K K^T and
-//        Q K^T (wgmma) issued first, then on the CUDA cores g, beta (plain loads: 4-byte strided
-//        columns, below TMA's 16-byte granule), |q|^2, the gate sums from strips of 8 rows, |k|^2 from
-//        the diagonal of K K^T, E, A and M in the accumulator layout, the 16 x 16 diagonal blocks of
-//        (I + A)^-1 by substitution, two doubling levels (wgmma) -> Ts, M, gates in shared memory
-//        (2 buffers; never written to global memory). Both V-block CTAs of a head compute the same prep.
+//        CTA's 64 columns of v; rows past T arrive as 0 (TMA), rows of other sequences are zeroed here
+//   warpgroup 1, prep (232 registers): every other chunk (j % 2 == the CTA's rank), for both CTAs, up to
+//        4 chunks ahead of the state warpgroups: K K^T and Q K^T (wgmma) issued first, then on the CUDA
+//        cores g, beta (plain loads: 4-byte strided columns, below TMA's 16-byte granule), |q|^2, the
+//        gate sums from strips of 8 rows, |k|^2 from the diagonal of K K^T, E, A and M in the
+//        accumulator layout, the 16 x 16 diagonal blocks of (I + A)^-1 by substitution, two doubling
+//        levels (wgmma) -> Ts, M, gates in shared memory (4 buffers; never written to global memory),
+//        sent to the peer CTA's same buffer by a bulk copy over the cluster's shared memory
 //   warpgroup 2, state (240 registers): S^T [64 v, 128] fp32 in registers, the chunk step of
 //        chunk_gdr_sm90.cuh (wgmma with S^T, X'^T, U^T as register A operands), o through a
-//        transposing stmatrix into shared memory and 16-byte stores of the live rows
-// Synchronisation: mbarriers full / empty (TMA ring), prepped / prepfree (prep buffers); named
-// barriers within a warpgroup. The host mirror (chunk_gdr_fwd_sm90 with host = true) runs the same tile
-// program over every (value head, sequence) in a CPU loop, with plain loops in place of wgmma / TMA /
-// ldmatrix, prep once per chunk for both V-blocks.
+//        transposing stmatrix into the consumed v tile and 16-byte stores of the live rows
+// Synchronisation: mbarriers full / empty (TMA ring), prepped / prepfree (prep buffers, across the
+// cluster: chunk_gdr_fwd_sm90_device.cuh); named barriers within a warpgroup. The host mirror
+// (chunk_gdr_fwd_sm90 with host = true) runs the same tile program over every (value head, sequence) in
+// a CPU loop, with plain loops in place of wgmma / TMA / ldmatrix / the cluster copies, prep once per
+// chunk for both V-blocks.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -61,16 +64,18 @@ struct Args {
 
 GDN_HD float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 
-// g and beta of row `row` (value head hv), from the raw gate inputs when raw_gates.
-GDN_HD void load_gate(const Args& a, int64_t row, int64_t hv, float* g, float* b) {
-  const float x = a.g[row * a.HV + hv], y = a.beta[row * a.HV + hv];
-  if (a.raw_gates) {
-    *g = -expf(a.A_log[hv]) * softplus_f(x + a.dt_bias[hv]);
-    *b = 1.f / (1.f + expf(-y));
-  } else {
-    *g = x;
-    *b = y;
+// g and beta of a row from its stored values x, y (g's and beta's; with raw_gates the raw a, b), for
+// value head hv: the head's constants once, the per-row work in operator()
+struct GateFn {
+  float neg_a, dt_bias;      // -exp(A_log[hv]), dt_bias[hv]
+  bool raw;
+  GDN_HD void operator()(float x, float y, float* g, float* b) const {
+    *g = raw ? neg_a * softplus_f(x + dt_bias) : x;
+    *b = raw ? 1.f / (1.f + expf(-y)) : y;
   }
+};
+GDN_HD GateFn gate_fn(const Args& a, int64_t hv) {
+  return a.raw_gates ? GateFn{-expf(a.A_log[hv]), a.dt_bias[hv], true} : GateFn{0.f, 0.f, false};
 }
 
 // ======================================================================================== host mirror
@@ -213,6 +218,7 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
   using TInv = typename InvType<T>::type;
   P p;
   const int64_t H = a.H, HV = a.HV, h = hv / (HV / H);
+  const GateFn gate = gate_fn(a, hv);
   std::vector<T> kq(2 * kC * kK), vt(kC * kV), ts(kC * kC), mm(kC * kC);
   std::vector<TInv> at(kC * kC), dt(kC * kC);
   PrepScratch s;
@@ -243,8 +249,9 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
         vt[r * kV + c] = (in && live) ? v[(row * HV + hv) * kV + c] : from_f<T>(0.f);
       }
     }
-    prep_chunk<P, T, TInv>(p, q_a, kq_b, s, length, a.scale, a.l2norm,
-                           [&](int i, float* g, float* b) { load_gate(a, start + i, hv, g, b); }, gates,
+    prep_chunk<P, T, TInv>(p, q_a, kq_b, s, length, a.scale, a.l2norm, [&](int i, float* g, float* b) {
+                             gate(a.g[(start + i) * HV + hv], a.beta[(start + i) * HV + hv], g, b);
+                           }, gates,
                            at_s, at_s, dt_s, dt_s, ts_s, m_s);
     for (int wg = 0; wg < kVBlocks; ++wg) {         // the CTAs of the V-blocks (prep is the same for both)
       const typename P::Smem v_t{vt.data() + wg * kVB, kV, false};

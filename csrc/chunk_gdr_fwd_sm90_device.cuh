@@ -13,25 +13,33 @@ namespace sm90 {
 namespace {
 
 constexpr int kThreads = 384;              // producer, prep, state warpgroups
-constexpr int kStages = 2;                 // TMA ring of (k, q, v) tiles; prep buffers: 2 as well
+constexpr int kStages = 3;                 // the TMA ring of (k, q, v) tiles: chunk j in stage j % 3
+constexpr int kPrepBufs = 4;               // Ts, M, gates of chunk j in buffer j % 4 (both CTAs)
 constexpr uint32_t kBlock = 8192;          // one [64 rows, 64 cols] 16-bit block
 constexpr uint32_t kStageBytes = 5 * kBlock;                            // k, q: 2 blocks each; v: 1
 constexpr int kRegsProducer = 40, kRegsPrep = 232, kRegsState = 240;   // 40 + 232 + 240 = 512
 static_assert(kRegsProducer + kRegsPrep + kRegsState <= 65536 / 128, "register file");
 
+struct alignas(16) GatesBuf : Gates {};    // a bulk copy's size and addresses are multiples of 16
+
 struct alignas(1024) Shared {
   uint8_t kq[kStages][2][2 * kBlock];   // per stage and K half: [K rows 0..63 ; Q rows 0..63] x 64 cols
-  uint8_t v[kStages][kBlock];           // per stage: the CTA's 64 value columns, [64 rows, 64 cols]
-  uint8_t ts[kStages][kBlock];          // Ts [c][c'] (input dtype)
-  uint8_t mm[kStages][kBlock];          // M [c][c']
+  uint8_t v[kStages][kBlock];           // per stage: the CTA's 64 value columns, [64 rows, 64 cols]; after
+                                        // the state step has read it, O [c][v] staged for the row stores
+  uint8_t ts[kPrepBufs][kBlock];        // Ts [c][c'] (input dtype)
+  uint8_t mm[kPrepBufs][kBlock];        // M [c][c']
   uint8_t at[kBlock];                   // A^T (the inverse's operand type)
   uint8_t dt[kBlock];                   // D_b^T
-  uint8_t ostage[kBlock];               // O [c][v] of the chunk, staged for the row stores
-  Gates gates[kStages];
+  GatesBuf gates[kPrepBufs];
   PrepScratch scratch;
-  uint64_t full[kStages], empty[kStages], prepped[kStages], prepfree[kStages];
+  int32_t rows[kStages][2];             // per stage: the chunk's start row and length (the producer's)
+  float graw[kStages][2][kC];           // per stage: g and beta (or the raw a, b) of the chunk's live rows,
+                                        // 0 on the others; loaded by the producer for the chunks prepped here
+  uint64_t full[kStages], empty[kStages], prepped[kPrepBufs], prepfree[kPrepBufs];
 };
+constexpr uint32_t kPrepBytes = 2 * kBlock + sizeof(GatesBuf);          // what a prep sends its peer
 constexpr int kSmemBytes = sizeof(Shared) + 1024;     // + the 1024-byte alignment of the base
+static_assert(kSmemBytes <= 232448, "one CTA's shared memory on sm_90 (227 KB)");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -50,8 +58,42 @@ __device__ __forceinline__ void mbar_wait(uint64_t* b, int phase) {
       "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
       "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(b)), "r"(phase) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive(uint64_t* b) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_u32(b)) : "memory");
+__device__ __forceinline__ void mbar_wait_cluster(uint64_t* b, int phase) {   // arrivals from the peer CTA
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(b)), "r"(phase) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b, uint32_t count = 1) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");
+}
+
+// ---- the cluster of a head's two V-block CTAs: the peer's shared memory and barriers
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t peer_addr(const void* p, uint32_t rank) {   // shared::cluster address
+  uint32_t a;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_u32(p)), "r"(rank));
+  return a;
+}
+__device__ __forceinline__ void mbar_arrive_at(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx_at(uint32_t cluster_addr, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;"
+               ::"r"(cluster_addr), "r"(bytes) : "memory");
+}
+// bytes from this CTA's shared memory to the peer's (dst, mbar: shared::cluster addresses), completing
+// on the peer's barrier
+__device__ __forceinline__ void copy_to_peer(uint32_t dst, const void* src, uint32_t bytes, uint32_t mbar) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "r"(smem_u32(src)), "r"(bytes), "r"(mbar) : "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
@@ -306,20 +348,21 @@ struct DevPolicy {
   // sum of squares of row i of a K-major [rows, 128] tile over K-half h (the block h kstep on)
   template <typename U>
   __device__ float row_sumsq_half(const Smem& t, int i, int h) const {
-    float s = 0.f;
+    uint32_t r[8][4];                       // the row's 8 pieces first, then 4 independent sums
 #pragma unroll
-    for (int x = 0; x < 8; ++x) {
-      uint32_t r[4];
+    for (int x = 0; x < 8; ++x)
       asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(t.addr + h * t.kstep + swz(i, x)) : "memory");
+                   : "=r"(r[x][0]), "=r"(r[x][1]), "=r"(r[x][2]), "=r"(r[x][3]) : "r"(t.addr + h * t.kstep + swz(i, x))
+                   : "memory");
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int x = 0; x < 8; ++x)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float2 f = Gmma<U>::unpack(r[e]);
-        s += f.x * f.x;
-        s += f.y * f.y;
+        const float2 f = Gmma<U>::unpack(r[x][e]);
+        s[e] += f.x * f.x + f.y * f.y;
       }
-    }
-    return s;
+    return (s[0] + s[1]) + (s[2] + s[3]);
   }
   template <class F>
   __device__ void for_rows(F&& fn) const {
@@ -339,12 +382,31 @@ __device__ __forceinline__ void zero16(uint32_t addr) {
   asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0) : "memory");
 }
 
-// grid (kVBlocks, HV, N): CTA (vb, hv, n) owns value columns vb * 64 .. vb * 64 + 63 of value head hv
-// over sequence n (the V-blocks of a head next to each other: their k, q tiles are read from L2 once)
+// Rows [length, 64) of stage st's k, q and v tiles (TMA loads rows of the next sequences there): 0.
+__device__ __forceinline__ void zero_dead_rows(Shared& sm, int st, int length, int wtid) {
+  for (int e = wtid; e < (kC - length) * 8; e += 128) {
+    const uint32_t r = length + e / 8, x = e % 8;
+    for (int half = 0; half < 2; ++half) {
+      zero16(smem_u32(sm.kq[st][half]) + swz(r, x));
+      zero16(smem_u32(sm.kq[st][half]) + kBlock + swz(r, x));
+    }
+    zero16(smem_u32(sm.v[st]) + swz(r, x));
+  }
+}
+
+// grid (kVBlocks, HV, N) in clusters of the kVBlocks CTAs of a (value head, sequence): CTA rank vb owns
+// value columns vb * 64 .. vb * 64 + 63 and preps the chunks j with j % 2 == vb for both. Barriers (an
+// elected thread arrives for its warpgroup after the warpgroup's named barrier):
+//   full[s]      the TMA of chunk j landed in stage s = j % 3 (1 arrival + bytes)
+//   empty[s]     stage s read: by the state warpgroup, and by prep when this CTA prepped chunk j (2)
+//   prepped[b]   Ts, M, gates of chunk j in buffer b = j % 4: by this CTA's prep, or by the peer's
+//                (its arrival with the bytes of its bulk copy) (1)
+//   prepfree[b]  buffer b read by both state warpgroups (at the CTA that preps it; 2)
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __cluster_dims__(kVBlocks, 1, 1) __launch_bounds__(kThreads, 1)
 chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                          const __grid_constant__ CUtensorMap tm_v, const Args a) {
+                          const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                          const Args a) {
   using P = DevPolicy<T>;
   using TInv = __half;
   extern __shared__ uint8_t smem_raw[];
@@ -352,7 +414,8 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
   // access through `sm` is to shared memory (ld.shared, not generic loads)
   Shared& sm = *reinterpret_cast<Shared*>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
-  const int vb = blockIdx.x;
+  const int vb = static_cast<int>(cluster_rank());           // blockIdx.x
+  const uint32_t peer = vb ^ 1;
   const int64_t hv = blockIdx.y, n = blockIdx.z, HV = a.HV;
   const int h = static_cast<int>(hv / (HV / a.H));
   const int64_t c0 = a.cu_chunks[n], c1 = a.cu_chunks[n + 1];
@@ -360,117 +423,158 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&sm.full[i], 1);
-      mbar_init(&sm.empty[i], 2 * 128);          // prep and state warpgroups, every thread
-      mbar_init(&sm.prepped[i], 128);
-      mbar_init(&sm.prepfree[i], 128);
+      mbar_init(&sm.empty[i], 2);
+    }
+    for (int i = 0; i < kPrepBufs; ++i) {
+      mbar_init(&sm.prepped[i], 1);
+      mbar_init(&sm.prepfree[i], 2);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  __syncthreads();
+  cluster_sync();                                 // both CTAs' barriers initialised before any arrival
 
-  if (wg == 0) {                                  // ---- producer
+  if (wg == 0) {                                  // ---- producer: warp 0 (the TMA from its lane 0)
     set_regs<kRegsProducer>();
-    if (wtid == 0) {
+    if (wtid < 32) {
       for (int it = 0; it < nchunks; ++it) {
         const int st = it % kStages;
         if (it >= kStages) mbar_wait(&sm.empty[st], ((it / kStages) + 1) & 1);
-        const int32_t start = a.table[(c0 + it) * 4 + 2];
-        mbar_expect_tx(&sm.full[st], kStageBytes);
-        for (int half = 0; half < 2; ++half) {
-          cute::SM90_TMA_LOAD_3D::copy(&tm_k, &sm.full[st], 0, sm.kq[st][half], half * 64, h, start);
-          cute::SM90_TMA_LOAD_3D::copy(&tm_q, &sm.full[st], 0, sm.kq[st][half] + kBlock, half * 64, h, start);
+        const int32_t start = a.table[(c0 + it) * 4 + 2], length = a.table[(c0 + it) * 4 + 3];
+        if (it % kVBlocks == vb) {                // g, beta of the rows for this CTA's prep (off its path)
+          for (int i = wtid; i < kC; i += 32) {
+            const int64_t row = static_cast<int64_t>(start) + i;
+            sm.graw[st][0][i] = i < length ? a.g[row * HV + hv] : 0.f;
+            sm.graw[st][1][i] = i < length ? a.beta[row * HV + hv] : 0.f;
+          }
         }
-        cute::SM90_TMA_LOAD_3D::copy(&tm_v, &sm.full[st], 0, sm.v[st], vb * kVB, static_cast<int>(hv), start);
+        if (wtid == 0) {
+          sm.rows[st][0] = start;
+          sm.rows[st][1] = length;
+        }
+        __syncwarp();                             // the lanes' stores before lane 0's arrival (release)
+        if (wtid == 0) {
+          mbar_expect_tx(&sm.full[st], kStageBytes);
+          for (int half = 0; half < 2; ++half) {
+            cute::SM90_TMA_LOAD_3D::copy(&tm_k, &sm.full[st], 0, sm.kq[st][half], half * 64, h, start);
+            cute::SM90_TMA_LOAD_3D::copy(&tm_q, &sm.full[st], 0, sm.kq[st][half] + kBlock, half * 64, h, start);
+          }
+          cute::SM90_TMA_LOAD_3D::copy(&tm_v, &sm.full[st], 0, sm.v[st], vb * kVB, static_cast<int>(hv), start);
+        }
       }
     }
-    return;
-  }
-
-  if (wg == 1) {                                  // ---- prep
+  } else if (wg == 1) {                           // ---- prep of this CTA's chunks, for both CTAs
     set_regs<kRegsPrep>();
     P p{1};
     const typename P::Smem at{smem_u32(sm.at), 0, true}, dt{smem_u32(sm.dt), 0, true};
-    for (int it = 0; it < nchunks; ++it) {
-      const int st = it % kStages, ph = (it / kStages) & 1;
-      mbar_wait(&sm.full[st], ph);
-      if (it >= kStages) mbar_wait(&sm.prepfree[st], ph ^ 1);
-      const int64_t j = c0 + it;
-      const int64_t start = a.table[j * 4 + 2];
-      const int length = a.table[j * 4 + 3];
-      if (length < kC) {                          // rows of other sequences (TMA loads them): 0
-        for (int e = wtid; e < (kC - length) * 8; e += 128) {
-          const uint32_t r = length + e / 8, x = e % 8;
-          for (int half = 0; half < 2; ++half) {
-            zero16(smem_u32(sm.kq[st][half]) + swz(r, x));
-            zero16(smem_u32(sm.kq[st][half]) + kBlock + swz(r, x));
-          }
-          zero16(smem_u32(sm.v[st]) + swz(r, x));
-        }
-      }
+    const GateFn gate = gate_fn(a, hv);
+    for (int it = vb; it < nchunks; it += kVBlocks) {
+      const int st = it % kStages, b = it % kPrepBufs;
+      mbar_wait(&sm.full[st], (it / kStages) & 1);
+      if (it >= kPrepBufs) mbar_wait_cluster(&sm.prepfree[b], ((it / kPrepBufs) + 1) & 1);
+      const int length = sm.rows[st][1];
+      if (length < kC) zero_dead_rows(sm, st, length, wtid);
       p.sync();
       const typename P::Smem k_t{smem_u32(sm.kq[st][0]), 2 * kBlock, true};
       const typename P::Smem q_t{smem_u32(sm.kq[st][0]) + kBlock, 2 * kBlock, true};
-      const typename P::Smem ts{smem_u32(sm.ts[st]), 0, true}, m{smem_u32(sm.mm[st]), 0, true};
+      const typename P::Smem ts{smem_u32(sm.ts[b]), 0, true}, m{smem_u32(sm.mm[b]), 0, true};
       prep_chunk<P, T, TInv>(p, q_t, k_t, sm.scratch, length, a.scale, a.l2norm,
-                             [&](int i, float* g, float* b) { load_gate(a, start + i, hv, g, b); }, sm.gates[st],
+                             [&](int i, float* g, float* be) { gate(sm.graw[st][0][i], sm.graw[st][1][i], g, be); },
+                             sm.gates[b],
                              at, at, dt, dt, ts, m);
-      fence_async_smem();                         // Ts, M are read by wgmma (async proxy)
-      mbar_arrive(&sm.prepped[st]);
-      mbar_arrive(&sm.empty[st]);
-    }
-    return;
-  }
-
-  // ---- state warpgroup: S^T of value columns vb * 64 .. vb * 64 + 63 in registers
-  set_regs<kRegsState>();
-  P p{2};
-  typename P::template Frag<kK> S;
-  const float* h0 = a.h0 ? a.h0 + (n * HV + hv) * kK * kV : nullptr;
-  P::for_each(S, [&](int r, int c, float& x) { x = h0 ? h0[c * kV + vb * kVB + r] : 0.f; });
-  T* o = static_cast<T*>(a.o);
-  const uint32_t ostage = smem_u32(sm.ostage);
-  for (int it = 0; it < nchunks; ++it) {
-    const int st = it % kStages, ph = (it / kStages) & 1;
-    mbar_wait(&sm.full[st], ph);
-    mbar_wait(&sm.prepped[st], ph);
-    const int64_t j = c0 + it;
-    const int64_t start = a.table[j * 4 + 2];
-    const int length = a.table[j * 4 + 3];
-    const uint32_t kq = smem_u32(sm.kq[st][0]);
-    const typename P::Smem kq_b{kq, 2 * kBlock, true}, k_mn{kq, 2 * kBlock, false};
-    const typename P::Smem ts{smem_u32(sm.ts[st]), 0, true}, m{smem_u32(sm.mm[st]), 0, true};
-    const typename P::Smem v{smem_u32(sm.v[st]), 0, true};
-    state_step<P, T>(p, S, sm.gates[st], kq_b, k_mn, ts, m, v, [&](typename P::template Frag<2 * kC>& acc) {
-      p.template stmatrix<T>(acc.d + kC / 2, ostage, true);      // O [c][v] in the staging block
-      named_sync(p.bar);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int id = wtid + 128 * i, c = id >> 3, x = id & 7;
-        if (c < length) {
-          uint4 val;
-          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                       : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(ostage + swz(c, x)) : "memory");
-          *reinterpret_cast<uint4*>(o + ((start + c) * HV + hv) * kV + vb * kVB + 8 * x) = val;
-        }
+      p.sync();                                   // (its fence: Ts, M, gates visible to the async proxy)
+      if (wtid == 0) {
+        mbar_arrive(&sm.prepped[b]);
+        const uint32_t bar = peer_addr(&sm.prepped[b], peer);
+        mbar_expect_tx_at(bar, kPrepBytes);
+        copy_to_peer(peer_addr(sm.ts[b], peer), sm.ts[b], kBlock, bar);
+        copy_to_peer(peer_addr(sm.mm[b], peer), sm.mm[b], kBlock, bar);
+        copy_to_peer(peer_addr(&sm.gates[b], peer), &sm.gates[b], sizeof(GatesBuf), bar);
+        mbar_arrive(&sm.empty[st]);               // prep's reads of k, q done (its wgmma waited)
       }
-      named_sync(p.bar);                          // the staging block is rewritten next chunk
-    });
-    mbar_arrive(&sm.prepfree[st]);
-    mbar_arrive(&sm.empty[st]);
+    }
+  } else {                                        // ---- state: S^T of the CTA's 64 value columns in registers
+    set_regs<kRegsState>();
+    P p{2};
+    typename P::template Frag<kK> S;
+    const float* h0 = a.h0 ? a.h0 + (n * HV + hv) * kK * kV : nullptr;
+    P::for_each(S, [&](int r, int c, float& x) { x = h0 ? h0[c * kV + vb * kVB + r] : 0.f; });
+    T* o = static_cast<T*>(a.o);
+    int held = -1;                                // a stage whose O tile a TMA store may still be reading
+    uint32_t held_count = 0;
+    auto release_held = [&]() {                   // (thread 0) the stage back to the producer once read
+      if (held >= 0) {
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+        mbar_arrive(&sm.empty[held], held_count);
+        held = -1;
+      }
+    };
+    for (int it = 0; it < nchunks; ++it) {
+      const int st = it % kStages, b = it % kPrepBufs;
+      const bool mine = it % kVBlocks == vb;      // prepped here (else by the peer)
+      if (wtid == 0) release_held();
+      mbar_wait(&sm.full[st], (it / kStages) & 1);
+      mbar_wait_cluster(&sm.prepped[b], (it / kPrepBufs) & 1);   // (filled by the peer's bulk copy when !mine)
+      const int64_t start = sm.rows[st][0];
+      const int length = sm.rows[st][1];
+      if (length < kC && !mine) {                 // (the peer's prep zeroed its own copy only)
+        zero_dead_rows(sm, st, length, wtid);
+        p.sync();
+      }
+      const uint32_t kq = smem_u32(sm.kq[st][0]), ostage = smem_u32(sm.v[st]);
+      const typename P::Smem kq_b{kq, 2 * kBlock, true}, k_mn{kq, 2 * kBlock, false};
+      const typename P::Smem ts{smem_u32(sm.ts[b]), 0, true}, m{smem_u32(sm.mm[b]), 0, true};
+      const typename P::Smem v{smem_u32(sm.v[st]), 0, true};
+      state_step<P, T>(p, S, sm.gates[b], kq_b, k_mn, ts, m, v, [&](typename P::template Frag<2 * kC>& acc) {
+        named_sync(p.bar);                        // every thread's V^T read of the tile done: O goes there
+        p.template stmatrix<T>(acc.d + kC / 2, ostage, true);    // O [c][v]
+        fence_async_smem();                       // for the TMA store, and before the next TMA load into it
+        named_sync(p.bar);
+        if (length == kC) {                       // a whole chunk: one TMA store (the box is the chunk's rows)
+          if (wtid == 0) {
+            cute::SM90_TMA_STORE_3D::copy(&tm_o, sm.v[st], vb * kVB, static_cast<int>(hv), static_cast<int>(start));
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+          }
+          return;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {             // the live rows only (the next sequence's follow them)
+          const int id = wtid + 128 * i, c = id >> 3, x = id & 7;
+          if (c < length) {
+            uint4 val;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(ostage + swz(c, x)) : "memory");
+            *reinterpret_cast<uint4*>(o + ((start + c) * HV + hv) * kV + vb * kVB + 8 * x) = val;
+          }
+        }
+        named_sync(p.bar);                        // every thread's reads of the tile done
+      });
+      if (wtid == 0) {
+        if (mine) mbar_arrive(&sm.prepfree[b]);
+        else mbar_arrive_at(peer_addr(&sm.prepfree[b], peer));
+        held = st;                                // released at the next chunk (or below), once read
+        held_count = mine ? 1 : 2;
+        if (length < kC) release_held();          // (no store in flight: wait_group.read returns at once)
+      }
+    }
+    if (wtid == 0) {
+      release_held();
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");   // the last stores done before exit
+    }
+    if (a.ht) {
+      float* ht = a.ht + (n * HV + hv) * kK * kV;
+      P::for_each(S, [&](int r, int c, float& x) { ht[c * kV + vb * kVB + r] = x; });
+    }
+    int64_t pa, pb;
+    padding_after(a.table, a.cu_chunks, n, a.N, a.T, &pa, &pb);
+    const int64_t first = n == 0 ? padding_before_first(a.table, a.cu_chunks, a.N, a.T) : 0;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int pass = 0; pass < 2; ++pass) {
+      const int64_t r0 = pass ? 0 : pa, r1 = pass ? first : pb;
+      for (int64_t e = wtid; e < (r1 - r0) * 8; e += 128)
+        *reinterpret_cast<uint4*>(o + ((r0 + e / 8) * HV + hv) * kV + vb * kVB + 8 * (e % 8)) = zero;
+    }
   }
-  if (a.ht) {
-    float* ht = a.ht + (n * HV + hv) * kK * kV;
-    P::for_each(S, [&](int r, int c, float& x) { ht[c * kV + vb * kVB + r] = x; });
-  }
-  int64_t pa, pb;
-  padding_after(a.table, a.cu_chunks, n, a.N, a.T, &pa, &pb);
-  const int64_t first = n == 0 ? padding_before_first(a.table, a.cu_chunks, a.N, a.T) : 0;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  for (int pass = 0; pass < 2; ++pass) {
-    const int64_t r0 = pass ? 0 : pa, r1 = pass ? first : pb;
-    for (int64_t e = wtid; e < (r1 - r0) * 8; e += 128)
-      *reinterpret_cast<uint4*>(o + ((r0 + e / 8) * HV + hv) * kV + vb * kVB + 8 * (e % 8)) = zero;
-  }
+  cluster_sync();          // neither CTA leaves while the peer may still copy to or arrive on its barriers
 }
 
 // ---- launch: TMA descriptors (driver entry point through the runtime: no libcuda link)
@@ -481,7 +585,7 @@ using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, 
 Status encode_tiled(EncodeTiled enc, CUtensorMap* m, CUtensorMapDataType ty, const void* base, int64_t cols,
                     int64_t heads, int64_t rows) {
   if ((reinterpret_cast<std::uintptr_t>(base) & 15) != 0)
-    return Status::invalid("chunk_gdr_fwd_sm90: q, k, v must be 16-byte aligned (TMA)");
+    return Status::invalid("chunk_gdr_fwd_sm90: q, k, v, o must be 16-byte aligned (TMA)");
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(heads),
                               static_cast<cuuint64_t>(rows > 0 ? rows : 1)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols * 2), static_cast<cuuint64_t>(heads * cols * 2)};
@@ -502,17 +606,18 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
   cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &q);
   if (e != cudaSuccess || fn == nullptr) return cuda_error("chunk_gdr_fwd_sm90: cuTensorMapEncodeTiled", e);
   const auto enc = reinterpret_cast<EncodeTiled>(fn);
-  CUtensorMap tq, tk, tv;
+  CUtensorMap tq, tk, tv, to;
   Status st = encode_tiled(enc, &tq, ty, a.q, kK, a.H, a.T);
   if (st.ok()) st = encode_tiled(enc, &tk, ty, a.k, kK, a.H, a.T);
   if (st.ok()) st = encode_tiled(enc, &tv, ty, a.v, kV, a.HV, a.T);
+  if (st.ok()) st = encode_tiled(enc, &to, ty, a.o, kV, a.HV, a.T);
   if (!st.ok()) return st;
   auto kernel = chunk_gdr_fwd_sm90_kernel<T>;
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return cuda_error("chunk_gdr_fwd_sm90: cudaFuncSetAttribute", e);
   if (a.N > 65535 || a.HV > 65535) return Status::invalid("chunk_gdr_fwd_sm90: at most 65535 sequences and value heads");
   const dim3 grid(kVBlocks, static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N));
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(tq, tk, tv, a);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(tq, tk, tv, to, a);
   return launch_status("chunk_gdr_fwd_sm90");
 }
 

@@ -92,6 +92,15 @@ GDN_HD float exp_f(float x) {
 #endif
 }
 
+// 1 / sqrt(x): the hardware's rsqrt (2 ulp) on the device, libm on the host
+GDN_HD float rsqrt_f(float x) {
+#if defined(__CUDA_ARCH__)
+  return rsqrtf(x);
+#else
+  return 1.f / sqrtf(x);
+#endif
+}
+
 // insuf[c], and sigma of c's strip when c starts it.
 GDN_HD void strip_sums(PrepScratch& s, int c) {
   const int base = c - c % kStrip;
@@ -121,8 +130,8 @@ GDN_HD void gate_row(PrepScratch& s, int r, int length, float scale, bool l2norm
     if (j > jr) suf += s.sigma[j];
     tot += s.sigma[j];
   }
-  const float rk = l2norm ? 1.f / sqrtf(s.kn[r] + 1e-6f) : 1.f;
-  const float rq = l2norm ? 1.f / sqrtf(s.qn[0][r] + s.qn[1][r] + 1e-6f) : 1.f;
+  const float rk = l2norm ? rsqrt_f(s.kn[r] + 1e-6f) : 1.f;
+  const float rq = l2norm ? rsqrt_f(s.qn[0][r] + s.qn[1][r] + 1e-6f) : 1.f;
   s.rk[r] = rk;
   s.rq[r] = rq;
   const bool live = r < length;
@@ -152,10 +161,10 @@ GDN_HD void sub_inverse_col(PrepScratch& s, int col) {
     float a[kSub];                          // row i of the block, in 16-byte pieces
 #pragma unroll
     for (int j = 0; j < i; j += 4) *reinterpret_cast<float4*>(a + j) = *reinterpret_cast<const float4*>(&s.a16[b * kSub + i][j]);
-    float acc = 0.f;
+    float acc[2] = {0.f, 0.f};              // two chains: the sum's latency halves
 #pragma unroll
-    for (int j = 0; j < i; ++j) acc += a[j] * x[j];
-    x[i] = i < l ? 0.f : (i == l ? 1.f : -acc);
+    for (int j = 0; j < i; ++j) acc[j & 1] += a[j] * x[j];
+    x[i] = i < l ? 0.f : (i == l ? 1.f : -(acc[0] + acc[1]));
   }
 #pragma unroll
   for (int i = 0; i < kSub; ++i) s.t16[b * kSub + i][l] = x[i];

@@ -86,6 +86,24 @@ def test_mirror_no_worse_than_fla(pi, report_table):
     assert not worse, worse
 
 
+def test_mirror_hard_resets_give_exact_zeros():
+    """g = -inf (a hard reset) and g = -1e30 rows, inside a chunk and at its first row: the gate sums
+    are sums of g over row ranges (strips of 8 rows), never a difference of two sums, so the decay
+    across them is exactly 0 (no inf - inf): o and the state as the float64 reference, finite."""
+    cu, cu_pad, rows = PACKINGS[3].layout()      # around-chunk-gaps: 127, 64, 63 tokens
+    N = len(PACKINGS[3].lengths)
+    q, k, v, g, beta, h0 = gdr_inputs(rows, H, HV, K, K, torch.float32, N=N, initial_state=True, unit_k=False)
+    for row, val in ((5, float("-inf")), (64, -1e30), (70, float("-inf")), (131, -1e30), (200, float("-inf"))):
+        g[0, row] = val
+    table, cc = make_chunk_table(cu, cu_pad, rows, 64)
+    o, fs = torch.full_like(v[0], float("nan")), torch.full((N, HV, K, K), float("nan"))
+    chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, h0, K ** -0.5, 64, True, o, fs, host=True)
+    ro, rf = reference_gdr(q.double(), k.double(), v.double(), g.double(), beta.double(), initial_state=h0.double(),
+                           cu_seqlens=cu, cu_seqlens_padded=cu_pad, use_qk_l2norm_in_kernel=True)
+    assert torch.isfinite(o).all() and torch.isfinite(fs).all()
+    assert rel_err(o[None], ro) <= BUDGETS[torch.float32]["o"] and rel_err(fs, rf) <= BUDGETS[torch.float32]["state"]
+
+
 def test_mirror_raw_gates():
     """With A_log, dt_bias the kernel forms g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
     from gdn_packed.torch_ref.chunk import gate_fwd_torch

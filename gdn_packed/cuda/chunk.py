@@ -76,11 +76,14 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
         o.zero_()               # no sequence: every row is padding
         return
     raw = A_log is not None
+    out = o if host or o.data_ptr() % 16 == 0 else torch.empty_like(o)    # TMA stores o's whole chunks
     launch("chunk_gdr_fwd_sm90", q.device, host=host,
            reads=dict(q=_aligned(q), k=_aligned(k), v=_aligned(v), g=g.to(torch.float32),
                       beta=beta.to(torch.float32),
                       A_log=A_log.to(torch.float32) if raw else None, dt_bias=dt_bias.to(torch.float32) if raw else None,
                       table=table, cu_chunks=cu_chunks,
                       initial_state=None if initial_state is None else initial_state.to(torch.float32)),
-           writes=dict(o=o, final_state=final_state), N=N, T=T, H=H, HV=HV, K=K, V=Vd, chunk_size=C,
+           writes=dict(o=out, final_state=final_state), N=N, T=T, H=H, HV=HV, K=K, V=Vd, chunk_size=C,
            dtype=q.dtype, scale=float(scale), l2norm=bool(use_l2norm), raw_gates=raw)
+    if out is not o:
+        o.copy_(out)
