@@ -257,7 +257,8 @@ def record_fla(rec, dims, dtype, modes, lengths=None, h0=False, dht=False):
                                    cu_seqlens=cu)
     if "bwd" in modes:
         rec.phase = "bwd"
-        torch.autograd.backward([o, ht] if dht else [o], [torch.empty_like(o)] + ([torch.empty_like(ht)] if dht else []))
+        outs = [o, ht] if dht else [o]
+        torch.autograd.backward(outs, [torch.empty_like(x) for x in outs])
 
 
 def fla_missing():

@@ -31,7 +31,7 @@ from bench.sm90.hopper import (CLOCK_HZ, HBM_BPS, MAX_CTAS_PER_SM, MAX_WARPS_PER
 @dataclasses.dataclass(frozen=True)
 class Constants:
     lat: sass.Latencies = sass.Latencies()
-    l2_bps: float = 3.22e12     # tiles read again (fitted)
+    l2_bps: float = 2.786e12    # tiles read again (fitted)
     launch_s: float = 2.5e-6
 
     def get(self, name):

@@ -52,10 +52,10 @@ class Latencies:
     alu: float = 4.0        # integer / fp32 pipes, dependent issue
     xu: float = 12.0        # conversions (F2F, I2F, F2I, FRND) and MUFU (EX2, RCP, ...)
     smem: float = 30.0      # LDS / LDSM / SHFL: a shared-memory round trip
-    ldg: float = 856.0      # a global load (LDG, cp.async, TMA) from issue to data (fitted)
-    hgmma: float = 442.1    # a warpgroup-MMA group's latency after the tensor pipe has done its work (fitted)
+    ldg: float = 380.8      # a global load (LDG, cp.async, TMA) from issue to data (fitted)
+    hgmma: float = 600.0    # a warpgroup-MMA group's latency once the tensor pipe is done (fitted: at its bound)
     hmma: float = 32.0      # mma.sync
-    bar: float = 43.72      # a CTA barrier (BAR.SYNC) once every warp has arrived (fitted)
+    bar: float = 64.99      # a CTA barrier (BAR.SYNC) once every warp has arrived (fitted)
 
 
 _FULL = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
