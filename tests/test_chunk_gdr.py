@@ -224,6 +224,33 @@ def test_noncontiguous_inputs_and_index_dtypes(index_dtype, backend):
     assert not err, err
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_ID.get)
+def test_triton_reads_views_of_a_fused_projection(dtype):
+    """q, k, v split from one fused projection [T, 2 H K + HV V + pad] (rows further apart than the heads
+    fill) reach the Triton kernels as they are, no contiguous copy (gdn_packed/triton/chunk.py,
+    packed_rows), and give the contiguous inputs' o, state and gradients bit for bit."""
+    if "triton" not in [p.values[0] for p in BACKENDS]:
+        pytest.skip("the triton backend cannot run here")
+    from gdn_packed.triton.chunk import packed_rows
+    x, cu, cu_pad, rows, do, dht = inputs(RERUN, dtype)
+    q, k, v, g, beta, h0 = x
+    c = GDR_CASES[RERUN]
+    fused = torch.cat([q.flatten(-2), k.flatten(-2), v.flatten(-2), torch.zeros_like(q.flatten(-2))], -1)
+    parts = fused.split([c.H * c.K, c.H * c.K, c.HV * c.V, c.H * c.K], -1)[:3]
+    views = [t.unflatten(-1, (n, d)) for t, n, d in zip(parts, (c.H, c.H, c.HV), (c.K, c.K, c.V))]
+    assert not any(t.is_contiguous() for t in views)
+    qv, kv, _ = packed_rows(views[0][0], views[1][0])
+    assert qv.data_ptr() == views[0].data_ptr() and kv.data_ptr() == views[1].data_ptr(), "copied"
+    got = []
+    for xs in ((q, k, v), views):
+        leaves = [t.detach().requires_grad_() for t in xs] + leaves_of((g, beta, h0))
+        with poisoned_outputs():
+            o, fs = call(leaves, cu, cu_pad, c.l2, "triton")
+            got.append(with_grads(leaves, o, fs, do, dht))
+    for name in got[0]:
+        assert torch.equal(got[0][name], got[1][name]), name
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_batched_without_cu_seqlens(backend):
     """Without cu_seqlens every batch row is one sequence."""

@@ -138,6 +138,19 @@ def test_opcheck(backend, zero_centered):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_opcheck_with_the_token_mask(backend):
+    """The ops take the packed layout as real [T], one bool per token (segments.real_rows, the mask the
+    chunked op takes too), for x [1, T, heads, N]: opcheck, and padding tokens' rows 0 in y."""
+    x, z, w = inputs((1, 7, 3, 16), torch.float32)
+    real = torch.tensor([True, False, True, True, False, False, True], device=DEVICE)
+    torch.library.opcheck(gated_rmsnorm_fwd, (x, z, w, 1e-6, False, backend, real))
+    y, rstd = gated_rmsnorm_fwd(x.detach(), z.detach(), w.detach(), 1e-6, False, backend, real)
+    assert (y[0, ~real] == 0).all() and (y[0, real] != 0).all()
+    torch.library.opcheck(gated_rmsnorm_bwd,
+                          (torch.randn_like(x), x.detach(), z.detach(), w.detach(), rstd, False, backend, real))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_compile_fullgraph_matches_eager(backend):
     x, z, w = inputs((2, 9, 4, 32), torch.float32)
 

@@ -135,6 +135,9 @@ def causal_conv1d_varlen(x, weight, bias=None, activation="silu", cu_seqlens=Non
     weight = _check_inputs(x, weight, bias, activation, cu_seqlens, cu_seqlens_padded, initial_state)
     segments.check_values_where_free(cu_seqlens, cu_seqlens_padded, x.shape[1], validate)
     backend = resolve_backend(backend, x.device, have=BACKENDS_IMPLEMENTED, refuse=lambda b: _refuse(b, x))
+    # int64 offsets once per call (every backend indexes in int64; the forward saves them for the backward)
+    cu_seqlens, cu_seqlens_padded = (None if c is None else c.to(torch.int64)
+                                     for c in (cu_seqlens, cu_seqlens_padded))
     y, final_state = conv1d_varlen_fwd(x, weight, bias, initial_state, cu_seqlens, cu_seqlens_padded,
                                        activation is not None, backend)
     return y, (final_state if output_final_state else None)

@@ -7,8 +7,9 @@
     gdn_packed::gated_rmsnorm_bwd  (dy, x, z, weight, rstd, zero_centered, backend, real?)
                                    -> (dx, dz, dweight)
 
-real [M] bool (M = rows of x, all dims but the last), False on padding rows: y, dx, dz are 0 there and
-those rows add nothing to dweight, whatever they hold (the public function builds it from cu_seqlens).
+real [T] bool over the token axis of a packed x [1, T, ..., N] (segments.real_rows: the one mask of the
+packed layout every op takes), False on padding tokens: y, dx, dz are 0 on their rows and those rows add
+nothing to dweight, whatever they hold (the public function builds it from cu_seqlens).
 
 The output gate of the GDN block (`rmsnorm(o) * silu(z)` over the value head dim). The forward saves
 x, z, weight and rstd (float32, one per row). Backends: "torch" (torch_ref/gated_rmsnorm.py, any
@@ -33,10 +34,6 @@ def _rows(x):
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def _real(real):
-    return None if real is None else real.reshape(-1).contiguous()
-
-
 @torch.library.custom_op("gdn_packed::gated_rmsnorm_fwd", mutates_args=())
 def gated_rmsnorm_fwd(x: Tensor, z: Tensor, weight: Tensor, eps: float, zero_centered: bool,
                       backend: str, real: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -44,7 +41,7 @@ def gated_rmsnorm_fwd(x: Tensor, z: Tensor, weight: Tensor, eps: float, zero_cen
     rstd = new_output(x.shape[:-1], torch.float32, x.device)
     y2 = y.view(-1, x.shape[-1])
     kernel(OP, backend, "fwd")(_rows(x), _rows(z), weight.contiguous(), eps, zero_centered, y2,
-                               rstd.view(-1), _real(real))
+                               rstd.view(-1), real)
     return y, rstd
 
 
@@ -63,7 +60,7 @@ def gated_rmsnorm_bwd(dy: Tensor, x: Tensor, z: Tensor, weight: Tensor, rstd: Te
     N = x.shape[-1]
     kernel(OP, backend, "bwd")(_rows(dy), _rows(x), _rows(z), weight.contiguous(),
                                rstd.reshape(-1).contiguous(), zero_centered, dx.view(-1, N),
-                               dz.view(-1, N), dweight, _real(real))
+                               dz.view(-1, N), dweight, real)
     return dx, dz, dweight
 
 
@@ -136,13 +133,12 @@ def gated_rmsnorm(x, z, weight, eps=1e-6, backend="auto", *, zero_centered=False
 
 
 def _real_rows(x, cu_seqlens, cu_seqlens_padded):
-    """bool x.shape[:-1]: False on the padding rows of a packed x [1, T, ..., N]; None without
-    cu_seqlens. No host sync."""
+    """bool [T]: False on the padding tokens of a packed x [1, T, ..., N]; None without cu_seqlens. No
+    host sync."""
     if cu_seqlens is None and cu_seqlens_padded is None:
         return None
     if x.dim() < 3:
         raise ValueError(f"x with cu_seqlens must be packed as [1, T, ..., N], got shape {tuple(x.shape)}")
     segments.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, x.shape[0], x.device)
     segments.check_values_where_free(cu_seqlens, cu_seqlens_padded, x.shape[1])
-    real = segments.real_rows(cu_seqlens, cu_seqlens_padded, x.shape[1])
-    return real.view(1, -1, *([1] * (x.dim() - 3))).expand(x.shape[:-1])
+    return segments.real_rows(cu_seqlens, cu_seqlens_padded, x.shape[1])

@@ -13,9 +13,9 @@ Backward, with xhat = x * rstd, s = silu(z), u = dy * w * s (the gradient of xha
 Everything is computed in float32 whatever the input dtype; y, dx, dz are rounded to their tensor's
 dtype once, at the end. `rstd` (float32, one per row) is the only saved intermediate.
 
-Padding rows (`real` [M] bool False, when given): x, z, dy and rstd are replaced by 0 by selection
-(torch.where), so y, dx, dz are exactly 0 there and the rows add nothing to dweight, whatever NaN/Inf
-they hold.
+Padding rows (the rows of the tokens where `real` [T] bool is False, when given): x, z, dy and rstd
+are replaced by 0 by selection (torch.where), so y, dx, dz are exactly 0 there and the rows add
+nothing to dweight, whatever NaN/Inf they hold.
 """
 import torch
 
@@ -26,16 +26,17 @@ def _scale(weight, zero_centered):
 
 
 def _select_rows(real, *xs):
-    """Each x [M, N] (or [M]) with its padding rows (real False) replaced by 0; unchanged without real."""
-    if real is None:
+    """Each x [M, N] (or [M]), M = T R rows of the T tokens of real [T] (R rows per token), with the rows
+    of padding tokens (real False) replaced by 0; unchanged without real."""
+    if real is None or real.numel() == 0:
         return xs
-    return tuple(torch.where(real.view(-1, *([1] * (x.dim() - 1))), x, torch.zeros((), dtype=x.dtype,
-                                                                                   device=x.device))
-                 for x in xs)
+    T = real.numel()
+    return tuple(torch.where(real.view(T, 1, *([1] * (x.dim() - 1))), x.reshape(T, -1, *x.shape[1:]),
+                             torch.zeros((), dtype=x.dtype, device=x.device)).view(x.shape) for x in xs)
 
 
 def gated_rmsnorm_fwd_torch(x, z, weight, eps, zero_centered, y, rstd, real=None):
-    """x, z [M, N]; weight [N]; real [M] bool or None; writes y [M, N] (x's dtype) and rstd [M]
+    """x, z [M, N]; weight [N]; real [T] bool (M = T R) or None; writes y [M, N] (x's dtype) and rstd [M]
     (float32, 0 on padding rows)."""
     xf, zf = _select_rows(real, x.float(), z.float())
     (r,) = _select_rows(real, torch.rsqrt(xf.square().mean(-1) + eps))

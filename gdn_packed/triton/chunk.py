@@ -26,6 +26,41 @@ def _check_chunk(C):
         raise ValueError(f"the Triton kernels are written for chunk size {CHUNK}, got {C}")
 
 
+class Rows(NamedTuple):
+    """Row strides (elements) of the [T, heads, D] tensors the kernels read and write, as constexprs:
+    S_QK of q and k, S_V of v, S_O of o, do and dv, S_DQK of dq and dk, S_G of g, beta, dg and dbeta.
+    Heads and columns are packed (a head D elements after the last, columns adjacent); rows may be
+    further apart than the heads fill, as in views of a fused projection."""
+    S_QK: int
+    S_V: int
+    S_O: int
+    S_DQK: int
+    S_G: int
+
+    def of(self, *names):
+        """{name: stride} of the strides a kernel takes."""
+        return {n: getattr(self, n) for n in names}
+
+
+def packed_rows(*xs):
+    """xs (one shape [T, heads, D]) as the kernels read them, with their common row stride: views whose
+    heads and columns are packed and whose rows are one stride apart (q, k, v split from a fused
+    projection) as they are, anything else as contiguous copies."""
+    if all(x.stride()[1:] == (x.shape[2], 1) and x.stride(0) == xs[0].stride(0) for x in xs):
+        return (*xs, xs[0].stride(0))
+    xs = [x.contiguous() for x in xs]
+    return (*xs, xs[0].stride(0))
+
+
+def _rows(q, k, v, g, beta):
+    """The inputs as the kernels read them (packed_rows; g, beta contiguous) and the Rows of a call whose
+    outputs (o, dq, dk, dv, dg, dbeta) are contiguous."""
+    q, k, s_qk = packed_rows(q, k)
+    v, s_v = packed_rows(v)
+    (_, H, K), (_, HV, V) = q.shape, v.shape
+    return q, k, v, g.contiguous(), beta.contiguous(), Rows(S_QK=s_qk, S_V=s_v, S_O=HV * V, S_DQK=H * K, S_G=HV)
+
+
 class Prep(NamedTuple):
     """What chunk_fwd_prep_kernel stores per chunk slot and value head (gdn_packed/triton/chunk_fwd.py):
     gates fp32 [NC, HV, GATE_ROWS, C], eg_last fp32 [NC, HV], rn fp32 [NC, HV, 2, C], ts and mm
@@ -37,7 +72,7 @@ class Prep(NamedTuple):
     mm: torch.Tensor
 
 
-def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm):
+def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, rows):
     """Launches chunk_fwd_prep_kernel (grid (H, NC)) and returns its outputs as a Prep."""
     NC, (_, H, K) = table.shape[0], q.shape
     C = CHUNK
@@ -47,8 +82,8 @@ def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm):
                 rn=torch.empty(NC, HV, 2, C, **f32), ts=ts, mm=torch.empty_like(ts))
     if NC > 0 and HV > 0:
         chunk_fwd_prep_kernel[(H, NC)](
-            q=q, k=k, g=g, beta=beta, table=table, **prep._asdict(), scale=scale,
-            H=H, HV=HV, K=K, C=C, USE_L2=bool(use_l2norm), **prep_config(K, q.dtype))
+            q=q, k=k, g=g, beta=beta, table=table, **prep._asdict(), scale=scale, H=H, HV=HV, K=K, C=C,
+            **rows.of("S_QK", "S_G"), USE_L2=bool(use_l2norm), **prep_config(K, q.dtype))
     return prep
 
 
@@ -82,7 +117,7 @@ def entering_states(pass_a, N, HV, K, V, S, h0, dtype, device, reverse=False, ou
     return ent
 
 
-def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, st=None, ut=None, kept=None,
+def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, st=None, ut=None, kept=None,
                     entering=None):
     """Launches chunk_fwd_state_kernel on chunk_fwd_prep's outputs `prep`. Forward: writes o [T, HV, V]
     (every row) and ht [N, HV, K, V] fp32. With st [NC, HV, V, K] and ut [NC, HV, V, C] in the input
@@ -107,7 +142,8 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, st=Non
     else:
         S = state_segments(T, N, HV, K, V, cfg, num_sms(q.device), cfg_a=cfg_a)
     inputs = dict(q=q, k=k, v=v, table=table, cu_chunks=cu_chunks, gates=prep.gates, eg_last=prep.eg_last,
-                  ts=prep.ts, mm=prep.mm, T_rows=T, segments=S, H=H, HV=HV, K=K, V=V, C=CHUNK)
+                  ts=prep.ts, mm=prep.mm, T_rows=T, segments=S, H=H, HV=HV, K=K, V=V, C=CHUNK,
+                  **rows.of("S_QK", "S_V", "S_O"))
 
     def pass_a(programs, ends):
         chunk_fwd_state_kernel[(triton.cdiv(V + K, cfg_a["BV"]), HV, programs)](
@@ -123,7 +159,7 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=None, ht=None, st=Non
         HAS_H0=h0 is not None, STORE_STATES=store, PROPAGATE=False, **cfg)
 
 
-def chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, cfg):
+def chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, cfg):
     """Launches chunk_bwd_dstate_kernel (the reverse dS pass), segmented as chunk_fwd_state (the
     segments walked from the last; pass A over the last S - 1 with PROPAGATE; S from
     configs.state_segments with six dots per chunk in both passes)."""
@@ -132,7 +168,8 @@ def chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, dh0, d
     N = cu_chunks.numel() - 1
     S = state_segments(T, N, HV, K, V, cfg, num_sms(q.device), dots=(6, 6))
     inputs = dict(q=q, k=k, do=do, gates=prep.gates, eg_last=prep.eg_last, ts=prep.ts, mm=prep.mm, table=table,
-                  cu_chunks=cu_chunks, T_rows=T, segments=S, H=H, HV=HV, K=K, V=V, C=CHUNK, **cfg)
+                  cu_chunks=cu_chunks, T_rows=T, segments=S, H=H, HV=HV, K=K, V=V, C=CHUNK,
+                  **rows.of("S_QK", "S_O", "S_DQK", "S_G"), **cfg)
 
     def pass_a(programs, ends):
         chunk_bwd_dstate_kernel[(triton.cdiv(V + K, cfg["BV"]), HV, programs)](
@@ -160,11 +197,11 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     if N == 0:
         o.zero_()               # no sequence: every row is padding
         return
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, g, beta, rows = _rows(q, k, v, g, beta)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    prep = chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm)
+    prep = chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, rows)
     if HV > 0:
-        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, o=o, ht=final_state, kept=kept)
+        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=o, ht=final_state, kept=kept)
 
 
 def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
@@ -192,7 +229,8 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
         for x in outs:
             x.zero_()
         return
-    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    q, k, v, g, beta, rows = _rows(q, k, v, g, beta)
+    do = do.contiguous()
     work = [x if x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
             for x in outs]
     dq_, dk_, dv_, dg_, dbeta_ = work
@@ -200,7 +238,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     l2 = bool(use_l2norm)
     f32 = dict(dtype=torch.float32, device=dev)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    prep = chunk_fwd_prep(q, k, g, beta, table, HV, scale, l2)
+    prep = chunk_fwd_prep(q, k, g, beta, table, HV, scale, l2, rows)
     # S^T entering each chunk (as the forward's dots used it) and U^T; slots outside every
     # sequence are never written here and never read (the dq / dk kernels exit on empty slots)
     st = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
@@ -208,10 +246,10 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     dsn = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
     dxp = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
     if HV > 0:
-        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, st=st, ut=ut,
+        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, st=st, ut=ut,
                         entering=kept if kept is not None and kept.numel() else None)
         dht_ = None if dht is None else dht.to(torch.float32).contiguous()
-        chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, dht_, dsn, dxp, dv_, dh0, dq_, dk_, dg_, dbeta_,
+        chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, rows, dht_, dsn, dxp, dv_, dh0, dq_, dk_, dg_, dbeta_,
                          cfg["dstate"])
     if NC > 0 and HV > 0:
         cq, ck = cfg["dq"], cfg["dk"]
@@ -224,15 +262,16 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
         shape = dict(H=H, HV=HV, K=K, V=V, C=C)
         chunk_bwd_dq_kernel[(nq, H, NC)](
             q=q, k=k, g=g, do=do, gates=prep.gates, rn=prep.rn, ut=ut, st=st, dq=pre[0] if l2 else dq_, pm=pm,
-            dg_part=part[0], table=table, scale=scale, T=T, **shape, **cq)
+            dg_part=part[0], table=table, scale=scale, T=T, **shape, **rows.of("S_QK", "S_O", "S_DQK", "S_G"),
+            **cq)
         chunk_bwd_dk_kernel[(nk, H, NC)](
             q=q, k=k, v=v, gates=prep.gates, rn=prep.rn, eg_last=prep.eg_last, ut=ut, st=st, dsn=dsn, dxp=dxp,
             pm=pm, dk=pre[1] if l2 else dk_, g=g, dg_part=part[0], dbeta_part=part[1], table=table, T=T,
-            slot0=nq, **shape, **ck)
+            slot0=nq, **shape, **rows.of("S_QK", "S_V", "S_DQK", "S_G"), **ck)
         chunk_bwd_finalize_kernel[(H, NC)](
             q=q, k=k, dq_pre=pre[0] if l2 else None, dk_pre=pre[1] if l2 else None, rn=prep.rn,
             dg_part=part[0], dbeta_part=part[1], dq=dq_, dk=dk_, dg=dg_, dbeta=dbeta_, table=table, T=T, H=H,
-            HV=HV, K=K, C=C, NK=nq + nk, NQ=nq, USE_L2=l2, **cfg["finalize"])
+            HV=HV, K=K, C=C, NK=nq + nk, NQ=nq, **rows.of("S_QK", "S_DQK", "S_G"), USE_L2=l2, **cfg["finalize"])
     for x, y in zip(outs, work):
         if x is not y:
             x.copy_(y)

@@ -86,24 +86,25 @@ def _cc(p, j, hv, HV, C: tl.constexpr):
 
 @triton.jit
 def _zero_padding(dq, dk, dv, dg, dbeta, a, b, hv, i_v, H, HV, K: tl.constexpr, V: tl.constexpr,
-                  BKP: tl.constexpr, BV: tl.constexpr, C: tl.constexpr):
+                  BKP: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, S_O, S_DQK, S_G):
     """Zeros on padding rows [a, b): dv columns of V-block i_v of value head hv; dg, dbeta of hv (V-block
-    0); dq, dk of qk head hv // G (V-block 0 of the group's first value head)."""
+    0); dq, dk of qk head hv // G (V-block 0 of the group's first value head). Rows S_O (dv), S_DQK (dq,
+    dk), S_G (dg, dbeta) apart."""
     G = HV // H
-    zero_rows(dv, a, b, hv * V + i_v * BV, tl.minimum(V - i_v * BV, BV), HV * V, BV, C)
+    zero_rows(dv, a, b, hv * V + i_v * BV, tl.minimum(V - i_v * BV, BV), S_O, BV, C)
     if i_v == 0:
-        zero_rows(dg, a, b, hv, 1, HV, 1, C)
-        zero_rows(dbeta, a, b, hv, 1, HV, 1, C)
+        zero_rows(dg, a, b, hv, 1, S_G, 1, C)
+        zero_rows(dbeta, a, b, hv, 1, S_G, 1, C)
         if hv % G == 0:
-            zero_rows(dq, a, b, (hv // G) * K, K, H * K, BKP, C)
-            zero_rows(dk, a, b, (hv // G) * K, K, H * K, BKP, C)
+            zero_rows(dq, a, b, (hv // G) * K, K, S_DQK, BKP, C)
+            zero_rows(dk, a, b, (hv // G) * K, K, S_DQK, BKP, C)
 
 
 @triton.jit(do_not_specialize=["T_rows", "segments"])
 def chunk_bwd_dstate_kernel(q, k, do, gates, eg_last, ts, mm, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta,
-                            ends, table, cu_chunks, T_rows, segments, H, HV, K: tl.constexpr,
-                            V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                            HAS_DHT: tl.constexpr, PROPAGATE: tl.constexpr):
+                            ends, table, cu_chunks, T_rows, segments, H, HV, S_QK, S_O, S_DQK, S_G,
+                            K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+                            BV: tl.constexpr, HAS_DHT: tl.constexpr, PROPAGATE: tl.constexpr):
     i_v, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # sequence i_n, segment i_s of `segments` (pass A: of the last segments - 1)
     if PROPAGATE:
@@ -133,16 +134,22 @@ def chunk_bwd_dstate_kernel(q, k, do, gates, eg_last, ts, mm, dht, dsn, dxp, dv,
     for i_t in range(0, j1 - j0):
         j = (j1 - 1 - i_t).to(tl.int64)
         start, length = chunk_rows(table, j, C)
-        rows, m_c = start + o_c, o_c < length
+        m_c = o_c < length
         p_slot = j * HV + i_h
         if not PROPAGATE:
             tl.store(dsn + p_slot * (V * K) + p_st, b_ds.to(dsn.dtype.element_ty), mask=m_s)
+        # scalar int64 bases and int32 tile offsets (no per-element 64-bit address arithmetic) up to
+        # K = 128; for wider K the int64 rows (there the [C, BK] offset tile costs more registers)
         m_qk = m_c[:, None] & m_k[None, :]
-        p_qk = rows[:, None] * (H * K) + i_qh * K + o_k[None, :]
-        b_k = tl.load(k + p_qk, mask=m_qk, other=0.)                  # [C, BK]
-        b_q = tl.load(q + p_qk, mask=m_qk, other=0.)
+        if BK <= 128:
+            o_qk = start * S_QK + i_qh * K + (o_c[:, None] * S_QK + o_k[None, :])
+            p_vt = start * S_O + i_h * V + (o_c[None, :] * S_O + o_v[:, None])      # [BV, C] transposed rows
+        else:
+            o_qk = (start + o_c)[:, None] * S_QK + i_qh * K + o_k[None, :]
+            p_vt = (start + o_c)[None, :] * S_O + i_h * V + o_v[:, None]
+        b_k = tl.load(k + o_qk, mask=m_qk, other=0.)                  # [C, BK]
+        b_q = tl.load(q + o_qk, mask=m_qk, other=0.)
         m_vt = m_v[:, None] & m_c[None, :]
-        p_vt = rows[None, :] * (HV * V) + i_h * V + o_v[:, None]      # [BV, C] transposed rows
         b_dot = tl.load(do + p_vt, mask=m_vt, other=0.)               # dO^T
         b_beta = gate_row(gates, p_slot, GATE_BETA, C)
         b_wk = gate_row(gates, p_slot, GATE_WK, C)
@@ -168,11 +175,12 @@ def chunk_bwd_dstate_kernel(q, k, do, gates, eg_last, ts, mm, dht, dsn, dxp, dv,
     elif i_s == 0:
         tl.store(dh0 + (i_n.to(tl.int64) * HV + i_h) * (K * V) + o_kv, b_ds, mask=m_s)
         a, b = padding_after(table, cu_chunks, i_n, N, T_rows)
-        _zero_padding(dq, dk, dv, dg, dbeta, a, b, i_h, i_v, H, HV, K, V, triton.next_power_of_2(K), BV, C)
+        _zero_padding(dq, dk, dv, dg, dbeta, a, b, i_h, i_v, H, HV, K, V, triton.next_power_of_2(K), BV, C,
+                      S_O, S_DQK, S_G)
         if i_n == 0:
             first = padding_before_first(table, cu_chunks, N, T_rows)
             _zero_padding(dq, dk, dv, dg, dbeta, first * 0, first, i_h, i_v, H, HV, K, V,
-                          triton.next_power_of_2(K), BV, C)
+                          triton.next_power_of_2(K), BV, C, S_O, S_DQK, S_G)
 
 
 @triton.jit
@@ -190,13 +198,13 @@ def _xt(p, p_slot, i_v, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
-def _pm(b_dM, g, rows, length, i_h, HV, scale, C: tl.constexpr):
+def _pm(b_dM, g, rows, length, i_h, S_G, scale, C: tl.constexpr):
     """From dM = dO U^T (fp32 [C, C]) of value head i_h: Pm = scale dM (.) E, its strict lower part and its
     diagonal apart (E_ii = 1: no gate gradient; left in the products whose row and column sums make
     dgam, it would enter as row sum - column sum of the same value, noise the reverse cumsum
     accumulates)."""
     o_c = tl.arange(0, C)
-    b_pm = scale * b_dM * segment_decay(g, rows, length, HV, i_h, C)
+    b_pm = scale * b_dM * segment_decay(g, rows, length, S_G, i_h, C)
     return tl.where(o_c[:, None] > o_c[None, :], b_pm, 0.), tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_pm, 0.), 1)
 
 
@@ -261,23 +269,25 @@ def _dot_hl(a1, b1, a2, b2, acc, PREC: tl.constexpr):
 
 
 @triton.jit
-def _kblock(table, i_k, i_qh, j, H: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
-    """Chunk slot j's rows and the [C, BK] tile of K-block i_k of qk head i_qh in a [T, H, K] tensor:
-    start, length, i_k (0 at compile time when one block covers K, so its column mask folds), the
-    scalar int64 base p and int32 tile offsets o (no per-element 64-bit address arithmetic), the mask m."""
+def _kblock(table, i_k, i_qh, j, S_QK: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
+    """Chunk slot j's rows and the [C, BK] tile of K-block i_k of qk head i_qh in a [T, H, K] tensor whose
+    rows are S_QK apart: start, length, i_k (0 at compile time when one block covers K, so its column
+    mask folds), the scalar int64 base p and int32 tile offsets o (no per-element 64-bit address
+    arithmetic), the mask m."""
     start, length = chunk_rows(table, j, C)
     if BK == K:
         i_k = 0
     o_c = tl.arange(0, C)
     o_b = tl.arange(0, BK)
     m = (o_c < length)[:, None] & (i_k * BK + o_b < K)[None, :]
-    return start, length, i_k, start * (H * K) + i_qh * K + i_k * BK, o_c[:, None] * (H * K) + o_b[None, :], m
+    return start, length, i_k, start * S_QK + i_qh * K + i_k * BK, o_c[:, None] * S_QK + o_b[None, :], m
 
 
 @triton.jit
 def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, scale, T,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, S_QK: tl.constexpr,
+                        S_O: tl.constexpr, S_DQK: tl.constexpr, S_G: tl.constexpr, PREC: tl.constexpr):
     """rq dQ^ of K-block i_k, qk head i_qh, chunk slot j, the group's value heads g summed:
         rq dQ^ = rq (P K^) + sum_g (scale eg rq)_g dO_g S_g^T,  P = sum_g (Pm_g + diag(Pm_g))
     (Pm_g = scale (dO U^T) (.) E strictly lower; one product with K^ for the group), dO U^T and the
@@ -287,7 +297,7 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, 
     + (scale eg rq) q.(dO S^T) (this K-block's columns; the last as rowdot(gated dO, q S) per
     V-block) as its reverse cumsum to dg partial slot i_k (dq has no dbeta share)."""
     i_qh, j = tl.program_id(1), tl.program_id(2).to(tl.int64)
-    start, length, i_k, p_qk, o_qk, m_qk = _kblock(table, tl.program_id(0), i_qh, j, H, K, C, BK)
+    start, length, i_k, p_qk, o_qk, m_qk = _kblock(table, tl.program_id(0), i_qh, j, S_QK, K, C, BK)
     if length == 0:
         return
     G = HV // H
@@ -302,14 +312,14 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, 
     b_dq = tl.zeros([C, BK], dtype=tl.float32)
     b_pm = tl.zeros([C, C], dtype=tl.float32)                         # sum_g Pm_g, strictly lower
     b_pd = tl.zeros([C], dtype=tl.float32)                            # sum_g diag(Pm_g)
-    o_cv = o_c[:, None] * (HV * V) + tl.arange(0, BV)[None, :]          # [C, BV] of dO's rows
+    o_cv = o_c[:, None] * S_O + tl.arange(0, BV)[None, :]               # [C, BV] of dO's rows
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
         p_slot = j * HV + i_h
         b_egq = gate_row(gates, p_slot, GATE_EGQ, C)                    # scale eg rq
         b_dM = tl.zeros([C, C], dtype=tl.float32)                     # dO U^T
         b_dgam = tl.zeros([C], dtype=tl.float32)                      # (scale eg rq) q.(dO S^T)
-        p_cv = start * (HV * V) + i_h * V
+        p_cv = start * S_O + i_h * V
         for i_v in range(0, V, BV):
             b_u = _xt(ut, p_slot, i_v, V, C, BV)                            # U
             m_v = i_v + tl.arange(0, BV) < V
@@ -321,7 +331,7 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, 
             b_gdo = b_do.to(tl.float32) * b_egq[:, None]
             b_dq = _dot_hl(b_gdo, b_s, None, None, b_dq, PREC)
             b_dgam += tl.sum(b_gdo * tl.dot(b_q, tl.trans(b_s), input_precision=PREC), 1)
-        b_pmg, b_pdg = _pm(b_dM, g, rows, length, i_h, HV, scale, C)
+        b_pmg, b_pdg = _pm(b_dM, g, rows, length, i_h, S_G, scale, C)
         b_pq = b_pmg * b_qk
         b_dgam += tl.sum(b_pq, 1) - tl.sum(b_pq, 0)
         b_pm += b_pmg
@@ -332,13 +342,14 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, 
     b_dq += b_rq[:, None] * _dot_hl(b_pm * b_rk[None, :], b_k, None, None, None, PREC)     # P K^
     if i_k == 0:        # for the dk kernel's P^T Q^
         tl.store(pm + (j * H + i_qh) * (C * C) + block_offsets(C, C), b_pm)
-    _store_rows(dq + p_qk, b_dq, length, i_k * BK, H * K, K, C, BK)
+    _store_rows(dq + start * S_DQK + i_qh * K + i_k * BK, b_dq, length, i_k * BK, S_DQK, K, C, BK)
 
 
 @triton.jit
 def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ut, st, dsn, dxp, pm, dk, g, dg_part, dbeta_part,
                         table, T, slot0, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr):
+                        C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, S_QK: tl.constexpr,
+                        S_V: tl.constexpr, S_DQK: tl.constexpr, S_G: tl.constexpr, PREC: tl.constexpr):
     """rk dK^ of K-block i_k, qk head i_qh, chunk slot j, the group's value heads g summed:
         rk dK^ = rk (P^T Q^ + B K^) + sum_g (-(beta eg rk) dX' S^T + (w rk) U dSn^T)_g
     with P = sum_g (Pm_g + diag(Pm_g)) from the dq kernel (pm) and B = sum_g (diag(beta) DA + DA^T
@@ -348,7 +359,7 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ut, st, dsn, dxp, pm, dk, g
     - colsum(diag(beta) DA (.) K^K^^T) - (beta eg rk) k.(dX' S^T) (reverse cumsum), tau's exclusive
     cumsum, egL <S, dSn>; dbeta rowsum(DA (.) K^K^^T) - (eg rk) k.(dX' S^T), and dX'.v from K-block 0."""
     i_qh, j = tl.program_id(1), tl.program_id(2).to(tl.int64)
-    start, length, i_k, p_qk, o_qk, m_qk = _kblock(table, tl.program_id(0), i_qh, j, H, K, C, BK)
+    start, length, i_k, p_qk, o_qk, m_qk = _kblock(table, tl.program_id(0), i_qh, j, S_QK, K, C, BK)
     if length == 0:
         return
     G = HV // H
@@ -358,7 +369,7 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ut, st, dsn, dxp, pm, dk, g
     p_rn = (j * HV + i_qh * G) * (2 * C)                                # row factors of the qk head
     b_rk = tl.load(rn + p_rn + C + o_c)
     b_dk = tl.zeros([C, BK], dtype=tl.float32)
-    o_cv = o_c[:, None] * (HV * V) + tl.arange(0, BV)[None, :]          # [C, BV] of v's rows
+    o_cv = o_c[:, None] * S_V + tl.arange(0, BV)[None, :]               # [C, BV] of v's rows
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
         p_slot = j * HV + i_h
@@ -369,7 +380,7 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ut, st, dsn, dxp, pm, dk, g
         b_kF1 = tl.zeros([C], dtype=tl.float32)                       # k . (dX' S^T)
         b_kF2 = tl.zeros([C], dtype=tl.float32)                       # k . (U dSn^T)
         b_sds = 0.                                                    # <S, dSn> over this K-block
-        p_cv = start * (HV * V) + i_h * V
+        p_cv = start * S_V + i_h * V
         p_vk = p_slot * (V * K)
         for i_v in range(0, V, BV):
             b_u = _xt(ut, p_slot, i_v, V, C, BV)                            # U
@@ -387,7 +398,7 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ut, st, dsn, dxp, pm, dk, g
             b_f = tl.dot(b_u, b_dsn, tl.zeros([C, BK], dtype=tl.float32))
             b_kF2 += _rowdot(b_k, b_f)
             b_dk += b_wk[:, None] * b_f
-        b_E = segment_decay(g, rows, length, HV, i_h, C)
+        b_E = segment_decay(g, rows, length, S_G, i_h, C)
         b_beta = gate_row(gates, p_slot, GATE_BETA, C)
         b_da = tl.where(o_c[:, None] > o_c[None, :], -b_dA * b_E, 0.)  # DA
         b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC) * b_rk[:, None] * b_rk[None, :]   # k^_i.k^_j
@@ -408,32 +419,35 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ut, st, dsn, dxp, pm, dk, g
     b_rq = tl.load(rn + p_rn + o_c)
     b_P = tl.load(pm + (j * H + i_qh) * (C * C) + block_offsets(C, C))
     b_dk += b_rk[:, None] * _dot_hl(tl.trans(b_P) * b_rq[None, :], b_q, None, None, None, PREC)    # P^T Q^
-    _store_rows(dk + p_qk, b_dk, length, i_k * BK, H * K, K, C, BK)
+    _store_rows(dk + start * S_DQK + i_qh * K + i_k * BK, b_dk, length, i_k * BK, S_DQK, K, C, BK)
 
 
 @triton.jit
-def _l2norm_bwd(x, dx_pre, dx, r, rows, m_c, col0, stride, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
-    """dx = dxr - r^2 x (x.dxr) for the raw rows x (columns col0 + [0, K) at row stride `stride`) given
-    dxr = r dX^ (dx_pre: the gradient with r held fixed), over K-blocks of BK: the row dot first, then
-    the rows (two reads of x and dxr; no [C, K] fp32 tile live for K up to 256)."""
+def _l2norm_bwd(x, dx_pre, dx, r, rows, m_c, col0, S_X, S_PRE, S_DX, K: tl.constexpr, C: tl.constexpr,
+                BK: tl.constexpr):
+    """dx = dxr - r^2 x (x.dxr) for the raw rows x (columns col0 + [0, K)) given dxr = r dX^ (dx_pre: the
+    gradient with r held fixed), over K-blocks of BK: the row dot first, then the rows (two reads of x
+    and dxr; no [C, K] fp32 tile live for K up to 256). Rows S_X, S_PRE, S_DX apart."""
     o_b = tl.arange(0, BK)
     b_dot = tl.zeros([C], dtype=tl.float32)
     for kb in range(0, K, BK):
-        p = rows[:, None] * stride + col0 + kb + o_b[None, :]
+        o = col0 + kb + o_b[None, :]
         m = m_c[:, None] & (kb + o_b < K)[None, :]
-        b_dot += _rowdot(tl.load(x + p, mask=m, other=0.), tl.load(dx_pre + p, mask=m, other=0.))
+        b_dot += _rowdot(tl.load(x + rows[:, None] * S_X + o, mask=m, other=0.),
+                         tl.load(dx_pre + rows[:, None] * S_PRE + o, mask=m, other=0.))
     for kb in range(0, K, BK):
-        p = rows[:, None] * stride + col0 + kb + o_b[None, :]
+        o = col0 + kb + o_b[None, :]
         m = m_c[:, None] & (kb + o_b < K)[None, :]
-        b_x = tl.load(x + p, mask=m, other=0.).to(tl.float32)
-        b_d = tl.load(dx_pre + p, mask=m, other=0.) - (r * r * b_dot)[:, None] * b_x
-        tl.store(dx + p, b_d.to(dx.dtype.element_ty), mask=m)
+        b_x = tl.load(x + rows[:, None] * S_X + o, mask=m, other=0.).to(tl.float32)
+        b_d = tl.load(dx_pre + rows[:, None] * S_PRE + o, mask=m, other=0.) - (r * r * b_dot)[:, None] * b_x
+        tl.store(dx + rows[:, None] * S_DX + o, b_d.to(dx.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def chunk_bwd_finalize_kernel(q, k, dq_pre, dk_pre, rn, dg_part, dbeta_part, dq, dk, dg, dbeta, table,
                               T, H, HV, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                              NK: tl.constexpr, NQ: tl.constexpr, USE_L2: tl.constexpr):
+                              NK: tl.constexpr, NQ: tl.constexpr, S_QK: tl.constexpr, S_DQK: tl.constexpr,
+                              S_G: tl.constexpr, USE_L2: tl.constexpr):
     """dg = the sum of partial slots [0, NK) (the dq kernel's, then the dk kernel's), dbeta = the sum of
     slots [NQ, NK) (the dk kernel's: the dq kernel has no dbeta share), and with USE_L2 the l2norm
     backward of dq, dk; one program per (qk head, chunk slot)."""
@@ -452,9 +466,10 @@ def chunk_bwd_finalize_kernel(q, k, dq_pre, dk_pre, rn, dg_part, dbeta_part, dq,
             b_dg += tl.load(dg_part + (i_k * T + rows) * HV + i_h, mask=m_c, other=0.)
         for i_k in range(NQ, NK):
             b_db += tl.load(dbeta_part + (i_k * T + rows) * HV + i_h, mask=m_c, other=0.)
-        tl.store(dg + rows * HV + i_h, b_dg.to(dg.dtype.element_ty), mask=m_c)
-        tl.store(dbeta + rows * HV + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_c)
+        tl.store(dg + rows * S_G + i_h, b_dg.to(dg.dtype.element_ty), mask=m_c)
+        tl.store(dbeta + rows * S_G + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_c)
     if USE_L2:
         p_rn = (j * HV + i_qh * G) * (2 * C)
-        _l2norm_bwd(q, dq_pre, dq, tl.load(rn + p_rn + o_c), rows, m_c, i_qh * K, H * K, K, C, BK)
-        _l2norm_bwd(k, dk_pre, dk, tl.load(rn + p_rn + C + o_c), rows, m_c, i_qh * K, H * K, K, C, BK)
+        _l2norm_bwd(q, dq_pre, dq, tl.load(rn + p_rn + o_c), rows, m_c, i_qh * K, S_QK, H * K, S_DQK, K, C, BK)
+        _l2norm_bwd(k, dk_pre, dk, tl.load(rn + p_rn + C + o_c), rows, m_c, i_qh * K, S_QK, H * K, S_DQK, K, C,
+                    BK)

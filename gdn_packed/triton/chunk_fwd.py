@@ -113,7 +113,8 @@ def inv_unit_lower(a, PREC: tl.constexpr, C: tl.constexpr):
 @triton.jit
 def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scale,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                          C: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr):
+                          C: tl.constexpr, S_QK: tl.constexpr, S_G: tl.constexpr, USE_L2: tl.constexpr,
+                          PREC: tl.constexpr):
     i_qh = tl.program_id(0)
     j = tl.program_id(1).to(tl.int64)
     start, length = chunk_rows(table, j, C)
@@ -127,7 +128,7 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scal
     b_ssk = tl.zeros([C], dtype=tl.float32)
     for kb in range(0, K, BK):
         o_b = kb + tl.arange(0, BK)
-        o_qk = rows[:, None] * (H * K) + i_qh * K + o_b[None, :]
+        o_qk = rows[:, None] * S_QK + i_qh * K + o_b[None, :]
         m_qk = m_c[:, None] & (o_b < K)[None, :]
         b_k = tl.load(k + o_qk, mask=m_qk, other=0.0)
         b_q = tl.load(q + o_qk, mask=m_qk, other=0.0)
@@ -152,12 +153,12 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scal
     G: tl.constexpr = HV // H
     for i_g in range(0, G):     # M per value head first, so Q K^T is dead before the inverses
         i_h = i_qh * G + i_g
-        b_m = tl.where(m_causal, b_qk * segment_decay(g, rows, length, HV, i_h, C), 0.0)
+        b_m = tl.where(m_causal, b_qk * segment_decay(g, rows, length, S_G, i_h, C), 0.0)
         tl.store(mm + (j * HV + i_h) * (C * C) + o_cc, b_m.to(mm.dtype.element_ty))
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
-        b_gam, b_suf, b_tot, b_dec = chunk_gate_sums(g, rows, length, HV, i_h, C)
-        b_beta = tl.load(beta + rows * HV + i_h, mask=m_c, other=0.0).to(tl.float32)
+        b_gam, b_suf, b_tot, b_dec = chunk_gate_sums(g, rows, length, S_G, i_h, C)
+        b_beta = tl.load(beta + rows * S_G + i_h, mask=m_c, other=0.0).to(tl.float32)
         b_eg = tl.where(m_c, tl.exp(b_gam), 0.0)
         p_slot = j * HV + i_h
         b_t = inv_unit_lower(tl.where(m_strict, b_beta[:, None] * b_kk * b_dec, 0.0), PREC, C)
@@ -214,8 +215,8 @@ def _split_dot(a, p, o_r, m_r, K: tl.constexpr, BK: tl.constexpr):
 def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0, o, ht, st, ut, ends,
                            T_rows, segments, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                           HAS_H0: tl.constexpr, STORE_STATES: tl.constexpr, PROPAGATE: tl.constexpr,
-                           SPLIT_K: tl.constexpr):
+                           S_QK: tl.constexpr, S_V: tl.constexpr, S_O: tl.constexpr, HAS_H0: tl.constexpr,
+                           STORE_STATES: tl.constexpr, PROPAGATE: tl.constexpr, SPLIT_K: tl.constexpr):
     i_v, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # sequence i_n, segment i_s of `segments` (pass A: of the first segments - 1)
     per_seq = segments
@@ -248,15 +249,13 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
         p_slot = j * HV + i_h
         m_c = o_c < length
         # scalar int64 bases, int32 tile offsets (no per-element 64-bit address arithmetic)
-        p_k = k + start * (H * K) + i_qh * K
-        o_qk = o_c[:, None] * (H * K) + o_k[None, :]
+        p_k = k + start * S_QK + i_qh * K
+        o_qk = o_c[:, None] * S_QK + o_k[None, :]
         m_qk = m_c[:, None] & m_k[None, :]
         if not SPLIT_K:
             b_k = tl.load(p_k + o_qk, mask=m_qk, other=0.0)
-        p_v = start * (HV * V) + i_h * V
-        o_vt = o_c[None, :] * (HV * V) + o_v[:, None]
         m_vt = m_v[:, None] & m_c[None, :]
-        b_vt = tl.load(v + p_v + o_vt, mask=m_vt, other=0.0)
+        b_vt = tl.load(v + start * S_V + i_h * V + (o_c[None, :] * S_V + o_v[:, None]), mask=m_vt, other=0.0)
         b_beta = gate_row(gates, p_slot, GATE_BETA, C)
         b_egk = gate_row(gates, p_slot, GATE_EGK, C)
         b_wk = gate_row(gates, p_slot, GATE_WK, C)
@@ -269,7 +268,7 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
                 o_st = o_v[:, None] * K + o_k[None, :]
             tl.store(st + p_slot * (K * V) + o_st, b_st_in, mask=m_s)
         if SPLIT_K:
-            b_kst = _split_dot_t(b_st_in, p_k, o_c * (H * K), m_c, K, BK)
+            b_kst = _split_dot_t(b_st_in, p_k, o_c * S_QK, m_c, K, BK)
         else:
             b_kst = tl.dot(b_st_in, tl.trans(b_k))                  # (K S)^T   [BV, C]
         b_xt = b_beta[None, :] * (b_vt.to(tl.float32) - b_egk[None, :] * b_kst)    # X'^T      [BV, C]
@@ -282,16 +281,16 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
         elif not PROPAGATE:
             b_egq = gate_row(gates, p_slot, GATE_EGQ, C)
             if SPLIT_K:
-                b_ot = _split_dot_t(b_st_in, q + start * (H * K) + i_qh * K, o_c * (H * K), m_c, K, BK)
+                b_ot = _split_dot_t(b_st_in, q + start * S_QK + i_qh * K, o_c * S_QK, m_c, K, BK)
             else:
-                b_ot = tl.dot(b_st_in, tl.trans(tl.load(q + start * (H * K) + i_qh * K + o_qk, mask=m_qk,
-                                                        other=0.0)))
+                b_ot = tl.dot(b_st_in, tl.trans(tl.load(q + start * S_QK + i_qh * K + o_qk, mask=m_qk, other=0.0)))
             b_ot = b_ot * b_egq[None, :]                            # (Q S)^T scaled
             b_ot = tl.dot(b_ut.to(DT), tl.trans(tl.load(mm + p_slot * (C * C) + o_cc)), b_ot)   # + (M U)^T
-            tl.store(o + p_v + o_vt, b_ot.to(o.dtype.element_ty), mask=m_vt)
+            tl.store(o + start * S_O + i_h * V + (o_c[None, :] * S_O + o_v[:, None]), b_ot.to(o.dtype.element_ty),
+                     mask=m_vt)
         b_uw = (b_ut * b_wk[None, :]).to(DT)
         if SPLIT_K:     # (k read again, an L1/L2 hit, half a tile at a time: fp32 with K > 128)
-            b_st = b_st * tl.load(eg_last + p_slot) + _split_dot(b_uw, p_k, o_c * (H * K), m_c, K, BK)
+            b_st = b_st * tl.load(eg_last + p_slot) + _split_dot(b_uw, p_k, o_c * S_QK, m_c, K, BK)
         else:
             b_st = b_st * tl.load(eg_last + p_slot) + tl.dot(b_uw, b_k)
     if PROPAGATE:       # the segment's end rows: S^T from a zero entering state, then P^T
@@ -302,10 +301,10 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
                  mask=m_s)
         a, b = padding_after(table, cu_chunks, i_n, N, T_rows)
         col0, ncols = i_h * V + i_v * BV, tl.minimum(V - i_v * BV, BV)
-        zero_rows(o, a, b, col0, ncols, HV * V, BV, C)
+        zero_rows(o, a, b, col0, ncols, S_O, BV, C)
         if i_n == 0:
             first = padding_before_first(table, cu_chunks, N, T_rows)
-            zero_rows(o, first * 0, first, col0, ncols, HV * V, BV, C)
+            zero_rows(o, first * 0, first, col0, ncols, S_O, BV, C)
 
 
 @triton.jit(do_not_specialize=["segments"])

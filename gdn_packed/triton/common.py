@@ -86,34 +86,35 @@ def zero_rows(p, a, b, col0, ncols, stride, BW: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def segment_decay(g, rows, length, HV, hv, C: tl.constexpr):
-    """E [C, C] of one chunk (value head hv): E_ij = exp(sum of g over rows (j, i]) for j <= i, else 0,
-    as a row-wise reverse scan of the masked g: never a difference of two cumulative sums, so a
-    g = -inf row (decay 0, a hard reset) or rows of g ~ -1e30 give exact zeros, never inf - inf."""
+def segment_decay(g, rows, length, S_G, hv, C: tl.constexpr):
+    """E [C, C] of one chunk (value head hv; g's rows S_G apart): E_ij = exp(sum of g over rows (j, i])
+    for j <= i, else 0, as a row-wise reverse scan of the masked g: never a difference of two cumulative
+    sums, so a g = -inf row (decay 0, a hard reset) or rows of g ~ -1e30 give exact zeros, never
+    inf - inf."""
     rc = tl.arange(0, C)
     # g_next[t] = g of row t + 1 (0 past the chunk); seg[i, t] = g_next[t] for t < i, and row i's
     # reverse scan over t >= j is the sum over (j, i]
-    g_next = tl.load(g + (rows + 1) * HV + hv, mask=rc + 1 < length, other=0.0).to(tl.float32)
+    g_next = tl.load(g + (rows + 1) * S_G + hv, mask=rc + 1 < length, other=0.0).to(tl.float32)
     seg = tl.cumsum(tl.where(rc[None, :] < rc[:, None], g_next[None, :], 0.0), axis=1, reverse=True)
     return tl.where(rc[:, None] >= rc[None, :], tl.exp(seg), 0.0)
 
 
 @triton.jit
-def chunk_gate_sums(g, rows, length, HV, hv, C: tl.constexpr):
-    """Gate sums of one chunk (value head hv), none formed as a difference of cumulative sums (so
-    g = -inf and g ~ -1e30 rows give exact zeros):
+def chunk_gate_sums(g, rows, length, S_G, hv, C: tl.constexpr):
+    """Gate sums of one chunk (value head hv; g's rows S_G apart), none formed as a difference of
+    cumulative sums (so g = -inf and g ~ -1e30 rows give exact zeros):
       gam [C]  sum of g over rows [0, i]            (eg_i = exp(gam_i))
       suf [C]  sum of g over rows (i, length)       (w_i = exp(suf_i), the state-update row weights)
       tot      sum of g over the chunk               (exp(tot) = decay of the whole chunk)
       dec [C, C] segment_decay (E).
     Dead rows (i >= length) read g = 0 by a masked load."""
     rc = tl.arange(0, C)
-    b_g = tl.load(g + rows * HV + hv, mask=rc < length, other=0.0).to(tl.float32)
-    g_next = tl.load(g + (rows + 1) * HV + hv, mask=rc + 1 < length, other=0.0).to(tl.float32)
+    b_g = tl.load(g + rows * S_G + hv, mask=rc < length, other=0.0).to(tl.float32)
+    g_next = tl.load(g + (rows + 1) * S_G + hv, mask=rc + 1 < length, other=0.0).to(tl.float32)
     gam = tl.cumsum(b_g, axis=0)
     suf = tl.cumsum(g_next, axis=0, reverse=True)
     tot = tl.sum(b_g, axis=0)
-    return gam, suf, tot, segment_decay(g, rows, length, HV, hv, C)
+    return gam, suf, tot, segment_decay(g, rows, length, S_G, hv, C)
 
 
 @triton.jit
