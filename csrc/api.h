@@ -88,5 +88,6 @@ struct ChunkSm90Params {
   bool l2norm = false, raw_gates = false;
 };
 Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::uintptr_t stream);
+int chunk_gdr_fwd_sm90_smem_bytes();     // the kernel's dynamic shared memory per CTA (the model reads it)
 
 }  // namespace gdn

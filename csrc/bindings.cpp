@@ -326,6 +326,7 @@ PYBIND11_MODULE(_C, m) {
              "Recurrent gated delta rule forward (gdn_packed/cuda/recurrent.py).");
 #if defined(GDN_HAVE_SM90)
   m.attr("chunk_gdr_fwd_sm90_missing") = std::string();
+  m.attr("chunk_gdr_fwd_sm90_smem_bytes") = gdn::chunk_gdr_fwd_sm90_smem_bytes();
   def_kernel(m, "chunk_gdr_fwd_sm90", chunk_sm90_args(), &gdn::chunk_gdr_fwd_sm90,
              "Chunked gated delta rule forward, sm_90a, K = V = 128 (gdn_packed/cuda/chunk.py).");
 #else

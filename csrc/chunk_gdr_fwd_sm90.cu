@@ -11,7 +11,7 @@
 //        the padding rows after them, n = 0 also those before the first sequence); ht [N, HV, K, V]
 //        fp32 (or 0)
 // Grid (V-blocks 2, HV, N) in clusters of 2: the two V-block CTAs of a (value head, sequence). CTA
-// (384 threads, 1 per SM, 220 KB shared memory):
+// (384 threads, 1 per SM, 225 KB shared memory):
 //   warpgroup 0, producer (40 registers): one thread waits for a free stage of the 3-stage ring and
 //        issues the TMA loads of the chunk's k, q (qk head, [64 rows, 128] each, 128B-swizzled) and the
 //        CTA's 64 columns of v; rows past T arrive as 0 (TMA), rows of other sequences are zeroed here
@@ -289,6 +289,8 @@ void run_mirror(const Args& a) {
 #include "chunk_gdr_fwd_sm90_device.cuh"
 
 namespace gdn {
+
+int chunk_gdr_fwd_sm90_smem_bytes() { return sm90::kSmemBytes; }
 
 Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::uintptr_t stream) {
   auto bad = [](const std::string& m) { return Status::invalid("chunk_gdr_fwd_sm90: " + m); };

@@ -525,7 +525,8 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
       const typename P::Smem ts{smem_u32(sm.ts[b]), 0, true}, m{smem_u32(sm.mm[b]), 0, true};
       const typename P::Smem v{smem_u32(sm.v[st]), 0, true};
       state_step<P, T>(p, S, sm.gates[b], kq_b, k_mn, ts, m, v, [&](typename P::template Frag<2 * kC>& acc) {
-        named_sync(p.bar);                        // every thread's V^T read of the tile done: O goes there
+        // O goes into the v tile: every warp has read its V^T (ldmatrix) before issuing the X'^T Ts^T
+        // wgmma, and a wgmma group completes only once all four warps have issued it
         p.template stmatrix<T>(acc.d + kC / 2, ostage, true);    // O [c][v]
         fence_async_smem();                       // for the TMA store, and before the next TMA load into it
         named_sync(p.bar);
@@ -615,7 +616,8 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
   auto kernel = chunk_gdr_fwd_sm90_kernel<T>;
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return cuda_error("chunk_gdr_fwd_sm90: cudaFuncSetAttribute", e);
-  if (a.N > 65535 || a.HV > 65535) return Status::invalid("chunk_gdr_fwd_sm90: at most 65535 sequences and value heads");
+  if (a.N > 65535 || a.HV > 65535)
+    return Status::invalid("chunk_gdr_fwd_sm90: at most 65535 sequences and value heads");
   const dim3 grid(kVBlocks, static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(tq, tk, tv, to, a);
   return launch_status("chunk_gdr_fwd_sm90");

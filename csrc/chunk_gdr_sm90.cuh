@@ -27,7 +27,8 @@
 //   P::row_sumsq_half(tile, i, h)    the sum of squares of row i over K-half h of a [64, K] tile
 //   P::sync()             shared-memory writes visible to the warpgroup's generic and async (wgmma) reads
 // The inverse: the four 16 x 16 diagonal blocks of I + A by forward substitution in fp32 (one column a
-// thread), then two doubling levels D_2b = D_b - (D_b A_b) D_b (b = 16, 32) on the tensor cores.
+// thread), the two 32 x 32 ones from them on the CUDA cores (fp32), then one doubling level
+// D_2b = D_b - (D_b A_b) D_b (b = 32) on the tensor cores.
 // Values rounded (bf16 / fp16 inputs; an fp32 host mirror rounds nothing): the A operands S^T, X'^T, U^T
 // and (w rk) U^T of the state warpgroup (to the input dtype); Ts and M (stored in the input dtype); the
 // doubling operands D_b, X_b and A (to the operand type of the inverse, TInv); q, k, v enter exactly.
@@ -77,7 +78,10 @@ struct PrepScratch {
   float dsum[kC][kStrip];
   float strip[kC][kStrips];
   alignas(16) float a16[kC][kSub];   // A's 16 x 16 diagonal blocks: a16[r][c % 16] = A_rc, r / 16 == c / 16
-  float t16[kC][kSub];               // their inverses (I + A_bb)^-1, the same layout
+  alignas(16) float t16[kC][kSub];   // their inverses (I + A_bb)^-1, the same layout
+  alignas(16) float a21[2][kSub][kSub];   // per 32 x 32 diagonal block q: A's lower-left 16 x 16 block, then
+                                          // that block of the inverse, T21 = -T22 A21 T11
+  alignas(16) float x21[2][kSub][kSub];   // A21 T11
 };
 
 // exp: the hardware's ex2 (2 ulp, results below 2^-126 flushed to 0) on the device, libm on the host
@@ -160,7 +164,8 @@ GDN_HD void sub_inverse_col(PrepScratch& s, int col) {
   for (int i = 0; i < kSub; ++i) {
     float a[kSub];                          // row i of the block, in 16-byte pieces
 #pragma unroll
-    for (int j = 0; j < i; j += 4) *reinterpret_cast<float4*>(a + j) = *reinterpret_cast<const float4*>(&s.a16[b * kSub + i][j]);
+    for (int j = 0; j < i; j += 4)
+      *reinterpret_cast<float4*>(a + j) = *reinterpret_cast<const float4*>(&s.a16[b * kSub + i][j]);
     float acc[2] = {0.f, 0.f};              // two chains: the sum's latency halves
 #pragma unroll
     for (int j = 0; j < i; ++j) acc[j & 1] += a[j] * x[j];
@@ -168,6 +173,28 @@ GDN_HD void sub_inverse_col(PrepScratch& s, int col) {
   }
 #pragma unroll
   for (int i = 0; i < kSub; ++i) s.t16[b * kSub + i][l] = x[i];
+}
+
+// The lower-left 16 x 16 block of each 32 x 32 diagonal block of (I + A)^-1 from the 16 x 16 inverses:
+// T21 = -T22 (A21 T11), in two passes (phase 0: X = A21 T11; 1: T21 = -T22 X, over A21), four adjacent
+// elements of a row a call, t in 0..127.
+GDN_HD void inverse_32_pass(PrepScratch& s, int t, int phase) {
+  const int q = t / 64, i = (t / 4) % kSub, c = (t % 4) * 4;
+  float row[kSub], acc[4] = {0.f, 0.f, 0.f, 0.f};
+  const float* left = phase == 0 ? s.a21[q][i] : s.t16[32 * q + kSub + i];     // A21 or T22, row i
+#pragma unroll
+  for (int j = 0; j < kSub; j += 4) *reinterpret_cast<float4*>(row + j) = *reinterpret_cast<const float4*>(left + j);
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) {
+    const float4 r = *reinterpret_cast<const float4*>(phase == 0 ? &s.t16[32 * q + j][c] : &s.x21[q][j][c]);
+    acc[0] += row[j] * r.x;
+    acc[1] += row[j] * r.y;
+    acc[2] += row[j] * r.z;
+    acc[3] += row[j] * r.w;
+  }
+  const float sg = phase == 0 ? 1.f : -1.f;
+  *reinterpret_cast<float4*>(phase == 0 ? &s.x21[q][i][c] : &s.a21[q][i][c]) =
+      float4{sg * acc[0], sg * acc[1], sg * acc[2], sg * acc[3]};
 }
 
 // The doubling step's mask: the lower-left b x b block of each 2b x 2b diagonal block.
@@ -218,18 +245,29 @@ GDN_HD void prep_chunk(P& p, const typename P::Smem& q_t, const typename P::Smem
     a = c < r ? ea : 0.f;
     m = (scale * s.rq[r]) * e * m;
   });
-  P::for_each(kk, [&](int r, int c, float& a) { if (r / kSub == c / kSub) s.a16[r][c % kSub] = a; });
+  P::for_each(kk, [&](int r, int c, float& a) {
+    if (r / kSub == c / kSub) s.a16[r][c % kSub] = a;
+    if (r / 32 == c / 32 && r % 32 >= kSub && c % 32 < kSub) s.a21[r / 32][r % kSub][c % kSub] = a;
+  });
   p.template store<TInv>(kk, at_store, true);        // A^T: the B operand [k, n] = A[k][n], K-major
   p.template store<T>(qk, m_store, false);
   p.sync();
   p.for_rows([&](int c) { sub_inverse_col(s, c); });
   p.sync();
-  // D_16, the block diagonal of the substituted inverses; then D_2b = D_b - (D_b A_b) D_b, where
+  p.for_threads([&](int t) { inverse_32_pass(s, t, 0); });
+  p.sync();
+  p.for_threads([&](int t) { inverse_32_pass(s, t, 1); });
+  p.sync();
+  // D_32, the block diagonal of the 32 x 32 inverses; then D_2b = D_b - (D_b A_b) D_b (b = 32), where
   // (D_b A_b) = lower_left_b(D_b A) as D_b is block-diagonal
   typename P::template Frag<kC> d;
-  P::for_each(d, [&](int r, int c, float& v) { v = (r / kSub == c / kSub) ? s.t16[r][c % kSub] : 0.f; });
+  P::for_each(d, [&](int r, int c, float& v) {
+    const bool lower_left16 = r % 32 >= kSub && c % 32 < kSub;
+    v = r / kSub == c / kSub ? s.t16[r][c % kSub]
+        : r / 32 == c / 32 && lower_left16 ? s.a21[r / 32][r % kSub][c % kSub] : 0.f;
+  });
 #pragma unroll
-  for (int b = kSub; b < kC; b *= 2) {
+  for (int b = 2 * kSub; b < kC; b *= 2) {
     p.template store<TInv>(d, dt_store, true);       // D_b^T: the B operand [k, n] = D_b[k][n]
     p.sync();
     typename P::template Frag<kC> x;

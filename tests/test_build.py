@@ -1,10 +1,9 @@
 """The build path: csrc/ compiles for sm_80 and sm_90a without register spills or stack frames, the
-sm_90a chunked kernel's SASS has the tensor-core products of its tile program in its chunk loops (one
-compile: cuobjdump reads the object ptxas reported on), gdn_packed._C imports when it was built, the
-CUDA backend reports itself unavailable (with a reason) on a machine without a GPU, and the package
-installs without nvcc."""
+sm_90a chunked kernel's SASS has the tensor-core products of its tile program in its chunk loops (the
+sm_90 report's compile of it, cached by its sources: bench/sm90/cuda_chunk.py), gdn_packed._C imports
+when it was built, the CUDA backend reports itself unavailable (with a reason) on a machine without a
+GPU, and the package installs without nvcc."""
 import glob
-import importlib.util
 import os
 import re
 import shutil
@@ -14,8 +13,11 @@ import tempfile
 import zipfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
+
+from bench.sm90 import cuda_chunk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
@@ -28,60 +30,13 @@ KERNEL_FAMILIES = ("chunk_count_scan_kernel", "chunk_table_fill_kernel", "conv1d
 SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": "chunk_gdr_fwd_sm90_kernel"}
 
 
-def cutlass_include():
-    spec = importlib.util.find_spec("cutlass_library")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    d = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
-    return d if os.path.isdir(os.path.join(d, "cute")) else None
-
-
-def find_tool(name):
-    """nvcc / cuobjdump: next to $CUDACXX, on PATH, in /usr/local/cuda/bin; cuobjdump also the copy
-    triton ships (the CUDA toolkit here has nvcc and ptxas only)."""
-    where = [os.path.join(os.path.dirname(os.environ.get("CUDACXX") or "/nonexistent"), name), shutil.which(name),
-             f"/usr/local/cuda/bin/{name}"]
-    spec = importlib.util.find_spec("triton")
-    if spec is not None and spec.submodule_search_locations:
-        where.append(os.path.join(list(spec.submodule_search_locations)[0], "backends", "nvidia", "bin", name))
-    for c in where:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    return None
-
-
-NVCC, CUOBJDUMP = find_tool("nvcc"), find_tool("cuobjdump")
+# the sm_90a file's compile (its flags, the tools, the CuTe headers) is the sm_90 report's, cached on disk
+# by its sources: one compile for both (bench/sm90/cuda_chunk.py)
+cutlass_include, parse_ptxas = cuda_chunk.cutlass_include, cuda_chunk.parse_ptxas
+NVCC, CUOBJDUMP = cuda_chunk.find_tool("nvcc"), cuda_chunk.find_tool("cuobjdump")
 SASS = {}   # file name -> cuobjdump -sass of its object (the sm_90a-only sources), filled by ptxas_report
 needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc not found (PATH, /usr/local/cuda/bin): "
                                                      "csrc/ compile checks skipped")
-
-
-def parse_ptxas(text):
-    """[{name, arch, registers, smem, spill, stack}] from `-Xptxas -v` output."""
-    recs, cur_arch, rec = [], None, None
-    for line in text.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)' for '(sm_\w+)'", line)
-        if m:
-            cur_arch = m.group(2)
-            rec = dict(name=m.group(1), arch=cur_arch, registers=None, smem=0, spill=0, stack=0)
-            recs.append(rec)
-            continue
-        m = re.search(r"Function properties for (\S+)", line)
-        if m and (rec is None or m.group(1) != rec["name"]):  # a non-inlined device function
-            rec = dict(name=m.group(1), arch=cur_arch, registers=None, smem=0, spill=0, stack=0)
-            recs.append(rec)
-            continue
-        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m and rec is not None:
-            rec["stack"] = int(m.group(1))
-            rec["spill"] = int(m.group(2)) + int(m.group(3))
-            continue
-        m = re.search(r"Used (\d+) registers", line)
-        if m and rec is not None:
-            rec["registers"] = int(m.group(1))
-            s = re.search(r"(\d+) bytes smem", line)
-            rec["smem"] = int(s.group(1)) if s else 0
-    return recs
 
 
 def demangle(names):
@@ -107,17 +62,15 @@ def ptxas_report():
 
     def compile_one(src):
         obj = os.path.join(tmp, os.path.basename(src) + ".o")
-        cmd = [NVCC, "-c", src, "-o", obj, "-std=c++17", "-O3", "-I", CSRC, "-Xptxas", "-v",
-               "-DGDN_CUDA_ARCHS=\"80,90a\"", "-gencode=arch=compute_90a,code=sm_90a"]
         if os.path.basename(src) in SM90_ONLY:
-            cmd += ["-I", cutlass_include(), "--expt-relaxed-constexpr"]
-        else:
-            cmd += ["-gencode=arch=compute_80,code=sm_80"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode == 0 and CUOBJDUMP and os.path.basename(src) in SM90_ONLY:
-            SASS[os.path.basename(src)] = subprocess.run([CUOBJDUMP, "-sass", obj], capture_output=True,
-                                                         text=True, check=True).stdout
-        return src, cmd, p
+            out = cuda_chunk.build()
+            SASS[os.path.basename(src)] = out.get("sass", "")
+            return src, cuda_chunk.nvcc_command(src, obj), SimpleNamespace(
+                returncode=1 if "error" in out else 0, stdout=out.get("ptxas", ""), stderr=out.get("error", ""))
+        cmd = [NVCC, "-c", src, "-o", obj, "-std=c++17", "-O3", "-I", CSRC, "-Xptxas", "-v",
+               "-DGDN_CUDA_ARCHS=\"80,90a\"", "-gencode=arch=compute_90a,code=sm_90a",
+               "-gencode=arch=compute_80,code=sm_80"]
+        return src, cmd, subprocess.run(cmd, capture_output=True, text=True)
 
     try:
         with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
@@ -195,14 +148,14 @@ def sass_loops(sass):
 def test_sm90_chunk_loops_run_the_tile_program_on_the_tensor_cores(ptxas_report, report_table):
     """cuobjdump SASS of both instantiations: the two chunk loops hold exactly the wgmma of the tile
     program (csrc/chunk_gdr_sm90.cuh), each issued once per chunk (nothing serialised into a loop of its
-    own): prep 32 HGMMA 64x64x16 (K K^T and Q K^T, 8 each; two doubling levels of the inverse, 2 x 2 x 4)
-    in 5 waits; state 12 HGMMA 64x128x16 (S^T [K; Q]^T 8, the state update U K 4) and 8 HGMMA
-    64x64x16 (X'^T Ts^T, U^T M^T) in 3 waits (U^T M^T and U K share one)."""
+    own): prep 24 HGMMA 64x64x16 (K K^T and Q K^T, 8 each; the inverse's doubling level, 2 x 4) in 3
+    waits; state 12 HGMMA 64x128x16 (S^T [K; Q]^T 8, the state update U K 4) and 8 HGMMA 64x64x16
+    (X'^T Ts^T, U^T M^T) in 3 waits (U^T M^T and U K share one)."""
     sass = SASS.get("chunk_gdr_fwd_sm90.cu")
     assert sass, "no SASS of chunk_gdr_fwd_sm90.cu"
     loops = sass_loops(sass)
     assert len(loops) == 2, list(loops)
-    want = sorted([(Counter({"64x64x16": 32}), 5), (Counter({"64x128x16": 12, "64x64x16": 8}), 3)],
+    want = sorted([(Counter({"64x64x16": 24}), 3), (Counter({"64x128x16": 12, "64x64x16": 8}), 3)],
                   key=lambda x: sorted(x[0].items()))
     for name, got in loops.items():
         report_table("sm_90a chunked kernel, HGMMA per chunk loop (cuobjdump)",

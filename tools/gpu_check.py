@@ -14,9 +14,9 @@ so time an early step leaves is given to the later ones and the whole run ends i
              per-test timeout, 4 pytest-xdist workers where installed, every @triton.autotune on its
              first config (fla-core's tuning is not what the tests check); dry run: the first device
              test of each module
-  sanitizer  the CUDA kernels (chunk table, conv fwd+bwd, recurrent) and one Triton chunked
-             forward+backward, small packed cases, run plainly, under compute-sanitizer memcheck and
-             racecheck; dry run: plainly, on CPU
+  sanitizer  the CUDA kernels (chunk table, conv fwd+bwd, recurrent, the sm_90a chunked forward with
+             the Triton backward) and one Triton chunked forward+backward, small packed cases, run
+             plainly, under compute-sanitizer memcheck and racecheck; dry run: plainly, on CPU
   graph      CUDA-graph capture and replay of the chunked op's forward+backward over a packing, under
              torch.cuda.set_sync_debug_mode("error"), replay against eager on new data
   bench      python -m bench on the GPU suite's headline cases (one invocation each, merged);
@@ -413,9 +413,38 @@ def case_sanitize():
                                                             use_qk_l2norm_in_kernel=True, backend="cuda")
         assert torch.isfinite(od).all() and torch.isfinite(pool).all(), "non-finite recurrent output"
         ran.append("recurrent fwd (state pool)")
+        ran += _case_cuda_chunk(dev, skipped)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     return {"status": "ok", "ran": ran, "skipped": skipped}
+
+
+def _case_cuda_chunk(dev, skipped):
+    """The sm_90a chunked forward (backend="cuda": K = V = 128, bf16) on a small packing with zero-length,
+    single-token and partial chunks and gaps, then the Triton backward through it: finite, o within
+    the bf16 budget of the Triton forward's."""
+    import torch
+
+    import gdn_packed
+    from gdn_packed.cuda.chunk import refusal
+    from gdn_packed.testing import rel_err
+    (q, k, v, g, beta, h0), cu, cu_pad, _ = _packed_inputs(dev, torch.bfloat16, [1, 63, 130, 0, 65], [2, 0, 5, 1, 0],
+                                                           1, 2, 128, 128, 3, True)
+    why = refusal(q, v, dev)
+    if why is not None:
+        skipped.append(f"cuda chunked forward: {why}")
+        return []
+    outs = {}
+    for backend in ("cuda", "triton"):
+        o, ht = gdn_packed.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                  cu_seqlens=cu, cu_seqlens_padded=cu_pad,
+                                                  use_qk_l2norm_in_kernel=True, backend=backend)
+        grads = torch.autograd.grad((o.float().square().sum() + ht.square().sum()), (q, k, v, g, beta, h0))
+        assert all(torch.isfinite(x).all() for x in (o, ht, *grads)), f"non-finite {backend} output or gradient"
+        outs[backend] = o.detach()
+    err = rel_err(outs["cuda"], outs["triton"].double())
+    assert err <= 2e-2, f"cuda chunked forward {err:.2e} from the Triton forward"
+    return [f"cuda chunk fwd (sm_90a) + Triton bwd (o {err:.1e} from triton)"]
 
 
 def case_graph():

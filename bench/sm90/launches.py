@@ -270,8 +270,11 @@ def fla_missing():
 
 
 def record_cases(shapes, dtypes, modes, fla=True, log=print):
-    """[(impl, shape name, dims, dtype, [Launch])] for every shape x dtype x impl."""
+    """[(impl, shape name, dims, dtype, [Launch])] for every shape x dtype x impl (impl "cuda": the sm_90a
+    CUDA forward, bench/sm90/cuda_chunk.py)."""
     import torch
+
+    from bench.sm90 import cuda_chunk
     cases = []
     rec = Recorder(torch_ops=True)
     with fake_hopper(), rec.active():
@@ -283,5 +286,9 @@ def record_cases(shapes, dtypes, modes, fla=True, log=print):
                     (record_ours if impl == "ours" else record_fla)(rec, dims, dtype, modes)
                     log(f"recorded {impl} {name} {dt}: {len(rec.launches)} launches")
                     cases.append((impl, name, dims, dt, list(rec.launches)))
+                if "fwd" in modes and cuda_chunk.takes(dims, dt):     # backend="cuda": its forward
+                    rec.launches = []
+                    cuda_chunk.record(rec, dims, dt, _meta_inputs, _op_body)
+                    cases.append(("cuda", name, dims, dt, list(rec.launches)))
     return cases
 

@@ -4,8 +4,9 @@ import math
 import os
 import re
 
+from bench.sm90 import cuda_chunk
 from bench.sm90 import model as M
-from bench.sm90.launches import TorchOp, record_cases
+from bench.sm90.launches import Launch, TorchOp, record_cases
 from bench.sm90.toolchain import compile_all, compile_launch
 
 
@@ -31,12 +32,14 @@ def _rows_of(case, const):
     N, L = dims[:2]
     seq_chunks = -(-L // M.CHUNK)
     groups, ops = {}, {}
+    rows = []
     for lc in launches:
         if isinstance(lc, TorchOp):
             ops.setdefault(lc.phase, []).append(lc)
+        elif isinstance(lc, cuda_chunk.CudaLaunch):     # the CUDA kernel models itself (bench/sm90/cuda_chunk.py)
+            rows.append(cuda_chunk.row(name, dims, dt, const))
         else:
             groups.setdefault((lc.phase, lc.group), []).append(lc)
-    rows = []
     for (phase, _), cands in groups.items():
         best = None
         for lc in cands:
@@ -101,7 +104,7 @@ def run_report(shapes, dtypes, modes, fla=True, kernels=None, log=print):
     if kernels:
         cases = [(*cs[:4], [lc for lc in cs[4] if re.search(kernels, lc.kernel)]) for cs in cases]
     first = [cs for cs in cases if cs[1] == shapes[0][0]]
-    compile_all([lc for *_, launches in first for lc in launches if not isinstance(lc, TorchOp)], log=log)
+    compile_all([lc for *_, launches in first for lc in launches if isinstance(lc, Launch)], log=log)
     rows, _, _ = report(first)
     chosen = {(r["impl"], r["dtype"], r["mode"], r["kernel"]): r["config"] for r in rows if r["candidates"] > 1}
 
@@ -113,7 +116,7 @@ def run_report(shapes, dtypes, modes, fla=True, kernels=None, log=print):
             (impl, dt, lc.phase, lc.kernel), lc.config_text()) == lc.config_text()])
 
     cases = [keep(cs) for cs in cases]
-    compile_all([lc for *_, launches in cases for lc in launches if not isinstance(lc, TorchOp)], log=log)
+    compile_all([lc for *_, launches in cases for lc in launches if isinstance(lc, Launch)], log=log)
     return report(cases)
 
 

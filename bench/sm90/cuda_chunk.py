@@ -1,0 +1,338 @@
+"""The sm_90a CUDA chunked forward (csrc/chunk_gdr_fwd_sm90.cu, backend="cuda") in `python -m bench kernels`.
+
+It is compiled here with nvcc for sm_90a (the CuTe headers of the pinned nvidia-cutlass; cached on disk
+beside the Triton compiles, keyed by the csrc sources), and its SASS goes through the same simulator at
+the same constants as the Triton kernels (sass.simulate, model.CONSTANTS). What differs is the CTA: one
+per (V-block, value head, sequence), three warpgroups each running its own loop (bench/NOTES.md, "The
+sm_90a CUDA chunked forward"), so the loops are simulated one by one and combined per CTA of n chunks:
+
+    state   the state warpgroup's chunk loop, one warp's path: s cycles a chunk       -> n s
+    prep    the prep warpgroup's loop (the CTA preps every other chunk): p a chunk     -> ceil(n / 2) p
+    issue   one warp of each warpgroup per SM sub-partition (a scheduler each):
+            i_state + i_prep / 2 + i_producer instructions a chunk                     -> n (...)
+    mma     the SM's tensor pipe: m_state + m_prep / 2 cycles a chunk                  -> n (...)
+    D(n) =  max(n s, ceil(n / 2) p, issue, mma) + ldg (the first TMA loads)
+
+the CTAs to the 132 SMs (1 CTA per SM) in launch order (model._schedule), bytes and FLOPs as for the
+Triton kernels (tiles per CTA: k, q, its v half and o per chunk, its half of h0 / ht; the footprint at
+HBM's rate, re-reads at L2's). The simulator follows both sides of a guarded branch, so the rare paths of
+a chunk (a sequence's last, partial chunk: the zeroing of its dead rows, its row stores) are charged to
+every chunk: the estimate errs high. The op's torch operators (the chunk table) are recorded from the op
+body with backend="cuda" and the kernel launch itself stubbed (launches.Recorder)."""
+import dataclasses
+import glob
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+
+from bench.sm90 import model as M
+from bench.sm90 import sass
+from bench.sm90.hopper import CLOCK_HZ, HBM_BPS, NUM_SMS, SM_BPS, TC_FLOPS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CSRC = os.path.join(ROOT, "csrc")
+SOURCE = os.path.join(CSRC, "chunk_gdr_fwd_sm90.cu")
+KERNEL = "chunk_gdr_fwd_sm90_kernel"
+THREADS, V_BLOCK, HEAD_DIM = 384, 64, 128
+DTYPES = ("bf16", "fp16")          # the kernel's inputs (fp32: refused, no row)
+
+
+def takes(dims, dtype):
+    """Whether backend="cuda" takes the shape (N, L, H, HV, K, V) and dtype (else it refuses: no row)."""
+    return dims[4] == dims[5] == HEAD_DIM and dtype in DTYPES
+
+
+def find_tool(name):
+    """nvcc / cuobjdump: next to $CUDACXX, on PATH, in /usr/local/cuda/bin; cuobjdump also the copy
+    triton ships (a CUDA toolkit may have nvcc and ptxas only)."""
+    where = [os.path.join(os.path.dirname(os.environ.get("CUDACXX") or "/nonexistent"), name), shutil.which(name),
+             f"/usr/local/cuda/bin/{name}"]
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.submodule_search_locations:
+        where.append(os.path.join(list(spec.submodule_search_locations)[0], "backends", "nvidia", "bin", name))
+    for c in where:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def cutlass_include():
+    """The CuTe / CUTLASS headers of the nvidia-cutlass wheel (a build requirement), or None."""
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = os.path.join(list(spec.submodule_search_locations)[0], "source", "include")
+    return d if os.path.isdir(os.path.join(d, "cute")) else None
+
+
+def nvcc_command(src, obj):
+    """The sm_90a compile of `src` as the build makes it (CMakeLists.txt), with ptxas's report."""
+    return [find_tool("nvcc"), "-c", src, "-o", obj, "-std=c++17", "-O3", "-I", CSRC, "-I", cutlass_include(),
+            "--expt-relaxed-constexpr", "-Xptxas", "-v", "-DGDN_CUDA_ARCHS=\"80,90a\"",
+            "-gencode=arch=compute_90a,code=sm_90a"]
+
+
+def missing():
+    """'' when the kernel can be compiled here (its SASS read where cuobjdump is found), else why not."""
+    if find_tool("nvcc") is None:
+        return "no nvcc (CUDA toolkit: $CUDACXX, PATH or /usr/local/cuda/bin)"
+    if cutlass_include() is None:
+        return "the CuTe headers of nvidia-cutlass==4.2.0.0 (a build requirement) are not installed"
+    return ""
+
+
+def _cache_path():
+    """Keyed by every csrc source and header the file includes and nvcc's version."""
+    from bench.sm90.toolchain import cache_dir
+    if not cache_dir():
+        return ""
+    h = hashlib.sha256(subprocess.run([find_tool("nvcc"), "--version"], capture_output=True, text=True).stdout.encode())
+    for p in sorted(glob.glob(os.path.join(CSRC, "*.cu*")) + glob.glob(os.path.join(CSRC, "*.h"))):
+        with open(p, "rb") as f:
+            h.update(os.path.basename(p).encode() + f.read())
+    return os.path.join(cache_dir(), "cuda_chunk_" + h.hexdigest()[:32] + ".json")
+
+
+_BUILD = {}
+
+
+def build():
+    """{"ptxas": ptxas -v text, "sass": cuobjdump -sass text ('' without cuobjdump)} of the sm_90a object
+    (cached on disk: tests/test_build.py and the report share one compile), or {"error"}."""
+    if "out" in _BUILD:
+        return _BUILD["out"]
+    why = missing()
+    if why:
+        return dict(error=why)
+    path = _cache_path()
+    if path and os.path.exists(path):
+        with open(path) as f:
+            _BUILD["out"] = json.load(f)
+        return _BUILD["out"]
+    with tempfile.TemporaryDirectory(prefix="gdn_cuda_chunk_") as tmp:
+        obj = os.path.join(tmp, "k.o")
+        p = subprocess.run(nvcc_command(SOURCE, obj), capture_output=True, text=True)
+        if p.returncode:
+            return dict(error=f"nvcc failed: {(p.stderr or p.stdout).strip().splitlines()[-1][:300]}")
+        dump = find_tool("cuobjdump")
+        out = dict(ptxas=p.stdout + p.stderr, sass=subprocess.run([dump, "-sass", obj], capture_output=True, text=True,
+                                                                  check=True).stdout if dump else "")
+    _BUILD["out"] = out
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), suffix=".tmp", delete=False) as f:
+            json.dump(out, f)
+        os.replace(f.name, path)
+    return out
+
+
+@dataclasses.dataclass
+class Facts:
+    """The compile of one instantiation: launch registers, spills, shared memory, and per loop (state,
+    prep, producer) one iteration's simulated cycles, instructions, MMA cycles, HGMMA and waits."""
+    regs: int = 0
+    spill: int = 0
+    smem: int = 0
+    loops: dict = dataclasses.field(default_factory=dict)
+    error: str = ""
+
+
+def _kernel_sass(text, dtype):
+    """The SASS of the dtype's instantiation (bf16: __nv_bfloat16, fp16: __half)."""
+    tag = "13__nv_bfloat16" if dtype == "bf16" else "6__half"
+    for body in re.split(r"\n\s*Function : ", text)[1:]:
+        if KERNEL in body.split("\n", 1)[0] and tag in body.split("\n", 1)[0]:
+            return body
+    return ""
+
+
+def _role_loops(prog):
+    """{role: (first, last)} of the kernel's loops (backward branches before its last EXIT): state holds
+    a 64x128 HGMMA, prep only 64x64 ones, the producer the TMA loads (UTMALDG)."""
+    last_exit = max(x.addr for x in prog if x.op == "EXIT")
+    index = {x.addr: i for i, x in enumerate(prog)}
+    roles = {}
+    for j, x in enumerate(prog):
+        if x.target is None or not x.target < x.addr < last_exit or x.target not in index:
+            continue
+        ops = [y.op for y in prog[index[x.target]:j + 1]]
+        role = ("state" if any(o.startswith("HGMMA.64x128") for o in ops) else
+                "prep" if any(o.startswith("HGMMA") for o in ops) else
+                "producer" if any(o.startswith("UTMALDG") for o in ops) else None)
+        if role and (role not in roles or j - index[x.target] > roles[role][1] - roles[role][0]):
+            roles[role] = (index[x.target], j)
+    return roles
+
+
+def _simulate_loop(prog, span, const):
+    """One iteration of a loop simulated alone (inner loops once): cycles, instr, mma_cycles, stalls,
+    hgmma, waits."""
+    sub = prog[span[0]:span[1] + 1]
+
+    def run(n):
+        return sass.simulate(sub, lambda k, _l: n if k == 0 else 1, const.lat)
+    r4, r8 = run(4), run(8)
+    per = {k: (r8[k] - r4[k]) / 4 for k in ("cycles", "instr", "mma_cycles")}
+    per["stalls"] = {k: (r8["stalls"].get(k, 0.0) - r4["stalls"].get(k, 0.0)) / 4 for k in r8["stalls"]}
+    per["hgmma"] = sum(x.op.startswith("HGMMA") for x in sub)
+    per["waits"] = sum(x.op.startswith("WARPGROUP.DEPBAR") for x in sub)
+    return per
+
+
+def facts(dtype, const):
+    """Facts of the dtype's instantiation at the model's constants."""
+    out = build()
+    if "error" in out:
+        return Facts(error=out["error"])
+    body = _kernel_sass(out["sass"], dtype)
+    if not body:
+        return Facts(error=f"no {KERNEL} for {dtype} in the SASS" if out["sass"] else "no cuobjdump: SASS not read")
+    recs = [r for r in parse_ptxas(out["ptxas"])
+            if KERNEL in r["name"] and ("bfloat16" in r["name"]) == (dtype == "bf16")]
+    prog = sass.program(body)
+    roles = _role_loops(prog)
+    if set(roles) != {"state", "prep", "producer"}:
+        return Facts(error=f"the kernel's loops not found in its SASS: {sorted(roles)}")
+    regs, spill = (recs[0]["registers"], recs[0]["spill"] + recs[0]["stack"]) if recs else (0, 0)
+    return Facts(regs=regs, spill=spill, smem=_smem_bytes(),
+                 loops={r: _simulate_loop(prog, span, const) for r, span in roles.items()})
+
+
+def parse_ptxas(text):
+    """[{name, arch, registers, smem, spill, stack}] from `-Xptxas -v` output."""
+    recs, cur_arch, rec = [], None, None
+    for line in text.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)' for '(sm_\w+)'", line)
+        if m:
+            cur_arch = m.group(2)
+            rec = dict(name=m.group(1), arch=cur_arch, registers=None, smem=0, spill=0, stack=0)
+            recs.append(rec)
+            continue
+        m = re.search(r"Function properties for (\S+)", line)
+        if m and (rec is None or m.group(1) != rec["name"]):  # a non-inlined device function
+            rec = dict(name=m.group(1), arch=cur_arch, registers=None, smem=0, spill=0, stack=0)
+            recs.append(rec)
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and rec is not None:
+            rec["stack"] = int(m.group(1))
+            rec["spill"] = int(m.group(2)) + int(m.group(3))
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and rec is not None:
+            rec["registers"] = int(m.group(1))
+            s = re.search(r"(\d+) bytes smem", line)
+            rec["smem"] = int(s.group(1)) if s else 0
+    return recs
+
+
+
+def _smem_bytes():
+    """The kernel's dynamic shared memory (gdn_packed._C says, where it is built), else 0."""
+    try:
+        from gdn_packed import _cext
+        return int(getattr(_cext.get_C(), "chunk_gdr_fwd_sm90_smem_bytes", 0) or 0)
+    except Exception:  # noqa: BLE001 (the report still runs without the extension)
+        return 0
+
+
+def cta_cycles(f, n):
+    """D(n): one CTA's cycles over n chunks (module docstring), and the term that bounds it."""
+    s, p, pr = f.loops["state"], f.loops["prep"], f.loops["producer"]
+    terms = dict(state=n * s["cycles"], prep=math.ceil(n / 2) * p["cycles"],
+                 issue=n * (s["instr"] + p["instr"] / 2 + pr["instr"]),
+                 mma=n * (s["mma_cycles"] + p["mma_cycles"] / 2))
+    bound = max(terms, key=terms.get)
+    return terms[bound], bound
+
+
+def estimate(f, dims, dtype, const):
+    """The model's numbers of the launch at dims = (N, L, H, HV, K, V), as model.estimate's dict."""
+    N, L, H, HV, K, V = dims
+    esize = 2
+    ctas = 2 * HV * N
+    n = -(-L // M.CHUNK)
+    d, bound = cta_cycles(f, n)
+    t_lat = M._schedule([d + const.lat.ldg] * ctas, NUM_SMS) / CLOCK_HZ
+    # tiles per CTA: k, q (64 x K each), its v half and o half (64 x 64) per chunk; g, beta of the chunks it
+    # preps; its half of h0 and of the final state (fp32)
+    per_chunk = M.CHUNK * (2 * K + 2 * V_BLOCK) * esize + M.CHUNK * 4
+    tiles = ctas * (n * per_chunk + 2 * K * V_BLOCK * 4)
+    footprint = N * L * (2 * H * K + 2 * HV * V) * esize + N * L * HV * 8 + 2 * N * HV * K * V * 4
+    hbm = min(tiles, footprint)
+    busy = min(ctas, NUM_SMS)
+    t_mem = max(hbm / HBM_BPS + (tiles - hbm) / const.l2_bps, tiles / (busy * SM_BPS))
+    C = M.CHUNK
+    flops = ctas * n * (2 * V_BLOCK * (3 * C * K + 2 * C * C)       # state: S^T [K; Q]^T, X'^T Ts^T, U^T M^T, U^T K
+                        + (4 * C * C * K + 8 * C ** 3) / 2)          # prep, every other chunk: Grams, 2 doubling levels
+    t_tc = flops / TC_FLOPS["bf16"]
+    parts = {"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc}
+    top = max(parts, key=parts.get)
+    return dict(ctas=ctas, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc, hbm_bytes=tiles, flops=flops, bound=top,
+                lat_bound=bound, est_s=parts[top] + const.launch_s)
+
+
+@dataclasses.dataclass
+class CudaLaunch:
+    """The kernel's launch in a recorded case (report.py asks it for its row: row())."""
+    kernel: str = KERNEL
+    phase: str = "fwd"
+    group: int = 0
+
+    def config_text(self):
+        return ""
+
+
+def record(rec, dims, dtype, meta_inputs, op_body):
+    """The op body's launches with backend="cuda" (chunk_gdr_fwd, l2norm off, no h0, as
+    launches.record_ours, whose meta_inputs and op_body it takes) on meta tensors into `rec` (an active
+    launches.Recorder): its torch operators, then a CudaLaunch for the kernel, which is stubbed."""
+    import torch
+
+    from gdn_packed.cuda import chunk as cuda_chunk
+    from gdn_packed.ops import _dispatch
+    N, L, H, HV, K, V = dims
+    q, k, v, g, beta = meta_inputs(dims, getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype]))
+    cu = torch.empty(N + 1, dtype=torch.int32, device="meta")
+    rec.phase, rec.lengths = "fwd", (L,) * N
+    real = cuda_chunk.chunk_gdr_fwd_cuda
+    cuda_chunk.chunk_gdr_fwd_cuda = lambda *a, **kw: None      # the kernel: modelled, not run
+    _dispatch.kernel.cache_clear()
+    try:
+        op_body("chunk_gdr_fwd")(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, cu_seqlens=cu,
+                                 cu_seqlens_padded=None, scale=K ** -0.5, use_qk_l2norm=False, backend="cuda")
+    finally:
+        cuda_chunk.chunk_gdr_fwd_cuda = real
+        _dispatch.kernel.cache_clear()
+    rec.launches.append(CudaLaunch())
+
+
+def row(name, dims, dtype, const):
+    """The report row of the kernel (report.py's columns), or one with the error."""
+    f = facts(dtype, const)
+    base = dict(impl="cuda", shape=name, dtype=dtype, mode="fwd", kernel=KERNEL, config="VB64 cluster2 s3 p4",
+                candidates=1, warps=THREADS // 32, stages=3, loop_hmma="", loop_f2fp="", step_stalls={}, dots="bf16+f16"
+                if dtype == "bf16" else "f16", error=f.error)
+    if f.error or not takes(dims, dtype):
+        return dict(base, grid="", ctas="", regs="", smem_kb="", spill_b=0, ctas_per_sm="", waves="", loop_hgmma="",
+                    loop_instr="", loop_waits="", loop_bars="", step_cycles="", hbm_gb=0.0, gflop=0.0, lat_us="",
+                    bytes_us="", flops_us="", bound="error", est_us="",
+                    error=f.error or f"the kernel takes K = V = {HEAD_DIM}, bf16 / fp16 only")
+    est = estimate(f, dims, dtype, const)
+    s, p = f.loops["state"], f.loops["prep"]
+    us = lambda t: round(t * 1e6, 1)  # noqa: E731
+    return dict(base, grid=f"2x{dims[3]}x{dims[0]}", ctas=est["ctas"], regs=f.regs, smem_kb=round(f.smem / 1024, 1),
+                spill_b=f.spill, ctas_per_sm=1, waves=math.ceil(est["ctas"] / NUM_SMS),
+                loop_hgmma=s["hgmma"] + p["hgmma"] / 2, loop_instr=round(s["instr"] + p["instr"] / 2),
+                loop_waits=s["waits"] + p["waits"] / 2, loop_bars="",
+                step_cycles=round(max(s["cycles"], p["cycles"] / 2)),
+                step_stalls={k: round(v) for k, v in s["stalls"].items()},
+                hbm_gb=float(f"{est['hbm_bytes'] / 1e9:.4g}"), gflop=round(est["flops"] / 1e9, 2),
+                lat_us=us(est["t_lat"]), bytes_us=us(est["t_mem"]), flops_us=us(est["t_tc"]),
+                bound=est["bound"], lat_role=est["lat_bound"], est_us=us(est["est_s"]))

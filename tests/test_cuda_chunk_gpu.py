@@ -1,0 +1,126 @@
+"""The sm_90a chunked forward on the device (an H100 / H200; tools/gpu_check.py runs these): the kernel
+itself, not its host mirror, which cannot check the fragment layouts, GMMA descriptors, TMA boxes,
+mbarrier phases, the cluster's copies or setmaxnreg (docs/DESIGN.md section 10):
+  - o and the final state against the float64 reference on every packing of PACKINGS (bf16; fp16 on
+    two: the budgets of docs/DESIGN.md section 7) and against the mirror on the same inputs; padding rows
+    exactly 0 with NaN-poisoned outputs; NaN in the inputs' padding rows changes nothing;
+  - long sequences (the TMA ring and the prep buffers wrap around many times; a partial last chunk)
+    against backend="triton"; bit-identical reruns;
+  - the gates from raw a, b in the kernel; autograd through backend="cuda" = the Triton backward.
+Without such a GPU every test here is a visible skip."""
+import pytest
+import torch
+
+import gdn_packed
+from gdn_packed import _cext
+from gdn_packed.testing import (BUDGETS, PACKINGS, Packing, case_id, gdr_inputs, poisoned_outputs, real_rows,
+                                reference_gdr, rel_err)
+
+
+def _why_not():
+    why = _cext.cuda_unavailable_reason() or ("" if torch.cuda.is_available() else "torch has no CUDA")
+    if not why and not hasattr(_cext.get_C(), "chunk_gdr_fwd_sm90"):
+        why = f"gdn_packed._C has no sm_90a chunked kernel: {_cext.get_C().chunk_gdr_fwd_sm90_missing}"
+    if not why and torch.cuda.get_device_capability()[0] != 9:
+        why = f"{torch.cuda.get_device_name()} is not an sm_90 GPU"
+    return why
+
+
+WHY = _why_not()
+pytestmark = pytest.mark.skipif(bool(WHY), reason=f"no sm_90 GPU (H100 / H200) here: {WHY}")
+H, HV, K = 1, 2, 128
+IDS = [case_id(p, f"H{H}x{HV}", f"K{K}") for p in PACKINGS]
+
+
+def inputs(packing, dtype, seed, poison=False):
+    cu, cu_pad, rows = packing.layout()
+    x = gdr_inputs(rows, H, HV, K, K, dtype, N=len(packing.lengths), initial_state=True, unit_k=False, seed=seed)
+    pad = ~real_rows(cu, cu_pad, rows)
+    if poison:
+        for t in x[:3]:
+            t[0, pad] = float("nan")
+    return x, cu, cu_pad, pad
+
+
+def run(x, cu, cu_pad, backend, device="cuda"):
+    q, k, v, g, beta, h0 = (t.to(device) for t in x)
+    with poisoned_outputs():
+        o, fs = gdn_packed.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                  cu_seqlens=cu.to(device),
+                                                  cu_seqlens_padded=None if cu_pad is None else cu_pad.to(device),
+                                                  use_qk_l2norm_in_kernel=True, backend=backend)
+    return o.cpu(), fs.cpu()
+
+
+def mirror(x, cu, cu_pad):
+    from gdn_packed.cuda.chunk import chunk_gdr_fwd_cuda
+    from gdn_packed.ops.chunk_table import make_chunk_table
+    q, k, v, g, beta, h0 = x
+    table, cc = make_chunk_table(cu, cu_pad, q.shape[1], 64)
+    o, fs = torch.full_like(v[0], float("nan")), torch.full(h0.shape, float("nan"))
+    chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, h0, K ** -0.5, 64, True, o, fs, host=True)
+    return o[None], fs
+
+
+@pytest.mark.parametrize("pi, dtype", [(pi, torch.bfloat16) for pi in range(len(PACKINGS))]
+                         + [(pi, torch.float16) for pi in (1, 5)],
+                         ids=[f"{i}-bf16" for i in IDS] + [f"{IDS[pi]}-fp16" for pi in (1, 5)])
+def test_kernel_matches_float64_and_the_mirror(pi, dtype):
+    x, cu, cu_pad, pad = inputs(PACKINGS[pi], dtype, pi)
+    o, fs = run(x, cu, cu_pad, "cuda")
+    clean = [torch.where(pad[None, :, None, None], 0.0, t.double()) for t in x[:3]]
+    ro, rf = reference_gdr(*clean, x[3].double(), x[4].double(), initial_state=x[5].double(), cu_seqlens=cu,
+                           cu_seqlens_padded=cu_pad, use_qk_l2norm_in_kernel=True)
+    b = BUDGETS[dtype]
+    assert torch.isfinite(o).all() and torch.isfinite(fs).all() and (o[0, pad] == 0).all()
+    assert rel_err(o, ro) <= b["o"] and rel_err(fs, rf) <= b["state"], (rel_err(o, ro), rel_err(fs, rf))
+    mo, mf = mirror(x, cu, cu_pad)        # the same tile program on the CPU: a layout bug shows as O(1)
+    assert rel_err(o, mo.double()) <= 1e-2 and rel_err(fs, mf.double()) <= 1e-2, (rel_err(o, mo.double()),
+                                                                                     rel_err(fs, mf.double()))
+
+
+@pytest.mark.parametrize("pi", [2, 3], ids=[IDS[2], IDS[3]])
+def test_nan_in_padding_rows_changes_nothing(pi):
+    x, cu, cu_pad, pad = inputs(PACKINGS[pi], torch.bfloat16, pi)
+    xp, *_ = inputs(PACKINGS[pi], torch.bfloat16, pi, poison=True)
+    (o, fs), (op, fsp) = run(x, cu, cu_pad, "cuda"), run(xp, cu, cu_pad, "cuda")
+    assert torch.equal(o, op) and torch.equal(fs, fsp) and (op[0, pad] == 0).all()
+
+
+LONG = [Packing("long", [4096 + 17]), Packing("long-mixed", [1500, 64, 2049, 1], gaps=[5, 0, 64, 3], tail=40)]
+
+
+@pytest.mark.parametrize("packing", LONG, ids=[p.name for p in LONG])
+def test_long_sequences_match_triton_and_rerun_bit_identical(packing):
+    """Hundreds of chunks a sequence: the 3-stage ring, the 4 prep buffers and the two CTAs' alternating
+    preps wrap around many times; against backend="triton" (within twice the bf16 budget of either from
+    the other) and a second run of the kernel (bit-identical)."""
+    x, cu, cu_pad, pad = inputs(packing, torch.bfloat16, 5)
+    o, fs = run(x, cu, cu_pad, "cuda")
+    to, tf = run(x, cu, cu_pad, "triton")
+    assert rel_err(o, to.double()) <= BUDGETS[torch.bfloat16]["o"] and rel_err(fs, tf.double()) <= 2e-2
+    assert (o[0, pad] == 0).all()
+    o2, fs2 = run(x, cu, cu_pad, "cuda")
+    assert torch.equal(o, o2) and torch.equal(fs, fs2)
+
+
+def test_raw_gates_and_autograd_through_the_triton_backward():
+    """With A_log, dt_bias the kernel forms the gates itself (no gate launch): o within the bf16 budget of
+    backend="triton"'s; the gradients of every input for the same cotangents bit-identical to triton's
+    (the same backward on the same saved inputs)."""
+    x, cu, cu_pad, _ = inputs(PACKINGS[2], torch.bfloat16, 3)
+    dev = "cuda"
+    got = {}
+    for backend in ("cuda", "triton"):
+        leaves = [t.to(dev).requires_grad_() for t in x]
+        gates = [torch.tensor([0.3, -1.0], device=dev, requires_grad=True),
+                 torch.tensor([0.5, 1.5], device=dev, requires_grad=True)]
+        o, fs = gdn_packed.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                                  cu_seqlens=cu.to(dev), cu_seqlens_padded=cu_pad.to(dev),
+                                                  use_qk_l2norm_in_kernel=True, A_log=gates[0], dt_bias=gates[1],
+                                                  backend=backend)
+        grads = torch.autograd.grad([o, fs], leaves + gates, [torch.ones_like(o), torch.ones_like(fs)])
+        got[backend] = (o.detach().cpu(), grads)
+    assert rel_err(got["cuda"][0], got["triton"][0].double()) <= BUDGETS[torch.bfloat16]["o"]
+    for a, b in zip(got["cuda"][1], got["triton"][1]):
+        assert torch.equal(a, b)

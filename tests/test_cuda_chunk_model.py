@@ -1,0 +1,77 @@
+"""The sm_90a CUDA chunked forward in the sm_90 report (bench/sm90/cuda_chunk.py): compiled with nvcc
+(the compile tests/test_build.py shares, cached by the csrc sources), its three loops found in the SASS
+and simulated at the model's constants, the per-CTA combination of the warp-specialised roles, the op
+body's torch operators with backend="cuda", and its row beside FLA's in the totals. No GPU needed."""
+import math
+
+import pytest
+
+from bench.sm90 import cuda_chunk
+from bench.sm90 import model as M
+
+ANCHOR = (1, 32768, 16, 32, 128, 128)
+WHY = cuda_chunk.missing() or ("" if cuda_chunk.find_tool("cuobjdump") else "no cuobjdump: the SASS is not read")
+pytestmark = pytest.mark.skipif(bool(WHY), reason=f"the CUDA kernel cannot be compiled and read here: {WHY}")
+
+
+@pytest.fixture(scope="module")
+def facts():
+    return {dt: cuda_chunk.facts(dt, M.CONSTANTS) for dt in cuda_chunk.DTYPES}
+
+
+@pytest.mark.parametrize("dtype", cuda_chunk.DTYPES)
+def test_the_three_roles_are_read_from_the_sass(facts, dtype):
+    """state: 20 HGMMA in 3 waits a chunk; prep: 24 HGMMA in 3 waits a chunk it preps; the producer's
+    loop holds the TMA loads. 168 launch registers, no spill; every simulated term positive."""
+    f = facts[dtype]
+    assert not f.error, f.error
+    assert (f.regs, f.spill) == (168, 0)
+    assert (f.loops["state"]["hgmma"], f.loops["state"]["waits"]) == (20, 3)
+    assert (f.loops["prep"]["hgmma"], f.loops["prep"]["waits"]) == (24, 3)
+    assert f.loops["state"]["mma_cycles"] == 12 * 64 + 8 * 32 and f.loops["prep"]["mma_cycles"] == 24 * 32
+    assert all(f.loops[r]["cycles"] > 0 and f.loops[r]["instr"] > 0 for r in ("state", "prep", "producer"))
+
+
+def test_a_cta_takes_the_slowest_role(facts):
+    """D(n) = max(n state, ceil(n / 2) prep, issue, mma): linear in n for even n, bounded by one term."""
+    f = facts["bf16"]
+    s, p, pr = f.loops["state"], f.loops["prep"], f.loops["producer"]
+    d8, bound = cuda_chunk.cta_cycles(f, 8)
+    assert math.isclose(d8, max(8 * s["cycles"], 4 * p["cycles"], 8 * (s["instr"] + p["instr"] / 2 + pr["instr"]),
+                                8 * (s["mma_cycles"] + p["mma_cycles"] / 2)))
+    assert math.isclose(cuda_chunk.cta_cycles(f, 16)[0], 2 * d8) and bound in ("state", "prep", "issue", "mma")
+
+
+def test_estimate_schedules_the_ctas_on_the_sms(facts):
+    """At the anchor 64 CTAs (2 V-blocks x 32 heads) fill 64 SMs once; at 4 x 8192, 256 CTAs take two
+    rounds of 132: twice a CTA of a quarter of the chunks, i.e. about half the anchor's latency term."""
+    f = facts["bf16"]
+    a = cuda_chunk.estimate(f, ANCHOR, "bf16", M.CONSTANTS)
+    b = cuda_chunk.estimate(f, (4, 8192, 16, 32, 128, 128), "bf16", M.CONSTANTS)
+    assert a["ctas"] == 64 and b["ctas"] == 256
+    d = cuda_chunk.cta_cycles(f, 512)[0] + M.CONSTANTS.lat.ldg
+    assert math.isclose(a["t_lat"], d / M.CLOCK_HZ)
+    assert 0.45 < b["t_lat"] / a["t_lat"] < 0.55
+    assert a["est_s"] == max(a["t_lat"], a["t_mem"], a["t_tc"]) + M.CONSTANTS.launch_s
+
+
+def test_report_rows_of_the_cuda_forward(facts):
+    """The op body with backend="cuda" on meta tensors records its torch operators (the chunk table) and
+    the kernel's launch (stubbed); the kernel's row names its bound; K != 128 is a row with the reason."""
+    from bench.sm90.launches import Recorder, _meta_inputs, _op_body
+    from bench.sm90.report import report
+    rec = Recorder(torch_ops=True)
+    with rec.active():
+        cuda_chunk.record(rec, ANCHOR, "bf16", _meta_inputs, _op_body)
+    kinds = [type(lc).__name__ for lc in rec.launches]
+    assert kinds[-1] == "CudaLaunch" and kinds.count("CudaLaunch") == 1 and "TorchOp" in kinds
+    rows, totals, _ = report([("cuda", "anchor", ANCHOR, "bf16", rec.launches)])
+    (k,) = [r for r in rows if r["kernel"] == cuda_chunk.KERNEL]
+    assert k["ctas"] == 64 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"]
+    assert k["bound"] in ("latency", "bytes", "FLOPs") and k["lat_role"] in ("state", "prep", "issue", "mma")
+    assert k["loop_hgmma"] == 20 + 24 / 2 and k["loop_waits"] == 3 + 3 / 2
+    (t,) = totals
+    assert t["impl"] == "cuda" and t["est_us"] >= k["est_us"]
+    other = cuda_chunk.row("K64", (1, 1024, 2, 4, 64, 64), "bf16", M.CONSTANTS)
+    assert other["est_us"] == "" and "K = V = 128" in other["error"]
+    assert not cuda_chunk.takes((1, 1024, 2, 4, 64, 64), "bf16") and not cuda_chunk.takes(ANCHOR, "fp32")
