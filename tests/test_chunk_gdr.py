@@ -396,34 +396,71 @@ def test_segmented_state_pass(ci, dtype, segments, monkeypatch):
 
 
 @pytest.mark.parametrize("segments", [1, 3])
-def test_segmented_forward_keeps_entering_states(segments, monkeypatch):
-    """With segments the Triton forward returns the state entering every segment as the op's `kept`
-    ([N S, HV, K, V] fp32, the fake kernel's size, every element written under NaN-poisoned outputs):
-    the backward started from it gives the gradients of the backward that recomputes them (fp32,
-    1e-6), and reads it (kept perturbed: other gradients); without segments kept is empty. Both ops
-    pass opcheck with it."""
+def test_forward_keeps_segment_states_and_prep(segments, monkeypatch):
+    """The Triton forward returns as the op's `kept` (the fake kernel's size, triton/chunk.py kept_shape,
+    every element written under NaN-poisoned outputs) the state entering every segment when it runs in
+    segments, then prep's outputs (Ts, M, gates, row factors): the backward started from them gives the
+    gradients of the backward that recomputes them bit for bit, and reads them (kept perturbed: other
+    gradients). Both ops pass opcheck with it."""
     if "triton" not in [p.values[0] for p in BACKENDS]:
         pytest.skip("the triton backend cannot run here")
     from gdn_packed.ops.chunk_gdr import chunk_gdr_bwd, chunk_gdr_fwd
     from gdn_packed.triton import chunk as triton_chunk
     monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, **kw: segments)
     ci = RERUN  # gaps-and-empties: zero-length and one-token sequences (empty segments), gaps, h0
-    x, cu, cu_pad, _, do, dht = inputs(ci, torch.float32)
+    x, cu, cu_pad, rows, do, dht = inputs(ci, torch.float32)
     c = GDR_CASES[ci]
     args = (*x, cu, cu_pad, c.K ** -0.5, c.l2, "triton")
     with poisoned_outputs():
         o, fs, kept = chunk_gdr_fwd(*args, None, None, True)
     N = cu.numel() - 1
-    if segments == 1:
-        assert kept.numel() == 0
-        return
-    assert kept.shape == (N * segments * c.HV * c.K * c.V,) and not kept.isnan().any()
+    states = N * segments * c.HV * c.K * c.V if segments > 1 else 0
+    prep = triton_chunk.prep_words(rows // 64 + N, c.HV, torch.float32)
+    assert kept.shape == (states + prep,) and not kept.isnan().any()
     bwd = args[:8] + (do, dht) + args[8:]
     from_kept = chunk_gdr_bwd(*bwd, None, None, kept)
     recomputed = chunk_gdr_bwd(*bwd)
     for name, a, b in zip(GRADS, from_kept, recomputed):
-        assert rel_err(a, b.double()) <= 1e-6, name
-    off = chunk_gdr_bwd(*bwd, None, None, kept * 1.001)
-    assert not torch.equal(off[0], from_kept[0]), "the backward does not read kept"
+        assert torch.equal(a, b), name
+    for part in ([slice(0, states)] if states else []) + [slice(states, None)]:
+        off = kept.clone()
+        off[part] *= 1.001
+        assert not torch.equal(chunk_gdr_bwd(*bwd, None, None, off)[0], from_kept[0]), "kept not read"
     torch.library.opcheck(chunk_gdr_fwd, args + (None, None, True))
     torch.library.opcheck(chunk_gdr_bwd, bwd + (None, None, kept))
+
+
+def run_l2(ci, dtype, l2):
+    """run() of the Triton backend with use_qk_l2norm_in_kernel = l2."""
+    x, cu, cu_pad, _, do, dht = inputs(ci, dtype)
+    leaves = leaves_of(x)
+    with poisoned_outputs():
+        o, fs = call(leaves, cu, cu_pad, l2, "triton")
+        return with_grads(leaves, o, fs, do, dht)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_ID.get)
+@pytest.mark.parametrize("ci, l2", [(0, False), (2, True)], ids=[CASE_IDS[0], CASE_IDS[2] + "-l2"])
+def test_bounded_backward_in_head_slices(ci, l2, dtype, monkeypatch):
+    """Scratch budget forced below one qk head's scratch (configs.BWD_SCRATCH_BUDGET): the forward keeps
+    nothing and the Triton backward runs one slice of qk heads after another (configs.bwd_head_slices:
+    here one qk head each), each with its own prep, states, segments and, with l2norm, pre-l2norm dq, dk;
+    o, state and every gradient bit for bit those of the unbounded backward (no sum crosses a GVA
+    group). Cases with two qk heads: one-long, and gaps-and-empties (GVA 2, h0) with l2norm."""
+    if "triton" not in [p.values[0] for p in BACKENDS]:
+        pytest.skip("the triton backend cannot run here")
+    from gdn_packed.triton import chunk as triton_chunk
+    from gdn_packed.triton import configs
+    want = run_l2(ci, dtype, l2)
+    calls = []
+    bwd_heads = triton_chunk._bwd_heads
+    monkeypatch.setattr(triton_chunk, "_bwd_heads", lambda q, *a: calls.append(q.shape[1]) or bwd_heads(q, *a))
+    monkeypatch.setattr(configs, "BWD_SCRATCH_BUDGET", 1)
+    c = GDR_CASES[ci]
+    rows = inputs(ci, dtype)[3]
+    assert triton_chunk.kept_shape(rows, len(c.packing.lengths), c.HV, c.K, c.V, 64, torch.device("cpu"),
+                                   dtype) == (0,)
+    got = run_l2(ci, dtype, l2)
+    assert calls == [1] * c.H, calls
+    for name in got:
+        assert (got[name] is None and want[name] is None) or torch.equal(got[name], want[name]), name

@@ -11,8 +11,8 @@ Cases (cases()): the full sweep (GDN_PACKED_AOT=full, `make test-aot`) is every 
 initial state, final-state gradient dht, gates from raw a/b: all 16 combinations) in bf16, fp16 and
 fp32 at K = V = 128; the default and the all-on variant at K = V in {16, 64, 256}; the all-on variant
 at (K, V) = (16, 256), (256, 16), (64, 128), and in fp32 at (192, 64) (a K > 128 that is not a power of
-two: masked state columns): every block/warp/stage config the dispatcher picks for head sizes 16
-to 256, about 250 distinct kernels (~10 minutes cold on 2 cores). `make test` runs a subset that
+two: masked state columns), and the backward in head slices (SLICED): every block/warp/stage config the
+dispatcher picks for head sizes 16 to 256, about 250 distinct kernels (~10 minutes cold on 2 cores). `make test` runs a subset that
 still reaches every config (see cases()). Asserted per case: every kernel compiles,
 shared memory <= 227 KB, no register spills, warpgroup MMA (HGMMA) in the bf16/fp16 kernels of the
 K = V = 128 path; and the fp32 kernels' dots use the input precision that the launcher declares."""
@@ -35,9 +35,9 @@ MIXED = [(16, 256), (256, 16), (64, 128)]  # K != V, all-on variant
 ODD_K = [(192, 64)]                        # K > 128 not a power of two (masked state columns), fp32, all-on
 
 
-def _case_id(dt, K, V, flags):
+def _case_id(dt, K, V, flags, sliced=False):
     on = [f for f, x in zip(FLAGS, flags) if x]
-    return f"{dt}-K{K}-V{V}-" + ("+".join(on) or "plain")
+    return f"{dt}-K{K}-V{V}-" + ("+".join(on) or "plain") + ("-head-slices" if sliced else "")
 
 
 def cases(full=None):
@@ -53,7 +53,13 @@ def cases(full=None):
     out += [(dt, K, K, fl) for dt in DTYPES for K in SQUARE for fl in (plain_on if full else plain_on[1:])]
     out += [(dt, K, V, (True,) * 4) for dt in (DTYPES if full else ("bf16",)) for K, V in MIXED]
     out += [("fp32", K, V, (True,) * 4) for K, V in ODD_K]
-    return out
+    return out + SLICED
+
+
+# the backward in head slices (gdn_packed/triton/configs.py bwd_head_slices; its scratch budget forced to 1
+# byte here): each slice's kernels see a slice's head counts, and with l2norm the dq / dk kernels write the
+# slice's pre-l2norm rows
+SLICED = [(dt, 128, 128, (True,) * 4, True) for dt in ("bf16", "fp32")]
 
 
 def _compile_all():
@@ -63,13 +69,17 @@ def _compile_all():
     from bench.sm90 import launches, toolchain
     rec = launches.Recorder()
     recorded = []
+    from gdn_packed.triton import configs
+    budget = configs.BWD_SCRATCH_BUDGET
     with launches.fake_hopper(), rec.active():
-        for dt, K, V, flags in cases():
+        for dt, K, V, flags, *sliced in cases():
             rec.launches = []
+            configs.BWD_SCRATCH_BUDGET = 1 if sliced else budget
             for shape in (HOT, LONG):
                 launches.record_ours(rec, shape + (K, V), getattr(torch, launches.DTYPES[dt]), ("fwd", "bwd"),
                                      **dict(zip(FLAGS, flags)))
-            recorded += [(_case_id(dt, K, V, flags), lc) for lc in rec.launches]
+            recorded += [(_case_id(dt, K, V, flags, *sliced), lc) for lc in rec.launches]
+    configs.BWD_SCRATCH_BUDGET = budget
     toolchain.compile_all([lc for _, lc in recorded], log=lambda m: print(m, file=sys.stderr),
                           workers=max(1, min(4, os.cpu_count() or 1)))
     for case, lc in recorded:
@@ -116,7 +126,7 @@ def compiled():
 TITLE = "AOT sm_90: every launch of every variant (triton.compile + cuobjdump)"
 
 
-def known_spills(dt, K, V, flags):
+def known_spills(dt, K, V, flags, sliced=False):
     """The variants that still spill on sm_90 (2026-12-03, triton 3.9; bench/NOTES.md): fp32 inputs with
     a K > 128 that is not a power of two (192: the upper half of the [8, 256] fp32 state block masked),
     the forward state pass with h0 or at V = 64 (8 B) and dstate with dht at V = 64 (8 B). Expected

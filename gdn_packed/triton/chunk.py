@@ -3,6 +3,7 @@ and the backend entry points that gdn_packed.ops.chunk_gdr dispatches to (same s
 gdn_packed.torch_ref.chunk). Launch configs: gdn_packed/triton/configs.py. Grids depend only on T, N,
 the number of chunk slots and the shapes, never on the values of cu_seqlens (no host sync).
 """
+import math
 from typing import NamedTuple
 
 import torch
@@ -12,8 +13,8 @@ from gdn_packed.triton.chunk_bwd import (chunk_bwd_dk_kernel, chunk_bwd_dq_kerne
                                         chunk_bwd_finalize_kernel)
 from gdn_packed.triton.chunk_fwd import chunk_combine_kernel, chunk_fwd_prep_kernel, chunk_fwd_state_kernel
 from gdn_packed.triton.common import GATE_ROWS
-from gdn_packed.triton.configs import (CHUNK, bwd_configs, combine_config, dot_precision, num_sms,
-                                      prep_config, smem_kb, state_config, state_segments)
+from gdn_packed.triton.configs import (CHUNK, bwd_configs, bwd_head_slices, combine_config, dot_precision,
+                                      num_sms, prep_config, smem_kb, state_config, state_segments)
 
 # input_precision of every dot with fp32 operands in the fp32 path (configs.dot_precision: tf32, so
 # fp32 inputs are held to the GPU fp32 budgets on a GPU); tests/test_sm90_aot.py reads the compiled
@@ -72,14 +73,38 @@ class Prep(NamedTuple):
     mm: torch.Tensor
 
 
-def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, rows):
-    """Launches chunk_fwd_prep_kernel (grid (H, NC)) and returns its outputs as a Prep."""
+def prep_shapes(NC, HV):
+    """{name: shape} of a Prep, its fields in order (ts, mm in the input dtype, the rest fp32)."""
+    C = CHUNK
+    return dict(gates=(NC, HV, GATE_ROWS.value, C), eg_last=(NC, HV), rn=(NC, HV, 2, C), ts=(NC, HV, C, C),
+                mm=(NC, HV, C, C))
+
+
+def prep_words(NC, HV, dtype):
+    """fp32 words a Prep takes (its input-dtype ts, mm counted in fp32 words)."""
+    e = torch.finfo(dtype).bits // 8
+    return sum(math.prod(shape) * (e if name in ("ts", "mm") else 4) // 4
+               for name, shape in prep_shapes(NC, HV).items())
+
+
+def prep_in(words, NC, HV, dtype):
+    """A Prep laid out in the flat fp32 tensor `words` (prep_words long): views, no copy."""
+    out, at = {}, 0
+    for name, shape in prep_shapes(NC, HV).items():
+        wide = name in ("ts", "mm")
+        n = math.prod(shape) * (torch.finfo(dtype).bits // 8 if wide else 4) // 4
+        out[name] = (words[at:at + n].view(dtype) if wide else words[at:at + n]).view(shape)
+        at += n
+    return Prep(**out)
+
+
+def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, rows, out=None):
+    """Launches chunk_fwd_prep_kernel (grid (H, NC)) and returns its outputs as a Prep (written into
+    `out`, a Prep of views, when given)."""
     NC, (_, H, K) = table.shape[0], q.shape
     C = CHUNK
-    f32 = dict(dtype=torch.float32, device=q.device)
-    ts = torch.empty(NC, HV, C, C, dtype=q.dtype, device=q.device)        # input dtype
-    prep = Prep(gates=torch.empty(NC, HV, GATE_ROWS.value, C, **f32), eg_last=torch.empty(NC, HV, **f32),
-                rn=torch.empty(NC, HV, 2, C, **f32), ts=ts, mm=torch.empty_like(ts))
+    prep = out if out is not None else prep_in(torch.empty(prep_words(NC, HV, q.dtype), dtype=torch.float32,
+                                                           device=q.device), NC, HV, q.dtype)
     if NC > 0 and HV > 0:
         chunk_fwd_prep_kernel[(H, NC)](
             q=q, k=k, g=g, beta=beta, table=table, **prep._asdict(), scale=scale, H=H, HV=HV, K=K, C=C,
@@ -93,13 +118,35 @@ def fwd_segments(T, N, HV, K, V, dtype, device):
     return state_segments(T, N, HV, K, V, cfg, num_sms(device))
 
 
+def keeps(T, N, HV, K, V, dtype, device):
+    """Whether the forward keeps anything for the backward: not when the backward may run in head slices
+    (bwd_head_slices > 1 with the largest scratch these shapes allow: one qk head a value head and
+    l2norm), where it recomputes each slice's prep and states within its scratch budget."""
+    return bwd_head_slices(T, N, HV, HV, K, V, dtype, True, sms=num_sms(device)) == 1
+
+
 def kept_shape(T, N, HV, K, V, C, device, dtype):
-    """The shape of `kept`, what the forward keeps for the backward (the op's fake kernel calls this):
-    when the forward's state pass runs in S > 1 segments, the state entering every segment,
-    [N S, HV, K, V] fp32 flat (S K V floats per sequence and value head: 192 KiB at S = 3, K = V = 128),
-    so that the backward's recompute starts every segment from it (no pass A, no combine); else [0]."""
+    """The shape of `kept`, what the forward keeps for the backward (the op's fake kernel calls this),
+    fp32 flat, from shapes only: the state entering every segment when the forward's state pass runs in
+    S > 1 segments ([N S, HV, K, V]: S K V floats per sequence and value head), so that the backward's
+    recompute starts every segment from it (no pass A, no combine); then prep's outputs (Prep: Ts, M in
+    the input dtype, gates, row factors, chunk decays: 2 C e + 28 + 4 / C bytes per token and value
+    head, e the input dtype's bytes: 284 B in bf16, 540 B in fp32), so that the backward runs no prep.
+    Empty when the backward may run in head slices (keeps)."""
+    if not keeps(T, N, HV, K, V, dtype, device):
+        return (0,)
     S = fwd_segments(T, N, HV, K, V, dtype, device)
-    return (N * S * HV * K * V,) if S > 1 else (0,)
+    return ((N * S * HV * K * V if S > 1 else 0) + prep_words(T // C + N, HV, dtype),)
+
+
+def kept_parts(kept, T, N, HV, K, V, dtype, device):
+    """(entering states [N S, HV, K, V] or None, Prep) as views of `kept` (kept_shape), or (None, None)
+    for an empty kept."""
+    if kept is None or kept.numel() == 0:
+        return None, None
+    S = fwd_segments(T, N, HV, K, V, dtype, device)
+    n = N * S * HV * K * V if S > 1 else 0
+    return (kept[:n].view(N * S, HV, K, V) if n else None), prep_in(kept[n:], T // CHUNK + N, HV, dtype)
 
 
 def entering_states(pass_a, N, HV, K, V, S, h0, dtype, device, reverse=False, out=None):
@@ -127,10 +174,9 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, 
     Segments (configs.state_segments, from shapes): with S > 1 every sequence's chunk slots are split
     into S segments: pass A (the kernel with PROPAGATE, grid (cdiv(V + K, BV), HV, N (S - 1))) gives
     each of the first S - 1 segments its end state from zero and its K x K transition,
-    chunk_combine_kernel the state entering every segment (entering_states; into kept [N S HV K V]
-    when given, the forward's `kept`), and the pass (grid (cdiv(V, BV), HV, N S)) runs every segment
-    from its entering state. `entering` (the backward: the forward's kept) gives those states: no
-    pass A, no combine, S = its length / (N HV K V)."""
+    chunk_combine_kernel the state entering every segment (entering_states), and the pass (grid (cdiv(V, BV), HV, N S)) runs every segment
+    from its entering state (into kept [N S, HV, K, V] when given: the forward's). `entering` (the
+    backward: those kept) gives those states: no pass A, no combine, S = its length / (N HV K V)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     N = cu_chunks.numel() - 1
@@ -152,8 +198,7 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, 
     if entering is not None:
         h0 = entering.view(N * S, HV, K, V) if S > 1 else h0
     elif S > 1:
-        out = None if kept is None or kept.numel() == 0 else kept.view(N * S, HV, K, V)   # (kept_shape's size)
-        h0 = entering_states(pass_a, N, HV, K, V, S, h0, q.dtype, q.device, out=out)
+        h0 = entering_states(pass_a, N, HV, K, V, S, h0, q.dtype, q.device, out=kept)
     chunk_fwd_state_kernel[(triton.cdiv(V, cfg["BV"]), HV, N * S)](
         **inputs, h0=h0, o=o, ht=ht, st=st, ut=ut, ends=None,
         HAS_H0=h0 is not None, STORE_STATES=store, PROPAGATE=False, **cfg)
@@ -199,31 +244,36 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
         return
     q, k, v, g, beta, rows = _rows(q, k, v, g, beta)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    prep = chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, rows)
+    entering, prep = kept_parts(kept, q.shape[0], N, HV, q.shape[2], v.shape[2], q.dtype, q.device)
+    prep = chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, rows, out=prep)
     if HV > 0:
-        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=o, ht=final_state, kept=kept)
+        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=o, ht=final_state, kept=entering)
 
 
 def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
                          do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None):
     """Backward of backend="triton" on flattened rows: writes every row of dq, dk [T, H, K], dv [T, HV, V],
     dg, dbeta [T, HV] (0 on padding rows) and dh0 [N, HV, K, V] fp32. The op saves the inputs and
-    `kept` (the states entering the forward's segments, when it ran in segments), so the forward's prep
-    and state pass (STORE_STATES) run again, then the backward kernels of chunk_bwd.py. Grids depend
-    only on T, N, the chunk slots and the shapes.
+    `kept` (kept_shape: the states entering the forward's segments and prep's outputs), so the forward's
+    state pass runs again (STORE_STATES, from the kept states), then the backward kernels of
+    chunk_bwd.py; without kept (the cuda forward's backward, keep=False, head slices) prep runs again
+    too. Grids depend only on T, N, the chunk slots and the shapes.
 
-    Scratch per token x value head (K = V = 128, bf16, G = HV // H = 2): S^T 512 B and U^T 256 B in
-    the input dtype (state pass), Ts + M 256 B, gates / row factors ~28 B (prep); dSn^T 512 B and
-    dX'^T 256 B in the input dtype (dstate); the group's summed Pm for the dk kernel, 256 B fp32 per
-    token x qk head (128 B at G = 2); dg / dbeta partials 8 B per K-block of the dq and of the dk
-    kernel (16 B at one K-block each; dq's dbeta slots allocated, never touched): ~2.0 kB; with l2norm
-    the fp32 dq, dk before the l2norm backward (1 kB per token x qk head); with segments,
-    (V + K) K + K V floats per segment and value head (the boundary rows)."""
+    Scratch: configs.bwd_scratch_bytes (~2.0 kB per token and value head at K = V = 128 in bf16, G = 2:
+    S^T, dSn^T 512 B each and U^T, dX'^T 256 B each in the input dtype, Ts + M 256 B and gates / row
+    factors ~28 B when prep runs here, the group's Pm 256 B fp32 per token and qk head, dg / dbeta
+    partials 8 B per K-block of the dq and dk kernels; with l2norm the fp32 dq, dk before the l2norm
+    backward, 1 kB per token and qk head; the segments' boundary rows). Bounded: when that exceeds
+    configs.BWD_SCRATCH_BUDGET the backward runs in P slices of H / P qk heads (and their value heads)
+    one after another (configs.bwd_head_slices, from shapes), each a complete backward of its heads with
+    1 / P of the scratch: T = 1M, 16 / 32 heads, K = V = 128 bf16 takes 4 slices of 16.5 GB (8 of
+    10.4 GB with l2norm) instead of 66 (83) GB. The heads of a GVA group share no sum, so every slice
+    computes its gradients exactly as the whole backward does (each slice runs its own prep and segments:
+    the forward keeps nothing then)."""
     _check_chunk(C)
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    N, NC = cu_chunks.numel() - 1, table.shape[0]
-    dev = q.device
+    N = cu_chunks.numel() - 1
     outs = (dq, dk, dv, dg, dbeta)
     if N == 0:                  # no sequence: every row is padding
         for x in outs:
@@ -233,12 +283,42 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     do = do.contiguous()
     work = [x if x.is_contiguous() else torch.empty_like(x, memory_format=torch.contiguous_format)
             for x in outs]
-    dq_, dk_, dv_, dg_, dbeta_ = work
+    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    dht = None if dht is None else dht.to(torch.float32).contiguous()
+    entering, prep = kept_parts(kept, T, N, HV, K, V, q.dtype, q.device)
+    P = bwd_head_slices(T, N, H, HV, K, V, q.dtype, bool(use_l2norm), sms=num_sms(q.device))
+    if P == 1:
+        _bwd_heads(q, k, v, g, beta, do, h0, dht, *work, dh0, table, cu_chunks, scale, use_l2norm, rows,
+                   entering, prep)
+    else:           # each slice's views of the inputs and outputs (rows as before), its states contiguous
+        Hs, HVs = H // P, HV // P
+        for p in range(P):
+            qk, vh = slice(p * Hs, (p + 1) * Hs), slice(p * HVs, (p + 1) * HVs)
+            part = lambda x: None if x is None else x[:, vh].contiguous()   # noqa: E731  [N, HVs, K, V]
+            dh0_s = torch.empty(N, HVs, K, V, dtype=torch.float32, device=q.device)
+            dq_, dk_, dv_, dg_, dbeta_ = work
+            _bwd_heads(q[:, qk], k[:, qk], v[:, vh], g[:, vh], beta[:, vh], do[:, vh], part(h0), part(dht),
+                       dq_[:, qk], dk_[:, qk], dv_[:, vh], dg_[:, vh], dbeta_[:, vh], dh0_s, table, cu_chunks,
+                       scale, use_l2norm, rows, None, None)
+            dh0[:, vh] = dh0_s
+    for x, y in zip(outs, work):
+        if x is not y:
+            x.copy_(y)
+
+
+def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table, cu_chunks, scale, use_l2norm,
+               rows, entering, prep):
+    """The backward of the H qk heads of q [T, H, K] (all, or a slice: views whose rows are `rows` apart)
+    and their HV value heads: prep (unless given), the recompute, the dS pass, the dq / dk kernels and
+    finalize, with scratch for these heads only."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    NC, C, dev = table.shape[0], CHUNK, q.device
     cfg = bwd_configs(K, V, q.dtype)
     l2 = bool(use_l2norm)
     f32 = dict(dtype=torch.float32, device=dev)
-    h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    prep = chunk_fwd_prep(q, k, g, beta, table, HV, scale, l2, rows)
+    if prep is None:
+        prep = chunk_fwd_prep(q, k, g, beta, table, HV, scale, l2, rows)
     # S^T entering each chunk (as the forward's dots used it) and U^T; slots outside every
     # sequence are never written here and never read (the dq / dk kernels exit on empty slots)
     st = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
@@ -246,10 +326,8 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     dsn = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
     dxp = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
     if HV > 0:
-        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, st=st, ut=ut,
-                        entering=kept if kept is not None and kept.numel() else None)
-        dht_ = None if dht is None else dht.to(torch.float32).contiguous()
-        chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, rows, dht_, dsn, dxp, dv_, dh0, dq_, dk_, dg_, dbeta_,
+        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, st=st, ut=ut, entering=entering)
+        chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta,
                          cfg["dstate"])
     if NC > 0 and HV > 0:
         cq, ck = cfg["dq"], cfg["dk"]
@@ -258,20 +336,19 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
         # shares: the dk kernel's only (slots [nq, nq + nk); the others are never written nor read)
         part = torch.empty(2, nq + nk, T, HV, **f32)
         pm = torch.empty(NC, H, C, C, **f32)        # sum over the group of Pm + diag(Pm), dq -> dk kernel
+        # with l2norm the dq / dk kernels write dq, dk before the l2norm backward to pre [2, T, H, K] fp32
         pre = torch.empty(2, T, H, K, **f32) if l2 else None
+        out_rows = rows._replace(S_DQK=H * K) if l2 else rows
         shape = dict(H=H, HV=HV, K=K, V=V, C=C)
         chunk_bwd_dq_kernel[(nq, H, NC)](
-            q=q, k=k, g=g, do=do, gates=prep.gates, rn=prep.rn, ut=ut, st=st, dq=pre[0] if l2 else dq_, pm=pm,
-            dg_part=part[0], table=table, scale=scale, T=T, **shape, **rows.of("S_QK", "S_O", "S_DQK", "S_G"),
-            **cq)
+            q=q, k=k, g=g, do=do, gates=prep.gates, rn=prep.rn, ut=ut, st=st, dq=pre[0] if l2 else dq, pm=pm,
+            dg_part=part[0], table=table, scale=scale, T=T, **shape,
+            **out_rows.of("S_QK", "S_O", "S_DQK", "S_G"), **cq)
         chunk_bwd_dk_kernel[(nk, H, NC)](
             q=q, k=k, v=v, gates=prep.gates, rn=prep.rn, eg_last=prep.eg_last, ut=ut, st=st, dsn=dsn, dxp=dxp,
-            pm=pm, dk=pre[1] if l2 else dk_, g=g, dg_part=part[0], dbeta_part=part[1], table=table, T=T,
-            slot0=nq, **shape, **rows.of("S_QK", "S_V", "S_DQK", "S_G"), **ck)
+            pm=pm, dk=pre[1] if l2 else dk, g=g, dg_part=part[0], dbeta_part=part[1], table=table, T=T,
+            slot0=nq, **shape, **out_rows.of("S_QK", "S_V", "S_DQK", "S_G"), **ck)
         chunk_bwd_finalize_kernel[(H, NC)](
             q=q, k=k, dq_pre=pre[0] if l2 else None, dk_pre=pre[1] if l2 else None, rn=prep.rn,
-            dg_part=part[0], dbeta_part=part[1], dq=dq_, dk=dk_, dg=dg_, dbeta=dbeta_, table=table, T=T, H=H,
+            dg_part=part[0], dbeta_part=part[1], dq=dq, dk=dk, dg=dg, dbeta=dbeta, table=table, T=T, H=H,
             HV=HV, K=K, C=C, NK=nq + nk, NQ=nq, **rows.of("S_QK", "S_DQK", "S_G"), USE_L2=l2, **cfg["finalize"])
-    for x, y in zip(outs, work):
-        if x is not y:
-            x.copy_(y)

@@ -171,3 +171,42 @@ def rmsnorm_bwd_programs(device, row_blocks):
     partial sums)."""
     cap = 2 * num_sms(device) if device.type == "cuda" else 4
     return max(1, min(cap, row_blocks))
+
+
+BWD_SCRATCH_BUDGET = 16 * 2**30     # bytes of scratch the Triton backward may hold at once (bwd_head_slices)
+
+
+def bwd_scratch_bytes(T, N, H, HV, K, V, dtype, l2, sms=132):
+    """Bytes of scratch the Triton backward (gdn_packed/triton/chunk.py, chunk_gdr_bwd_triton) allocates for
+    T rows and N sequences of H qk / HV value heads, from shapes only (e = the input dtype's bytes, C = 64,
+    NC = T // C + N chunk slots, nq / nk = the dq / dk kernels' K-blocks):
+        NC HV (2 V K e + 2 V C e + 2 C^2 e + 7 C 4 + 4)   S^T, dSn^T; U^T, dX'^T; Ts, M; gates, row factors
+      + NC H C^2 4                                        the group's Pm (dq -> dk kernel)
+      + T HV 2 (nq + nk) 4                                dg / dbeta partials
+      + T H 2 K 4 with l2norm                             dq, dk before the l2norm backward
+      + the segmented passes' boundary rows: N (S - 1) HV (V + K) K 4 + N S HV K V 4 for the recompute
+        and for the dS pass (S from state_segments)
+    (~2.0 kB per token and value head at K = V = 128, bf16, G = 2: ~67 GB at T = 1M, HV = 32; +16 GB with
+    l2norm)."""
+    e, C, NC = torch.finfo(dtype).bits // 8, CHUNK, T // CHUNK + N
+    cfg = bwd_configs(K, V, dtype)
+    nq, nk = triton.cdiv(K, cfg["dq"]["BK"]), triton.cdiv(K, cfg["dk"]["BK"])
+    total = NC * HV * (2 * V * K * e + 2 * V * C * e + 2 * C * C * e + 7 * C * 4 + 4) + NC * H * C * C * 4
+    total += T * HV * 2 * (nq + nk) * 4 + (T * H * 2 * K * 4 if l2 else 0)
+    for c, dots in ((state_config(K, V, dtype, store_states=True), (5, 3)), (cfg["dstate"], (6, 6))):
+        S = state_segments(T, N, HV, K, V, c, sms, dots=dots)
+        total += N * (S - 1) * HV * (V + K) * K * 4 + (N * S * HV * K * V * 4 if S > 1 else 0)
+    return total
+
+
+def bwd_head_slices(T, N, H, HV, K, V, dtype, l2, budget=None, sms=132):
+    """How many slices of qk heads (each with its group's value heads) the Triton backward runs one after
+    another so that its scratch (bwd_scratch_bytes of one slice) fits `budget` (BWD_SCRATCH_BUDGET): the
+    fewest that divides H, at most H (one qk head a slice: the bound's floor, ~2 kB per token and value
+    head of the group). From shapes only: the same for every cu_seqlens of the same T and N."""
+    budget = BWD_SCRATCH_BUDGET if budget is None else budget
+    G = HV // max(H, 1)
+    for P in range(1, H + 1):
+        if H % P == 0 and bwd_scratch_bytes(T, N, H // P, G * (H // P), K, V, dtype, l2, sms) <= budget:
+            return P
+    return max(H, 1)
