@@ -38,6 +38,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -62,7 +63,32 @@ struct Args {
   bool l2norm, raw_gates;
 };
 
-GDN_HD float softplus_f(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+// softplus and sigmoid in fp32: on the device from ex2 / lg2 / rcp (2 ulp each; log1p(e) as
+// log(1 + e) e / ((1 + e) - 1), exact where 1 + e rounds, and e itself where it rounds to 1), without a
+// branch; on the host (the mirror, judged against float64) from libm
+GDN_HD float softplus_f(float x) {
+#if defined(__CUDA_ARCH__)
+  float e, u, l2, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(x * 1.4426950408889634f));
+  u = 1.f + e;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(l2) : "f"(u));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(u - 1.f));
+  const float l1p = u == 1.f ? e : (l2 * 0.6931471805599453f) * (e * r);
+  return x > 20.f ? x : l1p;
+#else
+  return x > 20.f ? x : log1pf(expf(x));
+#endif
+}
+GDN_HD float sigmoid_f(float y) {
+#if defined(__CUDA_ARCH__)
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(e) : "f"(-y * 1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + e));     // rcp(+inf) = +0
+  return r;
+#else
+  return 1.f / (1.f + expf(-y));
+#endif
+}
 
 // g and beta of a row from its stored values x, y (g's and beta's; with raw_gates the raw a, b), for
 // value head hv: the head's constants once, the per-row work in operator()
@@ -71,7 +97,7 @@ struct GateFn {
   bool raw;
   GDN_HD void operator()(float x, float y, float* g, float* b) const {
     *g = raw ? neg_a * softplus_f(x + dt_bias) : x;
-    *b = raw ? 1.f / (1.f + expf(-y)) : y;
+    *b = raw ? sigmoid_f(y) : y;
   }
 };
 GDN_HD GateFn gate_fn(const Args& a, int64_t hv) {

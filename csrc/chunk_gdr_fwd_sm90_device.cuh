@@ -33,8 +33,9 @@ struct alignas(1024) Shared {
   GatesBuf gates[kPrepBufs];
   PrepScratch scratch;
   int32_t rows[kStages][2];             // per stage: the chunk's start row and length (the producer's)
-  float graw[kStages][2][kC];           // per stage: g and beta (or the raw a, b) of the chunk's live rows,
-                                        // 0 on the others; loaded by the producer for the chunks prepped here
+  float graw[kStages][2][kC];           // per stage: g and beta of the chunk's live rows (formed from the raw
+                                        // a, b with raw_gates), 0 on the others; by the producer, for the
+                                        // chunks prepped here
   uint64_t full[kStages], empty[kStages], prepped[kPrepBufs], prepfree[kPrepBufs];
 };
 constexpr uint32_t kPrepBytes = 2 * kBlock + sizeof(GatesBuf);          // what a prep sends its peer
@@ -58,12 +59,6 @@ __device__ __forceinline__ void mbar_wait(uint64_t* b, int phase) {
       "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
       "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(b)), "r"(phase) : "memory");
 }
-__device__ __forceinline__ void mbar_wait_cluster(uint64_t* b, int phase) {   // arrivals from the peer CTA
-  asm volatile(
-      "{\n.reg .pred p;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(b)), "r"(phase) : "memory");
-}
 __device__ __forceinline__ void mbar_arrive(uint64_t* b, uint32_t count = 1) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");
 }
@@ -79,12 +74,15 @@ __device__ __forceinline__ uint32_t peer_addr(const void* p, uint32_t rank) {   
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_u32(p)), "r"(rank));
   return a;
 }
+// arrivals on the peer's barriers with the default semantics (release, CTA scope), as CUTLASS's cluster
+// barriers: what they order is this CTA's reads of a buffer (done: their values are used) and, for
+// prep's arrival, the bytes of a bulk copy that completes on the same barrier
 __device__ __forceinline__ void mbar_arrive_at(uint32_t cluster_addr) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
 }
 __device__ __forceinline__ void mbar_expect_tx_at(uint32_t cluster_addr, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.release.cluster.shared::cluster.b64 _, [%0], %1;"
-               ::"r"(cluster_addr), "r"(bytes) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cluster.b64 _, [%0], %1;" ::"r"(cluster_addr), "r"(bytes)
+               : "memory");
 }
 // bytes from this CTA's shared memory to the peer's (dst, mbar: shared::cluster addresses), completing
 // on the peer's barrier
@@ -436,16 +434,32 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
   if (wg == 0) {                                  // ---- producer: warp 0 (the TMA from its lane 0)
     set_regs<kRegsProducer>();
     if (wtid < 32) {
+      const GateFn gate = gate_fn(a, hv);
+      const int4* table = reinterpret_cast<const int4*>(a.table) + c0;   // rows (seq, idx, start, length)
+      int4 next = nchunks > 0 ? __ldg(table) : make_int4(0, 0, 0, 0);
       for (int it = 0; it < nchunks; ++it) {
         const int st = it % kStages;
+        const int32_t start = next.z, length = next.w;
+        if (it + 1 < nchunks) next = __ldg(table + it + 1);   // the next chunk's row, in flight during this one
+        // g, beta (or a, b) of the lane's two rows, for the chunks prepped here; 0 on the others
+        const bool mine = it % kVBlocks == vb;
+        float x[2], y[2];
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int i = wtid + 32 * j;
+          const int64_t row = static_cast<int64_t>(start) + i;
+          const bool live = mine && i < length;
+          x[j] = live ? a.g[row * HV + hv] : 0.f;
+          y[j] = live ? a.beta[row * HV + hv] : 0.f;
+        }
         if (it >= kStages) mbar_wait(&sm.empty[st], ((it / kStages) + 1) & 1);
-        const int32_t start = a.table[(c0 + it) * 4 + 2], length = a.table[(c0 + it) * 4 + 3];
-        if (it % kVBlocks == vb) {                // g, beta of the rows for this CTA's prep (off its path)
-          for (int i = wtid; i < kC; i += 32) {
-            const int64_t row = static_cast<int64_t>(start) + i;
-            sm.graw[st][0][i] = i < length ? a.g[row * HV + hv] : 0.f;
-            sm.graw[st][1][i] = i < length ? a.beta[row * HV + hv] : 0.f;
-          }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {              // the gates (from raw a, b with raw_gates), 0 on dead rows
+          const int i = wtid + 32 * j;
+          float g, b;
+          gate(x[j], y[j], &g, &b);
+          sm.graw[st][0][i] = mine && i < length ? g : 0.f;
+          sm.graw[st][1][i] = mine && i < length ? b : 0.f;
         }
         if (wtid == 0) {
           sm.rows[st][0] = start;
@@ -466,19 +480,23 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
     set_regs<kRegsPrep>();
     P p{1};
     const typename P::Smem at{smem_u32(sm.at), 0, true}, dt{smem_u32(sm.dt), 0, true};
-    const GateFn gate = gate_fn(a, hv);
-    for (int it = vb; it < nchunks; it += kVBlocks) {
+    // a sequence's last chunk (the only one that can be partial: kLast) apart, so the loop of the others
+    // holds no dead-row work
+    auto prep_one = [&](int it, auto last) {
+      constexpr bool kLast = decltype(last)::value;
       const int st = it % kStages, b = it % kPrepBufs;
       mbar_wait(&sm.full[st], (it / kStages) & 1);
-      if (it >= kPrepBufs) mbar_wait_cluster(&sm.prepfree[b], ((it / kPrepBufs) + 1) & 1);
+      if (it >= kPrepBufs) mbar_wait(&sm.prepfree[b], ((it / kPrepBufs) + 1) & 1);
       const int length = sm.rows[st][1];
-      if (length < kC) zero_dead_rows(sm, st, length, wtid);
+      if constexpr (kLast) {
+        if (length < kC) zero_dead_rows(sm, st, length, wtid);
+      }
       p.sync();
       const typename P::Smem k_t{smem_u32(sm.kq[st][0]), 2 * kBlock, true};
       const typename P::Smem q_t{smem_u32(sm.kq[st][0]) + kBlock, 2 * kBlock, true};
       const typename P::Smem ts{smem_u32(sm.ts[b]), 0, true}, m{smem_u32(sm.mm[b]), 0, true};
       prep_chunk<P, T, TInv>(p, q_t, k_t, sm.scratch, length, a.scale, a.l2norm,
-                             [&](int i, float* g, float* be) { gate(sm.graw[st][0][i], sm.graw[st][1][i], g, be); },
+                             [&](int i, float* g, float* be) { *g = sm.graw[st][0][i]; *be = sm.graw[st][1][i]; },
                              sm.gates[b],
                              at, at, dt, dt, ts, m);
       p.sync();                                   // (its fence: Ts, M, gates visible to the async proxy)
@@ -491,7 +509,10 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
         copy_to_peer(peer_addr(&sm.gates[b], peer), &sm.gates[b], sizeof(GatesBuf), bar);
         mbar_arrive(&sm.empty[st]);               // prep's reads of k, q done (its wgmma waited)
       }
-    }
+    };
+    int it = vb;
+    for (; it + 1 < nchunks; it += kVBlocks) prep_one(it, std::false_type{});
+    if (it == nchunks - 1) prep_one(it, std::true_type{});
   } else {                                        // ---- state: S^T of the CTA's 64 value columns in registers
     set_regs<kRegsState>();
     P p{2};
@@ -508,17 +529,21 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
         held = -1;
       }
     };
-    for (int it = 0; it < nchunks; ++it) {
+    // a sequence's last chunk (the only one that can be partial: kLast) apart, as in prep
+    auto step = [&](int it, auto last) {
+      constexpr bool kLast = decltype(last)::value;
       const int st = it % kStages, b = it % kPrepBufs;
       const bool mine = it % kVBlocks == vb;      // prepped here (else by the peer)
       if (wtid == 0) release_held();
       mbar_wait(&sm.full[st], (it / kStages) & 1);
-      mbar_wait_cluster(&sm.prepped[b], (it / kPrepBufs) & 1);   // (filled by the peer's bulk copy when !mine)
+      mbar_wait(&sm.prepped[b], (it / kPrepBufs) & 1);   // (filled by the peer's bulk copy when !mine)
       const int64_t start = sm.rows[st][0];
       const int length = sm.rows[st][1];
-      if (length < kC && !mine) {                 // (the peer's prep zeroed its own copy only)
-        zero_dead_rows(sm, st, length, wtid);
-        p.sync();
+      if constexpr (kLast) {
+        if (length < kC && !mine) {               // (the peer's prep zeroed its own copy only)
+          zero_dead_rows(sm, st, length, wtid);
+          p.sync();
+        }
       }
       const uint32_t kq = smem_u32(sm.kq[st][0]), ostage = smem_u32(sm.v[st]);
       const typename P::Smem kq_b{kq, 2 * kBlock, true}, k_mn{kq, 2 * kBlock, false};
@@ -530,8 +555,8 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
         p.template stmatrix<T>(acc.d + kC / 2, ostage, true);    // O [c][v]
         fence_async_smem();                       // for the TMA store, and before the next TMA load into it
         named_sync(p.bar);
-        if (length == kC) {                       // a whole chunk: one TMA store (the box is the chunk's rows)
-          if (wtid == 0) {
+        if (!kLast || length == kC) {             // a whole chunk: one TMA store (the box is the chunk's rows;
+          if (wtid == 0) {                        // rows past T, a middle chunk's only dead rows, are clipped)
             cute::SM90_TMA_STORE_3D::copy(&tm_o, sm.v[st], vb * kVB, static_cast<int>(hv), static_cast<int>(start));
             asm volatile("cp.async.bulk.commit_group;" ::: "memory");
           }
@@ -554,9 +579,11 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
         else mbar_arrive_at(peer_addr(&sm.prepfree[b], peer));
         held = st;                                // released at the next chunk (or below), once read
         held_count = mine ? 1 : 2;
-        if (length < kC) release_held();          // (no store in flight: wait_group.read returns at once)
+        if (kLast && length < kC) release_held();   // (no store in flight: wait_group.read returns at once)
       }
-    }
+    };
+    for (int it = 0; it + 1 < nchunks; ++it) step(it, std::false_type{});
+    if (nchunks > 0) step(nchunks - 1, std::true_type{});
     if (wtid == 0) {
       release_held();
       asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");   // the last stores done before exit

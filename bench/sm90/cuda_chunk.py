@@ -8,10 +8,11 @@ sm_90a CUDA chunked forward"), so the loops are simulated one by one and combine
 
     state   the state warpgroup's chunk loop, one warp's path: s cycles a chunk       -> n s
     prep    the prep warpgroup's loop (the CTA preps every other chunk): p a chunk     -> ceil(n / 2) p
+    producer the producer warp's loop (table row, g / beta, TMA loads): r a chunk     -> n r
     issue   one warp of each warpgroup per SM sub-partition (a scheduler each):
             i_state + i_prep / 2 + i_producer instructions a chunk                     -> n (...)
     mma     the SM's tensor pipe: m_state + m_prep / 2 cycles a chunk                  -> n (...)
-    D(n) =  max(n s, ceil(n / 2) p, issue, mma) + ldg (the first TMA loads)
+    D(n) =  max(n s, ceil(n / 2) p, n r, issue, mma) + ldg (the first TMA loads)
 
 the CTAs to the 132 SMs (1 CTA per SM) in launch order (model._schedule), bytes and FLOPs as for the
 Triton kernels (tiles per CTA: k, q, its v half and o per chunk, its half of h0 / ht; the footprint at
@@ -19,6 +20,7 @@ HBM's rate, re-reads at L2's). The simulator follows both sides of a guarded bra
 a chunk (a sequence's last, partial chunk: the zeroing of its dead rows, its row stores) are charged to
 every chunk: the estimate errs high. The op's torch operators (the chunk table) are recorded from the op
 body with backend="cuda" and the kernel launch itself stubbed (launches.Recorder)."""
+import collections
 import dataclasses
 import glob
 import hashlib
@@ -172,8 +174,11 @@ def _role_loops(prog):
 
 def _simulate_loop(prog, span, const):
     """One iteration of a loop simulated alone (inner loops once): cycles, instr, mma_cycles, stalls,
-    hgmma, waits."""
-    sub = prog[span[0]:span[1] + 1]
+    hgmma, shapes (HGMMA by shape), waits. A bulk copy to the cluster peer's shared memory (UBLKCP: prep's Ts / M / gates) completes
+    on the peer's mbarrier, which this warp never waits for: it is issued like any instruction, not queued
+    as a load that this warp's next mbarrier wait would wait for (sass.simulate's TMA rule)."""
+    sub = [dataclasses.replace(x, op="PEER." + x.op) if x.op.startswith("UBLKCP") else x
+           for x in prog[span[0]:span[1] + 1]]
 
     def run(n):
         return sass.simulate(sub, lambda k, _l: n if k == 0 else 1, const.lat)
@@ -181,6 +186,8 @@ def _simulate_loop(prog, span, const):
     per = {k: (r8[k] - r4[k]) / 4 for k in ("cycles", "instr", "mma_cycles")}
     per["stalls"] = {k: (r8["stalls"].get(k, 0.0) - r4["stalls"].get(k, 0.0)) / 4 for k in r8["stalls"]}
     per["hgmma"] = sum(x.op.startswith("HGMMA") for x in sub)
+    per["shapes"] = dict(collections.Counter(re.match(r"HGMMA\.(\d+x\d+x\d+)", x.op).group(1)
+                                             for x in sub if x.op.startswith("HGMMA")))
     per["waits"] = sum(x.op.startswith("WARPGROUP.DEPBAR") for x in sub)
     return per
 
@@ -245,7 +252,7 @@ def _smem_bytes():
 def cta_cycles(f, n):
     """D(n): one CTA's cycles over n chunks (module docstring), and the term that bounds it."""
     s, p, pr = f.loops["state"], f.loops["prep"], f.loops["producer"]
-    terms = dict(state=n * s["cycles"], prep=math.ceil(n / 2) * p["cycles"],
+    terms = dict(state=n * s["cycles"], prep=math.ceil(n / 2) * p["cycles"], producer=n * pr["cycles"],
                  issue=n * (s["instr"] + p["instr"] / 2 + pr["instr"]),
                  mma=n * (s["mma_cycles"] + p["mma_cycles"] / 2))
     bound = max(terms, key=terms.get)

@@ -42,7 +42,7 @@ def refusal(q, v, device, N=None):
 
 
 def _aligned(x):
-    """x contiguous with a 16-byte aligned base (TMA)."""
+    """x contiguous with a 16-byte aligned base (TMA; the table's rows are read as int4)."""
     x = x.contiguous()
     return x if x.data_ptr() % 16 == 0 else x.clone()
 
@@ -82,7 +82,7 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
                       beta=beta.to(torch.float32),
                       A_log=A_log.to(torch.float32) if raw else None,
                       dt_bias=dt_bias.to(torch.float32) if raw else None,
-                      table=table, cu_chunks=cu_chunks,
+                      table=_aligned(table), cu_chunks=cu_chunks,
                       initial_state=None if initial_state is None else initial_state.to(torch.float32)),
            writes=dict(o=out, final_state=final_state), N=N, T=T, H=H, HV=HV, K=K, V=Vd, chunk_size=C,
            dtype=q.dtype, scale=float(scale), l2norm=bool(use_l2norm), raw_gates=raw)
