@@ -149,7 +149,7 @@ def kept_parts(kept, T, N, HV, K, V, dtype, device):
     return (kept[:n].view(N * S, HV, K, V) if n else None), prep_in(kept[n:], T // CHUNK + N, HV, dtype)
 
 
-def entering_states(pass_a, N, HV, K, V, S, h0, dtype, device, reverse=False, out=None):
+def entering_states(pass_a, cu_chunks, N, HV, K, V, S, h0, dtype, device, reverse=False, out=None):
     """The state entering every segment of a segmented sequential pass, [N S, HV, K, V] fp32 (written to
     out when given): launches `pass_a(programs, ends)` (the pass with PROPAGATE over the segments the
     walk leaves, writing each one's end rows [V + K, K] to ends) and chunk_combine_kernel (grid
@@ -160,7 +160,8 @@ def entering_states(pass_a, N, HV, K, V, S, h0, dtype, device, reverse=False, ou
     ent = torch.empty(N * S, HV, K, V, dtype=torch.float32, device=device) if out is None else out
     cfg = combine_config(K, V, dtype)
     chunk_combine_kernel[(triton.cdiv(V, cfg["BV"]), HV, N)](
-        ends=ends, h0=h0, ent=ent, segments=S, HV=HV, K=K, V=V, HAS_H0=h0 is not None, REVERSE=reverse, **cfg)
+        ends=ends, h0=h0, ent=ent, cu_chunks=cu_chunks, segments=S, HV=HV, K=K, V=V, HAS_H0=h0 is not None,
+        REVERSE=reverse, **cfg)
     return ent
 
 
@@ -198,7 +199,7 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, 
     if entering is not None:
         h0 = entering.view(N * S, HV, K, V) if S > 1 else h0
     elif S > 1:
-        h0 = entering_states(pass_a, N, HV, K, V, S, h0, q.dtype, q.device, out=kept)
+        h0 = entering_states(pass_a, cu_chunks, N, HV, K, V, S, h0, q.dtype, q.device, out=kept)
     chunk_fwd_state_kernel[(triton.cdiv(V, cfg["BV"]), HV, N * S)](
         **inputs, h0=h0, o=o, ht=ht, st=st, ut=ut, ends=None,
         HAS_H0=h0 is not None, STORE_STATES=store, PROPAGATE=False, **cfg)
@@ -221,7 +222,7 @@ def chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, 
             **inputs, dht=None, dsn=None, dxp=None, dv=None, dh0=None, dq=None, dk=None, dg=None, dbeta=None,
             ends=ends, HAS_DHT=False, PROPAGATE=True)
     if S > 1:
-        dht = entering_states(pass_a, N, HV, K, V, S, dht, q.dtype, q.device, reverse=True)
+        dht = entering_states(pass_a, cu_chunks, N, HV, K, V, S, dht, q.dtype, q.device, reverse=True)
     chunk_bwd_dstate_kernel[(triton.cdiv(V, cfg["BV"]), HV, N * S)](
         **inputs, dht=dht, dsn=dsn, dxp=dxp, dv=dv, dh0=dh0, dq=dq, dk=dk, dg=dg, dbeta=dbeta, ends=None,
         HAS_DHT=dht is not None, PROPAGATE=False)

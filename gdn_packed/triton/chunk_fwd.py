@@ -308,7 +308,7 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
 
 
 @triton.jit(do_not_specialize=["segments"])
-def chunk_combine_kernel(ends, h0, ent, segments, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def chunk_combine_kernel(ends, h0, ent, cu_chunks, segments, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, REVERSE: tl.constexpr,
                          PREC: tl.constexpr):
     """The state entering every segment (grid (cdiv(V, BV), HV, N)), for the forward state pass and
@@ -316,7 +316,9 @@ def chunk_combine_kernel(ends, h0, ent, segments, HV: tl.constexpr, K: tl.conste
     first segment walked, and S^T <- S^T P_t + E_t^T from pass A's end rows [V + K, K] of segment t
     (E_t^T the segment's end state from zero, P_t its K x K transition; t = s forward, s - 1 reverse,
     as pass A covers the segments the walk leaves: the first segments - 1 forward, the last reverse);
-    writes the state entering segment s, [K, V] fp32, to ent[n * segments + s]."""
+    writes the state entering segment s, [K, V] fp32, to ent[n * segments + s]. An empty segment (a
+    sequence shorter than the segments) passes the state on as it is: its transition is I, but the
+    product would round the state to the dot's precision (tf32 on a GPU)."""
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -332,10 +334,13 @@ def chunk_combine_kernel(ends, h0, ent, segments, HV: tl.constexpr, K: tl.conste
         if REVERSE:
             i_s, i_t = segments - 1 - i, segments - 2 - i
         tl.store(ent + ((i_n * segments + i_s) * HV + i_h).to(tl.int64) * (K * V) + o_kv, b_st, mask=m_s)
-        p_e = ends + ((i_n * (segments - 1) + i_t) * HV + i_h).to(tl.int64) * ((V + K) * K)
-        b_e = tl.load(p_e + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
-        b_p = tl.load(p_e + (V + o_k)[:, None] * K + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.0)
-        b_st = tl.dot(b_st, b_p, b_e, input_precision=PREC)
+        lo, hi = segment_chunks(cu_chunks, i_n, i_t + 1 if REVERSE else i_t, segments)   # pass A's segment t
+        if hi > lo:
+            p_e = ends + ((i_n * (segments - 1) + i_t) * HV + i_h).to(tl.int64) * ((V + K) * K)
+            b_e = tl.load(p_e + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
+            b_p = tl.load(p_e + (V + o_k)[:, None] * K + o_k[None, :], mask=m_k[:, None] & m_k[None, :],
+                          other=0.0)
+            b_st = tl.dot(b_st, b_p, b_e, input_precision=PREC)
     i_s = segments - 1
     if REVERSE:
         i_s = 0
