@@ -129,6 +129,14 @@ struct HostPolicy {
   static void for_each2(Frag<N>& f, Frag<N>& g, F&& fn) {
     for (int i = 0; i < kC * N; ++i) fn(i / N, i % N, f.d[i], g.d[i]);
   }
+  template <int N, class F>
+  static void for_each_pair(Frag<N>& f, F&& fn) {
+    for (int i = 0; i < kC * N; i += 2) fn(i / N, i % N, f.d[i], f.d[i + 1]);
+  }
+  template <int N, class F>
+  static void for_each_pair2(Frag<N>& f, Frag<N>& g, F&& fn) {
+    for (int i = 0; i < kC * N; i += 2) fn(i / N, i % N, f.d[i], f.d[i + 1], g.d[i], g.d[i + 1]);
+  }
   template <class F>
   static void for_each_lo(Frag<2 * kC>& f, Frag<kC>& v, F&& fn) {
     for (int r = 0; r < kC; ++r)
@@ -182,7 +190,7 @@ struct HostPolicy {
   template <typename T>
   void mma_hi(Frag<2 * kC>& acc, const Op<T, kC>& a, const Smem& b) { mma_cols(acc, kC, kC, a, b); }
   template <typename T>
-  void mma_ss(Frag<kC>& acc, const Smem& a, const Smem& b) {   // A [m][k] and B as [n][k], K = kK
+  static void mma_ss(Frag<kC>& acc, const Smem& a, const Smem& b) {   // A [m][k] and B as [n][k], K = kK
     const T* aa = static_cast<const T*>(a.base);
     const T* bb = static_cast<const T*>(b.base);
     for (int r = 0; r < kC; ++r)
@@ -191,6 +199,12 @@ struct HostPolicy {
         for (int k = 0; k < kK; ++k) s += to_f(aa[r * a.ld + k]) * to_f(bb[n * b.ld + k]);
         acc.d[r * kC + n] += s;
       }
+  }
+  template <typename T>
+  void mma_grams(Frag<kC>& kk, Frag<kC>& qk, Frag<kC>& qq, const Smem& q, const Smem& k) {
+    mma_ss<T>(kk, k, k);
+    mma_ss<T>(qk, q, k);
+    mma_ss<T>(qq, q, q);
   }
   template <typename T, int N>
   void store(const Frag<N>& f, const Smem& dst, bool transpose) {
@@ -206,13 +220,6 @@ struct HostPolicy {
       for (int c = 0; c < kC; ++c) f.d[r * kC + c] = to_f(p[c * v.ld + r]);
     return f;
   }
-  template <typename T>   // __host__ __device__ only because prep_chunk calls it from a lambda (host only)
-  GDN_HD float row_sumsq_half(const Smem& t, int i, int h) const {
-    const T* p = static_cast<const T*>(t.base) + i * t.ld + h * (kK / 2);
-    float s = 0.f;
-    for (int c = 0; c < kK / 2; ++c) s += to_f(p[c]) * to_f(p[c]);
-    return s;
-  }
   template <class F>
   void for_rows(F&& fn) {
     for (int i = 0; i < kC; ++i) fn(i);
@@ -222,6 +229,7 @@ struct HostPolicy {
     for (int t = 0; t < 128; ++t) fn(t);
   }
   void sync() {}
+  void sync_generic() {}
   template <class... Tiles>
   void wait_mma(const Tiles&...) {}
 };
@@ -275,9 +283,12 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
         vt[r * kV + c] = (in && live) ? v[(row * HV + hv) * kV + c] : from_f<T>(0.f);
       }
     }
-    prep_chunk<P, T, TInv>(p, q_a, kq_b, s, length, a.scale, a.l2norm, [&](int i, float* g, float* b) {
-                             gate(a.g[(start + i) * HV + hv], a.beta[(start + i) * HV + hv], g, b);
-                           }, gates,
+    alignas(16) float g[kC], beta[kC];              // the producer's: the gates of live rows, else 0
+    for (int i = 0; i < kC; ++i) {
+      g[i] = beta[i] = 0.f;
+      if (i < length) gate(a.g[(start + i) * HV + hv], a.beta[(start + i) * HV + hv], &g[i], &beta[i]);
+    }
+    prep_chunk<P, T, TInv>(p, q_a, kq_b, s, g, beta, length, a.scale, a.l2norm, gates,
                            at_s, at_s, dt_s, dt_s, ts_s, m_s);
     for (int wg = 0; wg < kVBlocks; ++wg) {         // the CTAs of the V-blocks (prep is the same for both)
       const typename P::Smem v_t{vt.data() + wg * kVB, kV, false};

@@ -33,7 +33,7 @@ struct alignas(1024) Shared {
   GatesBuf gates[kPrepBufs];
   PrepScratch scratch;
   int32_t rows[kStages][2];             // per stage: the chunk's start row and length (the producer's)
-  float graw[kStages][2][kC];           // per stage: g and beta of the chunk's live rows (formed from the raw
+  alignas(16) float graw[kStages][2][kC];   // per stage: g and beta of the chunk's live rows (formed from the raw
                                         // a, b with raw_gates), 0 on the others; by the producer, for the
                                         // chunks prepped here
   uint64_t full[kStages], empty[kStages], prepped[kPrepBufs], prepfree[kPrepBufs];
@@ -190,6 +190,17 @@ struct DevPolicy {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) fn(row(i), col(i), f.d[i], g.d[i]);
   }
+  // the accumulator layout's pairs: elements 2j, 2j + 1 are (row, col), (row, col + 1), col even
+  template <int N, class F>
+  static __device__ void for_each_pair(Frag<N>& f, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < N / 2; i += 2) fn(row(i), col(i), f.d[i], f.d[i + 1]);
+  }
+  template <int N, class F>
+  static __device__ void for_each_pair2(Frag<N>& f, Frag<N>& g, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < N / 2; i += 2) fn(row(i), col(i), f.d[i], f.d[i + 1], g.d[i], g.d[i + 1]);
+  }
   template <class F>
   static __device__ void for_each_lo(Frag<2 * kC>& f, Frag<kC>& v, F&& fn) {
 #pragma unroll
@@ -271,13 +282,20 @@ struct DevPolicy {
   __device__ void mma_hi(Frag<2 * kC>& acc, const Op<U, kC>& a, const Smem& b) const {
     mma_n<U, kC, kC>(acc.d + kC / 2, a, b);
   }
+  // K K^T, Q K^T and Q Q^T (k-step by k-step, the three products interleaved) as one group
   template <typename U>
-  __device__ void mma_ss(Frag<kC>& acc, const Smem& a, const Smem& b) const {
-    fence_regs<kC / 2>(acc.d);
+  __device__ void mma_grams(Frag<kC>& kk, Frag<kC>& qk, Frag<kC>& qq, const Smem& q, const Smem& k) const {
+    fence_regs<kC / 2>(kk.d);
+    fence_regs<kC / 2>(qk.d);
+    fence_regs<kC / 2>(qq.d);
     cute::warpgroup_arrive();
 #pragma unroll
-    for (int kk = 0; kk < kK / 16; ++kk)
-      ss_fma<typename Gmma<U>::SS64>(desc_k(a, kk), desc_k(b, kk), acc.d, std::make_index_sequence<32>{});
+    for (int s = 0; s < kK / 16; ++s) {
+      const uint64_t dq = desc_k(q, s), dk = desc_k(k, s);
+      ss_fma<typename Gmma<U>::SS64>(dk, dk, kk.d, std::make_index_sequence<32>{});
+      ss_fma<typename Gmma<U>::SS64>(dq, dk, qk.d, std::make_index_sequence<32>{});
+      ss_fma<typename Gmma<U>::SS64>(dq, dq, qq.d, std::make_index_sequence<32>{});
+    }
     cute::warpgroup_commit_batch();
   }
   // wait for every issued group; the named accumulators and A operands are pinned past the wait (the
@@ -343,25 +361,6 @@ struct DevPolicy {
     }
     return f;
   }
-  // sum of squares of row i of a K-major [rows, 128] tile over K-half h (the block h kstep on)
-  template <typename U>
-  __device__ float row_sumsq_half(const Smem& t, int i, int h) const {
-    uint32_t r[8][4];                       // the row's 8 pieces first, then 4 independent sums
-#pragma unroll
-    for (int x = 0; x < 8; ++x)
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(r[x][0]), "=r"(r[x][1]), "=r"(r[x][2]), "=r"(r[x][3]) : "r"(t.addr + h * t.kstep + swz(i, x))
-                   : "memory");
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int x = 0; x < 8; ++x)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float2 f = Gmma<U>::unpack(r[x][e]);
-        s[e] += f.x * f.x + f.y * f.y;
-      }
-    return (s[0] + s[1]) + (s[2] + s[3]);
-  }
   template <class F>
   __device__ void for_rows(F&& fn) const {
     if (tid_wg() < kC) fn(tid_wg());
@@ -372,6 +371,7 @@ struct DevPolicy {
     fence_async_smem();
     named_sync(bar);
   }
+  __device__ void sync_generic() const { named_sync(bar); }
 };
 
 
@@ -489,16 +489,16 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
       if (it >= kPrepBufs) mbar_wait(&sm.prepfree[b], ((it / kPrepBufs) + 1) & 1);
       const int length = sm.rows[st][1];
       if constexpr (kLast) {
-        if (length < kC) zero_dead_rows(sm, st, length, wtid);
+        if (length < kC) {                        // (the Gram products read the zeroed rows: fenced)
+          zero_dead_rows(sm, st, length, wtid);
+          p.sync();
+        }
       }
-      p.sync();
       const typename P::Smem k_t{smem_u32(sm.kq[st][0]), 2 * kBlock, true};
       const typename P::Smem q_t{smem_u32(sm.kq[st][0]) + kBlock, 2 * kBlock, true};
       const typename P::Smem ts{smem_u32(sm.ts[b]), 0, true}, m{smem_u32(sm.mm[b]), 0, true};
-      prep_chunk<P, T, TInv>(p, q_t, k_t, sm.scratch, length, a.scale, a.l2norm,
-                             [&](int i, float* g, float* be) { *g = sm.graw[st][0][i]; *be = sm.graw[st][1][i]; },
-                             sm.gates[b],
-                             at, at, dt, dt, ts, m);
+      prep_chunk<P, T, TInv>(p, q_t, k_t, sm.scratch, sm.graw[st][0], sm.graw[st][1], length, a.scale, a.l2norm,
+                             sm.gates[b], at, at, dt, dt, ts, m);
       p.sync();                                   // (its fence: Ts, M, gates visible to the async proxy)
       if (wtid == 0) {
         mbar_arrive(&sm.prepped[b]);

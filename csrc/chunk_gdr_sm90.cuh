@@ -14,18 +14,20 @@
 //
 // A policy P supplies the tiles (the rest is shared):
 //   P::Frag<N>            a 64 x N fp32 tile: on the device the thread's share in the wgmma accumulator
-//                         layout, on the host all of it; P::for_each(f, (row, col, value&)) visits it
+//                         layout, on the host all of it; P::for_each(f, (row, col, value&)) visits it,
+//                         P::for_each_pair(f, (row, col, v0&, v1&)) its pairs (row, col), (row, col + 1)
+//                         with col even, P::for_each_pair2 two tiles' pairs
 //   P::Op<T, KD>          a 64 x KD A operand in registers (the fp32 tile rounded to T, times a sign)
 //   P::mma(acc, a, b)     acc += a B, B a [KD, N] tile in shared memory (P::Smem: K-major or MN-major);
 //                         issued only: P::wait_mma(tiles...) waits for every product issued, and the
 //                         tiles it names (accumulators and A operands) are not touched before it
-//   P::mma_ss(acc, a, b)  acc += A B, both in shared memory (prep's Gram matrices)
+//   P::mma_grams(kk, qk, qq, q, k)   K K^T, Q K^T, Q Q^T from the shared q, k tiles (prep), one group
 //   P::store(frag, tile, transpose)   a fragment to a shared tile of the operand type
 //   P::vt(tile)           V^T [64 v, 64 c] of the state block's 64 columns of v, as fp32
 //   P::for_rows(f)        f(i) for i in 0..63, chunk rows or columns (device: threads 0..63 of prep)
 //   P::for_threads(f)     f(t) for t in 0..127 (device: every thread of the warpgroup)
-//   P::row_sumsq_half(tile, i, h)    the sum of squares of row i over K-half h of a [64, K] tile
 //   P::sync()             shared-memory writes visible to the warpgroup's generic and async (wgmma) reads
+//   P::sync_generic()     shared-memory writes visible to the warpgroup's generic reads only
 // The inverse: the four 16 x 16 diagonal blocks of I + A by forward substitution in fp32 (one column a
 // thread), the two 32 x 32 ones from them on the CUDA cores (fp32), then one doubling level
 // D_2b = D_b - (D_b A_b) D_b (b = 32) on the tensor cores.
@@ -60,23 +62,21 @@ struct Gates {
   float eg_last;         // e^(sum of g over the chunk)
 };
 
-// Prep's scratch. g is 0 on dead rows. The sums of g over row ranges are built from strips of 8 rows
-// (every one a sum of g, never a difference of two sums):
+// Prep's scratch. The sums of g (0 on dead rows) over row ranges are built from strips of 8 rows (every
+// one a sum of g, never a difference of two sums):
 //   insuf[c]     over (c, end of c's strip]            sigma[j]  over strip j
 //   dsum[r][p]   over (8 (r / 8) + p, r], p <= r % 8   strip[r][j] over (8 j + 7, r], j < r / 8
 // (0 elsewhere), so the sum over (c, r] for c <= r is dsum[r][c % 8] in r's strip, else
 // insuf[c] + strip[r][c / 8].
 struct PrepScratch {
-  float g[kC];
-  float beta[kC];
-  float rq[kC];
-  float rk[kC];
-  float qn[2][kC];       // |q_i|^2 over the two halves of K
+  alignas(16) float rq[kC];
+  alignas(16) float rk[kC];
+  float qn[kC];          // |q_i|^2: the diagonal of Q Q^T
   float kn[kC];          // |k_i|^2: the diagonal of K K^T
-  float insuf[kC];
-  float sigma[kStrips];
-  float dsum[kC][kStrip];
-  float strip[kC][kStrips];
+  alignas(16) float insuf[kC];
+  alignas(16) float sigma[kStrips];
+  alignas(16) float dsum[kC][kStrip];
+  alignas(16) float strip[kC][kStrips];
   alignas(16) float a16[kC][kSub];   // A's 16 x 16 diagonal blocks: a16[r][c % 16] = A_rc, r / 16 == c / 16
   alignas(16) float t16[kC][kSub];   // their inverses (I + A_bb)^-1, the same layout
   alignas(16) float a21[2][kSub][kSub];   // per 32 x 32 diagonal block q: A's lower-left 16 x 16 block, then
@@ -105,72 +105,123 @@ GDN_HD float rsqrt_f(float x) {
 #endif
 }
 
-// insuf[c], and sigma of c's strip when c starts it.
-GDN_HD void strip_sums(PrepScratch& s, int c) {
-  const int base = c - c % kStrip;
-  float sum = 0.f;
-#pragma unroll
-  for (int t = kStrip - 1; t > 0; --t)
-    if (t > c % kStrip) sum += s.g[base + t];
-  s.insuf[c] = sum;
-  if (c == base) s.sigma[c / kStrip] = s.g[c] + sum;
+// 8 floats from a 16-byte aligned address
+GDN_HD void load8(float* dst, const float* src) {
+  *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(src);
+  *reinterpret_cast<float4*>(dst + 4) = *reinterpret_cast<const float4*>(src + 4);
+}
+GDN_HD void store8(float* dst, const float* src) {
+  *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(src);
+  *reinterpret_cast<float4*>(dst + 4) = *reinterpret_cast<const float4*>(src + 4);
 }
 
-// Row r: its dsum and strip rows, its gate row and row factors (rk from the diagonal of K K^T, rq
-// from the halves of |q_r|^2), and with r = 0 the chunk's decay.
-GDN_HD void gate_row(PrepScratch& s, int r, int length, float scale, bool l2norm, Gates& out) {
+// insuf[c], and sigma of c's strip when c starts it (g: the chunk's 64 rows, 16-byte aligned).
+GDN_HD void strip_sums(PrepScratch& s, const float* g, int c) {
+  const int base = c - c % kStrip;
+  float gs[kStrip];
+  load8(gs, g + base);
+  float sum = 0.f;
+#pragma unroll
+  for (int t = kStrip - 1; t > 0; --t) sum = t > c % kStrip ? sum + gs[t] : sum;
+  s.insuf[c] = sum;
+  if (c == base) s.sigma[c / kStrip] = gs[0] + sum;
+}
+
+// Row r: its dsum and strip rows, its gate row and row factors (rk, rq from the diagonals of K K^T and
+// Q Q^T), and with r = 0 the chunk's decay. Everything it reads is loaded first.
+GDN_HD void gate_row(PrepScratch& s, const float* g, const float* beta, int r, int length, float scale,
+                     bool l2norm, Gates& out) {
   const int jr = r / kStrip, pr = r % kStrip;
+  float gs[kStrip], sig[kStrips], d[kStrip], st[kStrips];
+  load8(gs, g + jr * kStrip);
+  load8(sig, s.sigma);
+  const float insuf = s.insuf[r], kn = s.kn[r], qn = s.qn[r], b = beta[r];
   float seg = 0.f;                          // sum of g over (8 jr + p, r], then over [8 j, r]
 #pragma unroll
   for (int p = kStrip - 1; p >= 0; --p) {
-    s.dsum[r][p] = p <= pr ? seg : 0.f;
-    if (p <= pr) seg += s.g[jr * kStrip + p];
+    d[p] = p <= pr ? seg : 0.f;
+    seg = p <= pr ? seg + gs[p] : seg;
   }
-  float suf = s.insuf[r], tot = 0.f;        // suf: sum of g over (r, 63]
+  float suf = insuf, tot = 0.f;             // suf: sum of g over (r, 63]
 #pragma unroll
   for (int j = kStrips - 1; j >= 0; --j) {
-    s.strip[r][j] = j < jr ? seg : 0.f;
-    if (j < jr) seg += s.sigma[j];
-    if (j > jr) suf += s.sigma[j];
-    tot += s.sigma[j];
+    st[j] = j < jr ? seg : 0.f;
+    seg = j < jr ? seg + sig[j] : seg;
+    suf = j > jr ? suf + sig[j] : suf;
+    tot += sig[j];
   }
-  const float rk = l2norm ? rsqrt_f(s.kn[r] + 1e-6f) : 1.f;
-  const float rq = l2norm ? rsqrt_f(s.qn[0][r] + s.qn[1][r] + 1e-6f) : 1.f;
+  store8(s.dsum[r], d);
+  store8(s.strip[r], st);
+  const float rk = l2norm ? rsqrt_f(kn + 1e-6f) : 1.f;
+  const float rq = l2norm ? rsqrt_f(qn + 1e-6f) : 1.f;
   s.rk[r] = rk;
   s.rq[r] = rq;
   const bool live = r < length;
   const float eg = exp_f(seg);              // seg: gam_r, the sum over [0, r]
-  out.beta[r] = live ? s.beta[r] : 0.f;
+  out.beta[r] = live ? b : 0.f;
   out.egk[r] = live ? eg * rk : 0.f;
   out.cq[r] = live ? scale * eg * rq : 0.f;
   out.wk[r] = live ? exp_f(suf) * rk : 0.f;
   if (r == 0) out.eg_last = exp_f(tot);
 }
 
-// E_rc = exp(sum of g over (c, r]) for c <= r on live rows, else 0 (every table entry read is defined,
-// so nothing is conditional but the choice)
-GDN_HD float decay(const PrepScratch& s, int r, int c, int length) {
-  const float across = s.insuf[c] + s.strip[r][c / kStrip], within = s.dsum[r][c % kStrip];
-  const float e = exp_f(c / kStrip < r / kStrip ? across : within);
-  return c <= r && r < length ? e : 0.f;
+// float pairs at an 8-byte aligned address
+GDN_HD float2 load2(const float* src) { return *reinterpret_cast<const float2*>(src); }
+GDN_HD void store2(float* dst, float x, float y) { *reinterpret_cast<float2*>(dst) = float2{x, y}; }
+
+// A and M at (r, c) and (r, c + 1), c even, in place (kk, qk: the Gram products there): with
+// E_rc = exp(sum of g over (c, r]) for c <= r on live rows, else 0 (every table entry read is defined, so
+// nothing is conditional but the choice), A = beta_r rk_r E_rc rk_c (k.k), strictly lower, and
+// M = scale rq_r E_rc rk_c (q.k).
+GDN_HD void a_and_m_pair(PrepScratch& s, const float* beta, int r, int c, int length, float scale, float& a0,
+                         float& a1, float& m0, float& m1) {
+  const float2 ins = load2(&s.insuf[c]), rkc = load2(&s.rk[c]), within = load2(&s.dsum[r][c % kStrip]);
+  const float strip = s.strip[r][c / kStrip];
+  const bool same = c / kStrip == r / kStrip, live = r < length;
+  const float e0 = exp_f(same ? within.x : ins.x + strip) * rkc.x;
+  const float e1 = exp_f(same ? within.y : ins.y + strip) * rkc.y;
+  const float fa = beta[r] * s.rk[r], fm = scale * s.rq[r];
+  a0 = live && c < r ? fa * e0 * a0 : 0.f;
+  a1 = live && c + 1 < r ? fa * e1 * a1 : 0.f;
+  m0 = live && c <= r ? fm * e0 * m0 : 0.f;
+  m1 = live && c + 1 <= r ? fm * e1 * m1 : 0.f;
 }
 
-// Column `col` of (I + A_bb)^-1 for the diagonal block b = col / 16 (forward substitution, fp32):
-// x_l = 1, x_i = -sum_{j < i} A_ij x_j for i > l (l = col % 16), 0 above l.
+// A's diagonal 16 x 16 blocks and the lower-left 16 x 16 block of each 32 x 32 diagonal block to a16 /
+// a21 (the substitution's inputs), the pair at (r, c), (r, c + 1)
+GDN_HD void a_blocks_pair(PrepScratch& s, int r, int c, float a0, float a1) {
+  if (r / kSub == c / kSub) store2(&s.a16[r][c % kSub], a0, a1);
+  if (r / 32 == c / 32 && r % 32 >= kSub && c % 32 < kSub) store2(&s.a21[r / 32][r % kSub][c % kSub], a0, a1);
+}
+
+// D_32 at (r, c), (r, c + 1), c even: the block diagonal of the 32 x 32 inverses (t16 on the 16 x 16
+// diagonal blocks, a21's T21 below them in each 32 x 32 block, 0 elsewhere)
+GDN_HD void d32_pair(const PrepScratch& s, int r, int c, float& d0, float& d1) {
+  const bool diag = r / kSub == c / kSub, low = r / 32 == c / 32 && r % 32 >= kSub && c % 32 < kSub;
+  const float2 t = diag ? load2(&s.t16[r][c % kSub]) : low ? load2(&s.a21[r / 32][r % kSub][c % kSub])
+                                                         : float2{0.f, 0.f};
+  d0 = t.x;
+  d1 = t.y;
+}
+
+// Column `col` of (I + A_bb)^-1 for the diagonal block b = col / 16 (forward substitution, fp32), right-
+// looking: x = e_l (l = col % 16), then for j = 0 .. 14, x_i -= A_ij x_j for every i > j (x_j is final
+// then; x_i stays 0 for i < l), so the chain is one FFMA a step. The block's rows are loaded first.
 GDN_HD void sub_inverse_col(PrepScratch& s, int col) {
   const int b = col / kSub, l = col % kSub;
-  float x[kSub];
+  float a[kSub][kSub];                      // rows 1..15, columns below the diagonal (in 16-byte pieces)
 #pragma unroll
-  for (int i = 0; i < kSub; ++i) {
-    float a[kSub];                          // row i of the block, in 16-byte pieces
+  for (int i = 1; i < kSub; ++i)
 #pragma unroll
     for (int j = 0; j < i; j += 4)
-      *reinterpret_cast<float4*>(a + j) = *reinterpret_cast<const float4*>(&s.a16[b * kSub + i][j]);
-    float acc[2] = {0.f, 0.f};              // two chains: the sum's latency halves
+      *reinterpret_cast<float4*>(&a[i][j]) = *reinterpret_cast<const float4*>(&s.a16[b * kSub + i][j]);
+  float x[kSub];
 #pragma unroll
-    for (int j = 0; j < i; ++j) acc[j & 1] += a[j] * x[j];
-    x[i] = i < l ? 0.f : (i == l ? 1.f : -(acc[0] + acc[1]));
-  }
+  for (int i = 0; i < kSub; ++i) x[i] = i == l ? 1.f : 0.f;
+#pragma unroll
+  for (int j = 0; j < kSub - 1; ++j)
+#pragma unroll
+    for (int i = j + 1; i < kSub; ++i) x[i] -= a[i][j] * x[j];
 #pragma unroll
   for (int i = 0; i < kSub; ++i) s.t16[b * kSub + i][l] = x[i];
 }
@@ -203,69 +254,55 @@ GDN_HD bool lower_left(int r, int c, int b) {
 }
 
 // ---- prep: one chunk, one value head (the prep warpgroup) ------------------------------------------
-// In: the q, k tiles of the qk head (rows past `length` already 0), load_gate(i, &g, &beta) for the
-// chunk's live rows. Out: gates, and the Ts and M tiles (input dtype). at / dt: the inverse's scratch
-// tiles (A^T, D_b^T), each as a store destination and as a B operand.
+// In: the q, k tiles of the qk head (rows past `length` already 0), g and beta of the chunk's 64 rows (0
+// on dead rows; 16-byte aligned). Out: gates, and the Ts and M tiles (input dtype). at / dt: the
+// inverse's scratch tiles (A^T, D_b^T), each as a store destination and as a B operand.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable   // instantiated with the host policy (mirror) and the device one (kernel)
 #endif
-template <class P, typename T, typename TInv, class LoadGate>
+template <class P, typename T, typename TInv>
 GDN_HD void prep_chunk(P& p, const typename P::Smem& q_t, const typename P::Smem& k_kmaj, PrepScratch& s,
-                       int length, float scale, bool l2norm, LoadGate&& load_gate, Gates& gates,
+                       const float* g, const float* beta, int length, float scale, bool l2norm, Gates& gates,
                        const typename P::Smem& at_store, const typename P::Smem& at_b,
                        const typename P::Smem& dt_store, const typename P::Smem& dt_b,
                        const typename P::Smem& ts_store, const typename P::Smem& m_store) {
-  // the Gram matrices (fp32 accumulators of the exact q, k) run on the tensor cores during the row work
-  typename P::template Frag<kC> kk, qk;
+  // the Gram matrices (fp32 accumulators of the exact q, k; Q Q^T for |q|^2) run on the tensor cores
+  // during the strip sums
+  typename P::template Frag<kC> kk, qk, qq;
   P::zero(kk);
   P::zero(qk);
-  p.template mma_ss<T>(kk, k_kmaj, k_kmaj);
-  p.template mma_ss<T>(qk, q_t, k_kmaj);
-  p.for_threads([&](int t) {                // g, beta of the rows; |q_i|^2 over the halves of K
-    const int i = t % kC, h = t / kC;
-    if (h == 0) {
-      float g = 0.f, b = 0.f;
-      if (i < length) load_gate(i, &g, &b);
-      s.g[i] = g;
-      s.beta[i] = b;
+  P::zero(qq);
+  p.template mma_grams<T>(kk, qk, qq, q_t, k_kmaj);
+  p.for_rows([&](int c) { strip_sums(s, g, c); });
+  p.wait_mma(kk, qk, qq);
+  P::for_each2(kk, qq, [&](int r, int c, float& x, float& y) {
+    if (r == c) {
+      s.kn[r] = x;
+      s.qn[r] = y;
     }
-    s.qn[h][i] = l2norm ? p.template row_sumsq_half<T>(q_t, i, h) : 0.f;
   });
-  p.sync();
-  p.for_rows([&](int c) { strip_sums(s, c); });
-  p.wait_mma(kk, qk);
-  P::for_each(kk, [&](int r, int c, float& x) { if (r == c) s.kn[r] = x; });
-  p.sync();
-  p.for_rows([&](int r) { gate_row(s, r, length, scale, l2norm, gates); });
-  p.sync();
+  p.sync_generic();
+  p.for_rows([&](int r) { gate_row(s, g, beta, r, length, scale, l2norm, gates); });
+  p.sync_generic();
   // A = beta E (k^ k^^T), strictly lower (A^T for the doubling, its diagonal blocks for the
   // substitution); M = scale E (q^ k^^T), lower incl. diagonal, in the input dtype
-  P::for_each2(kk, qk, [&](int r, int c, float& a, float& m) {
-    const float e = decay(s, r, c, length) * s.rk[c], ea = (s.beta[r] * s.rk[r]) * e * a;
-    a = c < r ? ea : 0.f;
-    m = (scale * s.rq[r]) * e * m;
+  P::for_each_pair2(kk, qk, [&](int r, int c, float& a0, float& a1, float& m0, float& m1) {
+    a_and_m_pair(s, beta, r, c, length, scale, a0, a1, m0, m1);
   });
-  P::for_each(kk, [&](int r, int c, float& a) {
-    if (r / kSub == c / kSub) s.a16[r][c % kSub] = a;
-    if (r / 32 == c / 32 && r % 32 >= kSub && c % 32 < kSub) s.a21[r / 32][r % kSub][c % kSub] = a;
-  });
+  P::for_each_pair(kk, [&](int r, int c, float& a0, float& a1) { a_blocks_pair(s, r, c, a0, a1); });
   p.template store<TInv>(kk, at_store, true);        // A^T: the B operand [k, n] = A[k][n], K-major
   p.template store<T>(qk, m_store, false);
-  p.sync();
+  p.sync_generic();                                  // (A^T's fence for the doubling: the sync before it)
   p.for_rows([&](int c) { sub_inverse_col(s, c); });
-  p.sync();
+  p.sync_generic();
   p.for_threads([&](int t) { inverse_32_pass(s, t, 0); });
-  p.sync();
+  p.sync_generic();
   p.for_threads([&](int t) { inverse_32_pass(s, t, 1); });
-  p.sync();
+  p.sync_generic();
   // D_32, the block diagonal of the 32 x 32 inverses; then D_2b = D_b - (D_b A_b) D_b (b = 32), where
   // (D_b A_b) = lower_left_b(D_b A) as D_b is block-diagonal
   typename P::template Frag<kC> d;
-  P::for_each(d, [&](int r, int c, float& v) {
-    const bool lower_left16 = r % 32 >= kSub && c % 32 < kSub;
-    v = r / kSub == c / kSub ? s.t16[r][c % kSub]
-        : r / 32 == c / 32 && lower_left16 ? s.a21[r / 32][r % kSub][c % kSub] : 0.f;
-  });
+  P::for_each_pair(d, [&](int r, int c, float& d0, float& d1) { d32_pair(s, r, c, d0, d1); });
 #pragma unroll
   for (int b = 2 * kSub; b < kC; b *= 2) {
     p.template store<TInv>(d, dt_store, true);       // D_b^T: the B operand [k, n] = D_b[k][n]
@@ -279,7 +316,7 @@ GDN_HD void prep_chunk(P& p, const typename P::Smem& q_t, const typename P::Smem
     auto x_op = p.template op<TInv, kC>(x, -1.f);
     p.mma(d, x_op, dt_b);
     p.wait_mma(d, x_op);
-    p.sync();                                        // every wgmma read of dt_b done before its rewrite
+    if (2 * b < kC) p.sync();                        // every wgmma read of dt_b done before its rewrite
   }
   P::for_each(d, [&](int r, int c, float& v) { if (r == c) v = 0.f; });
   p.template store<T>(d, ts_store, false);           // Ts = T - I, [c][c'] (K-major B of X'^T Ts^T)
