@@ -23,11 +23,17 @@ WITHIN = 203        # rows within 20%: all
 
 RECORD = """
 import json, torch
-from bench.sm90 import launches
+from bench.sm90 import cuda_table, launches
 rec = launches.Recorder(torch_ops=True)
 with launches.fake_hopper(), rec.active():
     launches.record_ours(rec, (1, 128, 2, 4, 64, 64), torch.bfloat16, ("fwd", "bwd"))
-print(json.dumps([[lc.phase, lc.kernel] for lc in rec.launches if not isinstance(lc, launches.TorchOp)]))
+kernels = [[lc.phase, lc.kernel] for lc in rec.launches if isinstance(lc, launches.Launch)]
+torch_ops = sum(isinstance(lc, launches.TorchOp) for lc in rec.launches)
+rec = launches.Recorder(torch_ops=True)
+with launches.fake_hopper(), rec.active(), cuda_table.built(rec):
+    launches.record_ours(rec, (1, 128, 2, 4, 64, 64), torch.bfloat16, ("fwd", "bwd"))
+built = [[type(lc).__name__, lc.phase] for lc in rec.launches if not isinstance(lc, launches.Launch)]
+print(json.dumps(dict(kernels=kernels, torch_ops=torch_ops, built=built)))
 """
 
 
@@ -53,10 +59,17 @@ def test_small_shape_report_lists_every_launch(tmp_path, sm90_toolchain):
     launched = subprocess.run([sys.executable, "-c", RECORD], env=_env(), cwd=ROOT, capture_output=True,
                               text=True, timeout=300)
     assert launched.returncode == 0, launched.stderr[-3000:]
-    ops = [r for r in rows if r["kernel"].startswith("torch ops")]      # the torch operators, one row a direction
-    rows = [r for r in rows if r not in ops]
-    assert [[r["mode"], r["kernel"]] for r in rows] == json.loads(launched.stdout.splitlines()[-1])
-    assert all(r["bound"] == "bytes" and r["est_us"] > 0 for r in ops)
+    launched = json.loads(launched.stdout.splitlines()[-1])
+    # the package built (the report's default): the chunk table is csrc/chunk_table.cu's two kernels, one
+    # table a direction, and our op runs no torch operator; without _C the table is the torch operators
+    assert not [r for r in rows if r["kernel"].startswith("torch ops")]
+    assert launched["built"] == [["TableLaunch", "fwd"], ["TableLaunch", "bwd"]] and launched["torch_ops"] > 0
+    table = [r for r in rows if r["config"] == "csrc"]
+    assert [(r["mode"], r["kernel"]) for r in table] == [(m, k) for m in ("fwd", "bwd") for k in (
+        "chunk_count_scan_kernel", "chunk_table_fill_kernel")]
+    assert all(r["bound"] == "latency" and 2.5 < r["est_us"] < 10 for r in table), table
+    rows = [r for r in rows if r not in table]
+    assert [[r["mode"], r["kernel"]] for r in rows] == launched["kernels"]
     for r in rows:
         assert not r["error"], r
         assert 0 < r["regs"] <= 255 and r["smem_kb"] <= 227 and r["ctas_per_sm"] >= 1, r
@@ -66,6 +79,7 @@ def test_small_shape_report_lists_every_launch(tmp_path, sm90_toolchain):
     assert all(r["loop_instr"] > r["loop_hgmma"] > 0 for r in loops)
     assert {t["mode"] for t in data["totals"]} == {"fwd", "bwd"}
     assert "MODEL ESTIMATE" in proc.stdout and (tmp_path / "r.csv").read_text().startswith("impl,")
+    assert "Modelled as the package built (gdn_packed._C)" in proc.stdout
     assert "model check: FLA rows within" in proc.stdout
 
 
@@ -133,7 +147,9 @@ SASS = """
 
 def test_sass_loop_counts_one_iteration():
     loop = S.sass_loop(S.sass_instructions(SASS))
-    assert loop == dict(hgmma=2, hmma=0, mma_cycles=16 + 32, instr=6, waits=1, bars=1, f2fp=1)
+    # both HGMMA read A from shared memory (SS): 64x32x16 is fed at 128 B a cycle (24 cycles), 64x64x16
+    # at its FLOP rate (32)
+    assert loop == dict(hgmma=2, hmma=0, mma_cycles=24 + 32, instr=6, waits=1, bars=1, f2fp=1)
 
 
 def test_sass_loop_skips_out_of_line_waits():
@@ -143,7 +159,7 @@ def test_sass_loop_skips_out_of_line_waits():
         /*00a0*/              @!P0 BRA 0x90 ;
         /*00b0*/                   BRA 0x20 ;""")
     loop = S.sass_loop(S.sass_instructions(sass))
-    assert loop == dict(hgmma=2, hmma=0, mma_cycles=16 + 32, instr=6, waits=1, bars=1, f2fp=1)
+    assert loop == dict(hgmma=2, hmma=0, mma_cycles=24 + 32, instr=6, waits=1, bars=1, f2fp=1)
 
 
 def test_sass_loop_of_mma_sync_kernels():
@@ -208,6 +224,36 @@ def test_wgmma_group_runs_on_the_tensor_pipe_then_waits_its_latency():
               "FADD R5, R24, R24", "EXIT"], hgmma=100)
     # the first HGMMA issues at 2 and holds the pipe 32 cycles (64x64x16: N / 2), the second follows it
     assert r["cycles"] == 2 + 32 + 32 + 100 + 2 and r["mma_cycles"] == 64 and r["stalls"]["wgmma"] > 0
+
+
+@pytest.mark.parametrize("op, operands, want", [
+    ("HGMMA.64x256x16.F32.BF16", "R24, gdesc[UR8], R24", 128),     # N / 2: Luo et al. table VIII, 128 cycles
+    ("HGMMA.64x256x16.F32.BF16", "R24, R120, gdesc[UR8], R24", 128),
+    ("HGMMA.64x128x16.F32.BF16", "R24, gdesc[UR8], R24", 64),      # Jarmusch et al.: 64 (H200)
+    ("HGMMA.64x64x16.F32.BF16", "R24, gdesc[UR8], R24", 32),       # SS = RS from N = 64 on
+    ("HGMMA.64x64x16.F32.BF16", "R24, R120, gdesc[UR8], R24", 32),
+    ("HGMMA.64x32x16.F32.BF16", "R24, gdesc[UR8], R24", 24),       # SS below N = 64: A + B at 128 B a cycle
+    ("HGMMA.64x32x16.F32.BF16", "R24, R120, gdesc[UR8], R24", 16),  # RS: B only, N / 2
+    ("HGMMA.64x8x8.F32.TF32", "R24, gdesc[UR8], R24", 18),         # tf32: K = 8, 4-byte elements
+    ("HGMMA.64x32x16.F32", "R24, gdesc[UR8], R24", 24),            # fp16 inputs: no type suffix in the SASS
+    ("HGMMA.64x64x8.F32.TF32", "R24, R120, gdesc[UR8].tnspB, R24", 32),
+])
+def test_wgmma_pipe_cycles_by_shape_and_operand_source(op, operands, want):
+    assert S.hgmma_cycles(op, operands) == want
+
+
+def test_memory_fence_waits_for_the_warps_outstanding_memory():
+    """MEMBAR (Triton's fence before a wgmma that reads what the threads stored) waits for the warp's
+    loads and stores still in flight: a shared store for a shared-memory round trip, a global load or
+    store for a global one; with nothing in flight it is one issue slot."""
+    lat = S.Latencies()
+    assert _sim(["MEMBAR.ALL.CTA", "EXIT"])["cycles"] == 2
+    after_sts = _sim(["STS [R2], R4", "MEMBAR.ALL.CTA", "EXIT"])
+    assert after_sts["cycles"] == 1 + lat.smem + 1 and after_sts["stalls"] == {"fence": lat.smem - 1}
+    after_stg = _sim(["STG.E desc[UR4][R2.64], R4", "FADD R5, R6, R6", "MEMBAR.ALL.CTA", "EXIT"])
+    assert after_stg["cycles"] == 1 + lat.ldg + 1
+    # a cp.async (LDGSTS) completes through its own wait (DEPBAR), not through a fence
+    assert _sim(["LDGSTS.E.BYPASS.128 [R3], desc[UR4][R4.64]", "MEMBAR.ALL.CTA", "EXIT"])["cycles"] == 3
 
 
 def test_barrier_costs_its_cycles():
@@ -330,3 +376,33 @@ def test_torch_operators_are_recorded_by_their_bytes():
     assert ops == [("torch aten.sum.default", 4004), ("torch aten.add_.Tensor", 8000),
                    ("torch aten.zeros.default", 40)], ops
     assert all(isinstance(op, launches.TorchOp) for op in rec.launches)
+
+
+def test_chunk_table_kernels_modelled_from_their_sass():
+    """With gdn_packed._C built the chunk table is csrc/chunk_table.cu's two kernels (bench/sm90/
+    cuda_table.py): nvcc's SASS through the simulator; the scan loops over the sequences 512 at a time,
+    the fill searches each slot's sequence in ceil(log2 N) dependent loads."""
+    from bench.sm90 import cuda_table as T
+    why = T.build().get("error")
+    if why:
+        pytest.skip(why)
+    est = {}
+    for n in (1, 32, 4096):
+        rows = T.rows(T.TableLaunch("fwd", n, 32768, 64, False), "s", "bf16", "ours", M.CONSTANTS)
+        assert [r["kernel"] for r in rows] == ["chunk_count_scan_kernel", "chunk_table_fill_kernel"]
+        assert [r["ctas"] for r in rows] == [1, -(-(32768 // 64 + n) // 256)]
+        assert all(not r["error"] and r["bound"] == "latency" and r["regs"] > 0 for r in rows), rows
+        est[n] = [r["est_us"] for r in rows]
+    assert est[1][0] == est[32][0] < est[4096][0]              # 1, 1, 8 tiles of 512 sequences
+    assert est[1][1] < est[32][1]                              # 0 and 5 search steps
+    assert all(M.CONSTANTS.launch_s * 1e6 < us < 10 for e in est.values() for us in e)
+
+
+def test_fla_state_kernels_run_at_the_fitted_warps():
+    """FLA's state kernels' warps (2: mma.sync, 4: wgmma) are fitted on the training rows (validate.fit);
+    every other autotuned FLA kernel's config is the model's choice."""
+    for kernel in V.STATE_KERNELS:
+        assert V.fla_config_allowed(kernel, V.STATE_WARPS)
+        assert not V.fla_config_allowed(kernel, 6 - V.STATE_WARPS)
+        assert V.fla_config_allowed(kernel, 4, state_warps=4)
+    assert V.fla_config_allowed("chunk_fwd_kernel_o", 8) and V.fla_config_allowed("chunk_fwd_kernel_o", 2)

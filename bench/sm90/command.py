@@ -38,6 +38,8 @@ Every est us is a model estimate naming its bound (latency, bytes, FLOPs); compi
     ap.add_argument("--dtype", type=_csv, default=("bf16", "fp32"), help="bf16,fp16,fp32 (default bf16,fp32)")
     ap.add_argument("--modes", type=_csv, default=("fwd", "bwd"), help="fwd,bwd (default both)")
     ap.add_argument("--no-fla", action="store_true", help="leave FLA 0.6.0's kernels out")
+    ap.add_argument("--triton-only", action="store_true", help="model a Triton-only install (no gdn_packed._C): "
+                    "the chunk table as its torch operators; default: the package built, the table from csrc/")
     ap.add_argument("--kernels", metavar="REGEX", help="only the launches whose kernel name this regular expression "
                     "finds, e.g. 'dq|dk' or 'state' (the FLA config choice then sees only those too)")
     ap.add_argument("--no-check", action="store_true", help="leave out the model check against FLA's published "
@@ -50,8 +52,8 @@ Every est us is a model estimate naming its bound (latency, bytes, FLOPs); compi
                     "its kernels at the reference heads, writing the facts file (minutes; with --fit, at the "
                     "fitted constants)")
     ap.add_argument("--json", help="write the rows as JSON here")
-    ap.add_argument("--csv", help="write the rows as CSV here")
-    ap.add_argument("--txt", help="write the table here")
+    ap.add_argument("--csv", help="write the rows as CSV here (with --check-only: the check's rows)")
+    ap.add_argument("--txt", help="write the table here (with --check-only: the check's text)")
     return ap
 
 
@@ -85,10 +87,19 @@ def check(args, log):
     else:
         data = V.load()
     chk = V.Check(data)
-    const, chosen = chk.fit(log=log) if args.fit else (M.CONSTANTS, None)
+    const, chosen, warps = chk.fit(log=log) if args.fit else (M.CONSTANTS, None, V.STATE_WARPS)
+    if warps != V.STATE_WARPS:
+        log(f"the fit puts FLA's state kernels at {warps} warps: validate.STATE_WARPS holds {V.STATE_WARPS}")
     if args.collect:
-        V.save(data, const)
-    return V.format_check(chk.table(const, chosen), const)
+        V.save(data, const, state_warps=warps)
+    table = chk.table(const, chosen)
+    text = V.format_check(table, const, warps)
+    if args.check_only and args.csv:
+        V.write_check(table, args.csv)
+    if args.check_only and args.txt:
+        with open(args.txt, "w") as f:
+            f.write(text + "\n")
+    return text
 
 
 def run(args):
@@ -104,10 +115,11 @@ def run(args):
         stem = os.path.join(RESULTS_DIR, time.strftime("%Y-%m-%d_%H%M%S") + "_sm90")
         args.json, args.csv, args.txt = stem + ".json", stem + ".csv", stem + ".txt"
     t0 = time.perf_counter()
-    rows, totals, meta = run_report(args.shapes, args.dtype, args.modes, fla=fla, kernels=args.kernels, log=log)
+    rows, totals, meta = run_report(args.shapes, args.dtype, args.modes, fla=fla, kernels=args.kernels,
+                                    ext=not args.triton_only, log=log)
     import triton
     meta.update(triton=triton.__version__, shapes={n: d for n, d in args.shapes}, modes=list(args.modes),
-                dtypes=list(args.dtype))
+                dtypes=list(args.dtype), install="triton-only" if args.triton_only else "built")
     text = format_table(rows, totals, meta)
     if not args.no_check:
         text += "\n\n" + check(args, log)

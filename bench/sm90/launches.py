@@ -269,15 +269,16 @@ def fla_missing():
     return ""
 
 
-def record_cases(shapes, dtypes, modes, fla=True, log=print):
+def record_cases(shapes, dtypes, modes, fla=True, ext=True, log=print):
     """[(impl, shape name, dims, dtype, [Launch])] for every shape x dtype x impl (impl "cuda": the sm_90a
-    CUDA forward, bench/sm90/cuda_chunk.py)."""
+    CUDA forward, bench/sm90/cuda_chunk.py). ext: as with gdn_packed._C built (the chunk table from
+    csrc/, bench/sm90/cuda_table.py); else a Triton-only install (the chunk table's torch operators)."""
     import torch
 
-    from bench.sm90 import cuda_chunk
+    from bench.sm90 import cuda_chunk, cuda_table
     cases = []
     rec = Recorder(torch_ops=True)
-    with fake_hopper(), rec.active():
+    with fake_hopper(), rec.active(), cuda_table.built(rec) if ext else contextlib.nullcontext():
         for name, dims in shapes:
             for dt in dtypes:
                 dtype = getattr(torch, DTYPES[dt])

@@ -4,8 +4,9 @@ import math
 import os
 import re
 
-from bench.sm90 import cuda_chunk
+from bench.sm90 import cuda_chunk, cuda_table
 from bench.sm90 import model as M
+from bench.sm90 import validate as V
 from bench.sm90.launches import Launch, TorchOp, record_cases
 from bench.sm90.toolchain import compile_all, compile_launch
 
@@ -26,6 +27,11 @@ def _us(t):
     return round(t * 1e6, 1) if t is not None and math.isfinite(t) else ""
 
 
+def _complete(row):
+    """A row with every column of the table (the missing ones empty)."""
+    return {c: "" for c, _ in COLUMNS} | dict(loop_hmma="", loop_f2fp="", step_stalls={}, error="") | row
+
+
 def _rows_of(case, const):
     """Model rows of one case: per launch group, the candidate the model finds fastest."""
     impl, name, dims, dt, launches = case
@@ -38,11 +44,15 @@ def _rows_of(case, const):
             ops.setdefault(lc.phase, []).append(lc)
         elif isinstance(lc, cuda_chunk.CudaLaunch):     # the CUDA kernel models itself (bench/sm90/cuda_chunk.py)
             rows.append(cuda_chunk.row(name, dims, dt, const))
+        elif isinstance(lc, cuda_table.TableLaunch):    # csrc's chunk table (bench/sm90/cuda_table.py)
+            rows += [_complete(r) for r in cuda_table.rows(lc, name, dt, impl, const)]
         else:
             groups.setdefault((lc.phase, lc.group), []).append(lc)
     for (phase, _), cands in groups.items():
         best = None
         for lc in cands:
+            if impl == "fla" and not V.fla_config_allowed(lc.kernel, lc.num_warps):
+                continue
             c = compile_launch(lc, seq_chunks)
             est = _estimate(lc, c, const)
             if best is None or est["est_s"] < best[2]["est_s"]:
@@ -95,12 +105,13 @@ def report(cases, const=None):
     return rows, list(totals.values()), dict(constants=const.as_dict())
 
 
-def run_report(shapes, dtypes, modes, fla=True, kernels=None, log=print):
+def run_report(shapes, dtypes, modes, fla=True, kernels=None, ext=True, log=print):
     """(rows, totals, meta) of the whole report. An autotuned (FLA) kernel's configs are all compiled
     and modelled at the first shape only; the other shapes keep the config chosen there (FLA's
     autotune keys hold the head counts and dims, not the token count), which saves ~2/3 of the compiles.
-    kernels: a regular expression; only the launches whose kernel name it finds are kept."""
-    cases = record_cases(shapes, dtypes, modes, fla=fla, log=log)
+    kernels: a regular expression; only the launches whose kernel name it finds are kept. ext: as with
+    gdn_packed._C built (launches.record_cases)."""
+    cases = record_cases(shapes, dtypes, modes, fla=fla, ext=ext, log=log)
     if kernels:
         cases = [(*cs[:4], [lc for lc in cs[4] if re.search(kernels, lc.kernel)]) for cs in cases]
     first = [cs for cs in cases if cs[1] == shapes[0][0]]
@@ -133,8 +144,11 @@ LEFT = ("kernel", "config", "impl", "dots", "bound", "mode")
 
 def format_table(rows, totals, meta):
     """The text report: one table per (shape, dtype), then the totals."""
+    install = ("a Triton-only install (no gdn_packed._C): our chunk table as torch operators"
+               if meta.get("install") == "triton-only" else
+               "the package built (gdn_packed._C): our chunk table from csrc/chunk_table.cu, 2 launches")
     out = [f"static sm_90 report (no GPU): triton {meta.get('triton', '?')}; model constants: "
-           f"{M.Constants.from_dict(meta['constants']).text()}.",
+           f"{M.Constants.from_dict(meta['constants']).text()}.", f"Modelled as {install}.",
            "est us is a MODEL ESTIMATE (bench/NOTES.md, 'sm_90 report'), not a measurement: max(lat, bytes, flop) + "
            "launch, bound = the largest. HGM/inst/wt/bar: per iteration of the sequential chunk loop (SASS; HGM "
            "'Nh': N HMMA, no HGMMA); cyc: one warp's cycles per chunk step on its critical path.", ""]

@@ -16,7 +16,7 @@ def sass_loop(ins):
     """Per-iteration counts of the widest loop (a backward branch) whose body holds a tensor-core MMA
     (HGMMA: warpgroup MMA; HMMA: a warp's mma.sync, what Triton emits with fewer than 4 warps), inner
     loops counted once: HGMMA, HMMA, instructions (NOPs left out), wgmma waits, CTA barriers, conversions
-    to bf16/fp16 (F2FP), and mma_cycles, the tensor-pipe issue cycles of those MMAs (HGMMA 64xNxk: N/2;
+    to bf16/fp16 (F2FP), and mma_cycles, the tensor-pipe cycles of those MMAs (HGMMA: hgmma_cycles;
     HMMA m16n8k16: 8, m16n8k8: 4). {} when no loop holds one. A backward branch placed after the
     kernel's last EXIT is not a loop: it returns from an out-of-line slow path (ptxas moves an mbarrier
     try-wait's retry, e.g. of a TMA load, to the end of the kernel) to the instruction after the wait."""
@@ -26,16 +26,15 @@ def sass_loop(ins):
         m = re.match(r"(0x[0-9a-f]+)", rest)
         if op == "BRA" and m and int(m.group(1), 16) < a < last_exit:
             lo = int(m.group(1), 16)
-            body = [o for x, o, _ in ins if lo <= x <= a]
-            if any(o.startswith(("HGMMA", "HMMA")) for o in body) and (best is None or a - lo > best[0]):
+            body = [(o, r) for x, o, r in ins if lo <= x <= a]
+            if any(o.startswith(("HGMMA", "HMMA")) for o, _ in body) and (best is None or a - lo > best[0]):
                 best = (a - lo, body)
     if best is None:
         return {}
     body = best[1]
-    cycles = 0.0
-    for o in body:
-        m = re.match(r"HGMMA\.64x(\d+)x", o)
-        cycles += int(m.group(1)) / 2 if m else 8 if o.startswith("HMMA.16816") else 4 if o.startswith("HMMA") else 0
+    cycles = sum(hgmma_cycles(o, r) if o.startswith("HGMMA") else 8 if o.startswith("HMMA.16816") else
+                 4 if o.startswith("HMMA") else 0 for o, r in body)
+    body = [o for o, _ in body]
     return dict(mma_cycles=cycles, hgmma=sum(o.startswith("HGMMA") for o in body),
                 hmma=sum(o.startswith("HMMA") for o in body), instr=sum(not o.startswith("NOP") for o in body),
                 waits=sum(o.startswith("WARPGROUP.DEPBAR") for o in body),
@@ -47,15 +46,25 @@ def sass_loop(ins):
 
 @dataclasses.dataclass(frozen=True)
 class Latencies:
-    """Cycles from an instruction's issue to its result: the model's constants. ldg, hgmma and bar are
-    fitted on FLA's published H200 times (model.FIT, validate.py; bench/NOTES.md), the others fixed."""
+    """Cycles from an instruction's issue to its result: the model's constants. ldg and bar are fitted on
+    FLA's published H200 times (model.FIT, validate.py; bench/NOTES.md), the others fixed; hgmma, hmma
+    and smem are taken from published Hopper microbenchmarks (Luo et al., "Benchmarking and Dissecting
+    the Nvidia Hopper GPU Architecture", IPDPS 2024, arXiv 2402.13499: H800 tables IV and VII)."""
     alu: float = 4.0        # integer / fp32 pipes, dependent issue
     xu: float = 12.0        # conversions (F2F, I2F, F2I, FRND) and MUFU (EX2, RCP, ...)
-    smem: float = 30.0      # LDS / LDSM / SHFL: a shared-memory round trip
-    ldg: float = 380.8      # a global load (LDG, cp.async, TMA) from issue to data (fitted)
-    hgmma: float = 600.0    # a warpgroup-MMA group's latency once the tensor pipe is done (fitted: at its bound)
+    smem: float = 30.0      # LDS / LDSM / SHFL: a shared-memory round trip (Luo et al. table IV: 29.0)
+    ldg: float = 509.9      # a global load (LDG, cp.async, TMA) from issue to data (fitted; Luo et al. table IV: 478.8)
+    # a warpgroup-MMA group's completion after the tensor pipe is done with it (hgmma_cycles): not fitted.
+    # The published wgmma latencies (Luo et al. table VIII, m64n256k16: 128 cycles; Jarmusch and
+    # Chandrasekaran, arXiv 2512.02189, H200: m64n64k16 32, m64n128k16 64, m64n256k16 128) are chains of
+    # accumulating wgmmas: they equal the pipe's N / 2 and hide the fixed part. That part is put together
+    # from the same measurements: the group's first operand fetch from shared memory (29 cycles, table
+    # IV), which a chain overlaps with the previous wgmma, plus the accumulate and write-back after the
+    # last MMA (mma.sync m16n8k16: 24.1 cycles of completion latency, table VII, less its 4 pipe
+    # cycles): 29 + 20 ~ 50. How ours / FLA moves with it: bench/NOTES.md, "wgmma latency".
+    hgmma: float = 50.0
     hmma: float = 32.0      # mma.sync
-    bar: float = 64.99      # a CTA barrier (BAR.SYNC) once every warp has arrived (fitted)
+    bar: float = 65.04      # a CTA barrier (BAR.SYNC) once every warp has arrived (fitted)
 
 
 _FULL = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
@@ -155,9 +164,28 @@ def loop_tree(prog):
     return body(0, len(prog) - 1, None)
 
 
-def _hgmma_cycles(op):
-    m = re.match(r"HGMMA\.64x(\d+)x", op)
-    return int(m.group(1)) / 2 if m else 0.0
+SMEM_BYTES_PER_CYCLE = 128     # what an SM's shared memory feeds its tensor cores a cycle
+_ESIZE = {"BF16": 2, "F16": 2, "TF32": 4, "E4M3": 1, "E5M2": 1}
+
+
+def hgmma_cycles(op, rest=""):
+    """Tensor-pipe cycles of one warpgroup MMA (HGMMA.64xNxK.<acc>.<type>; rest: its operands): the
+    larger of its FLOPs at the SM's dense rate, N / 2 cycles for every 64 x N x (32 bytes of K) shape
+    (bf16 / fp16 K = 16, tf32 K = 8, fp8 K = 32), and its operands' bytes from shared memory at 128 B a
+    cycle: B (N x K) always, A (64 x K) too when it comes from shared memory (SS: the first operand a
+    descriptor, gdesc) rather than from registers (RS). SS and RS are equal from N = 64 and SS is slower
+    below (16 + N / 4 cycles): what Luo et al. (arXiv 2501.12084, the extended version) measure, and
+    the same arithmetic gives their sparse m64n256k32 (SS 144, RS 128 cycles)."""
+    m = re.match(r"HGMMA\.64x(\d+)x(\d+)\.\w+(?:\.(\w+))?", op)     # fp16 inputs carry no type suffix
+    if not m:
+        return 0.0
+    n, k, esize = int(m.group(1)), int(m.group(2)), _ESIZE.get(m.group(3) or "F16", 2)
+    ss = rest.split(",")[1].strip().startswith("gdesc") if rest.count(",") >= 1 else True
+    return max(n / 2, (n * k + (64 * k if ss else 0)) * esize / SMEM_BYTES_PER_CYCLE)
+
+
+_MEMORY = ("LDG", "LD.", "STG", "ST.", "ATOM", "RED", "LDS", "STS")
+_SHARED = ("LDS", "STS", "ATOMS")
 
 
 def simulate(prog, trips, lat, cap=3):
@@ -166,7 +194,7 @@ def simulate(prog, trips, lat, cap=3):
     run trips(i, loop) times (i: the loop's index among all loops in program order). Results are ready
     at issue + their latency (Latencies); cp.async groups (LDGSTS ... LDGDEPBAR) land ldg cycles after
     their last load and DEPBAR.LE SB0, n waits for all but the n newest; warpgroup MMAs run one after
-    the other on the tensor pipe (64xNx16: N/2 cycles each), a group (up to the one marked gsb0) is
+    the other on the tensor pipe (hgmma_cycles each), a group (up to the one marked gsb0) is
     done hgmma cycles after the pipe finishes it, and WARPGROUP.DEPBAR.LE gsb0, n waits for all but
     the n newest groups; TMA loads (UTMALDG, UBLKCP) land ldg cycles after issue and an mbarrier wait
     (SYNCS.PHASECHK) waits for the oldest one; BAR.SYNC costs bar cycles. A loop runs at most `cap`
@@ -174,7 +202,7 @@ def simulate(prog, trips, lat, cap=3):
     the cycles the warp waited, by what it waited for (wgmma, global, shared, barrier, alu, xu, mma)."""
     tree = loop_tree(prog)
     st = dict(t=0.0, extra=0.0, instr=0.0, extra_instr=0.0, mma=0.0, extra_mma=0.0, pipe=0.0, cp_open=0.0,
-              wg_open=0.0)
+              wg_open=0.0, mem=0.0)
     ready, cp_groups, wg_groups, tma, stalls = {}, [], [], [], {}
     loop_no = [0]
 
@@ -185,8 +213,8 @@ def simulate(prog, trips, lat, cap=3):
         op = x.op
         if op.startswith("HGMMA"):
             start = max(t, st["pipe"])
-            st["pipe"] = start + _hgmma_cycles(op)
-            st["mma"] += _hgmma_cycles(op)
+            st["pipe"] = start + hgmma_cycles(op, x.rest)
+            st["mma"] += hgmma_cycles(op, x.rest)
             st["wg_open"] = st["pipe"] + lat.hgmma
             for r in x.dest:
                 ready[r] = (st["wg_open"], "wgmma")
@@ -215,6 +243,9 @@ def simulate(prog, trips, lat, cap=3):
                 tma.pop(0)
         elif op.startswith("BAR."):
             t, cause = t + lat.bar, "barrier"
+        elif op.startswith("MEMBAR"):
+            if st["mem"] > t:
+                t, cause = st["mem"], "fence"
         elif op.startswith("HMMA"):
             st["mma"] += 8.0 if op.startswith("HMMA.16816") else 4.0
             for r in x.dest:
@@ -226,6 +257,8 @@ def simulate(prog, trips, lat, cap=3):
             d = {"global": lat.ldg, "shared": lat.smem, "xu": lat.xu, "alu": lat.alu}[kind]
             for r in x.dest:
                 ready[r] = (t + d, kind)
+            if op.startswith(_MEMORY):      # what a MEMBAR waits for
+                st["mem"] = max(st["mem"], t + (lat.smem if op.startswith(_SHARED) else lat.ldg))
         if t > t0:
             stalls[cause] = stalls.get(cause, 0.0) + t - t0
         st["t"] = t
