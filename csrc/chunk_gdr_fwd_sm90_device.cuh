@@ -395,8 +395,10 @@ __device__ __forceinline__ void zero_dead_rows(Shared& sm, int st, int length, i
 // grid (kVBlocks, HV, N) in clusters of the kVBlocks CTAs of a (value head, sequence): CTA rank vb owns
 // value columns vb * 64 .. vb * 64 + 63 and preps the chunks j with j % 2 == vb for both. Barriers (an
 // elected thread arrives for its warpgroup after the warpgroup's named barrier):
-//   full[s]      the TMA of chunk j landed in stage s = j % 3 (1 arrival + bytes)
-//   empty[s]     stage s read: by the state warpgroup, and by prep when this CTA prepped chunk j (2)
+//   full[s]      the TMA of chunk j landed in stage s = j % 3: k, q (one K-half multicast by each CTA's
+//                producer to both) and the CTA's v columns (1 arrival + all the bytes)
+//   empty[s]     stage s read in both CTAs (the multicast writes both): by each CTA's state warpgroup,
+//                whose step j follows its own prep's reads of the stage (2: one local, one remote)
 //   prepped[b]   Ts, M, gates of chunk j in buffer b = j % 4: by this CTA's prep, or by the peer's
 //                (its arrival with the bytes of its bulk copy) (1)
 //   prepfree[b]  buffer b read by both state warpgroups (at the CTA that preps it; 2)
@@ -421,7 +423,7 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&sm.full[i], 1);
-      mbar_init(&sm.empty[i], 2);
+      mbar_init(&sm.empty[i], kVBlocks);          // the state warpgroups of both CTAs
     }
     for (int i = 0; i < kPrepBufs; ++i) {
       mbar_init(&sm.prepped[i], 1);
@@ -466,13 +468,14 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
           sm.rows[st][1] = length;
         }
         __syncwarp();                             // the lanes' stores before lane 0's arrival (release)
-        if (wtid == 0) {
-          mbar_expect_tx(&sm.full[st], kStageBytes);
-          for (int half = 0; half < 2; ++half) {
-            cute::SM90_TMA_LOAD_3D::copy(&tm_k, &sm.full[st], 0, sm.kq[st][half], half * 64, h, start);
-            cute::SM90_TMA_LOAD_3D::copy(&tm_q, &sm.full[st], 0, sm.kq[st][half] + kBlock, half * 64, h, start);
-          }
-          cute::SM90_TMA_LOAD_3D::copy(&tm_v, &sm.full[st], 0, sm.v[st], vb * kVB, static_cast<int>(hv), start);
+        if (wtid == 0) {                          // k, q: this CTA's K-half to both CTAs (multicast); its v
+          constexpr uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+          constexpr uint16_t both = (1u << kVBlocks) - 1;
+          mbar_expect_tx(&sm.full[st], kStageBytes);   // all of the stage: the peer's K-half arrives here too
+          cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_k, &sm.full[st], both, hint, sm.kq[st][vb], vb * 64, h, start);
+          cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_q, &sm.full[st], both, hint, sm.kq[st][vb] + kBlock, vb * 64, h,
+                                                 start);
+          cute::SM90_TMA_LOAD_3D::copy(&tm_v, &sm.full[st], hint, sm.v[st], vb * kVB, static_cast<int>(hv), start);
         }
       }
     }
@@ -507,7 +510,6 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
         copy_to_peer(peer_addr(sm.ts[b], peer), sm.ts[b], kBlock, bar);
         copy_to_peer(peer_addr(sm.mm[b], peer), sm.mm[b], kBlock, bar);
         copy_to_peer(peer_addr(&sm.gates[b], peer), &sm.gates[b], sizeof(GatesBuf), bar);
-        mbar_arrive(&sm.empty[st]);               // prep's reads of k, q done (its wgmma waited)
       }
     };
     int it = vb;
@@ -521,11 +523,11 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
     P::for_each(S, [&](int r, int c, float& x) { x = h0 ? h0[c * kV + vb * kVB + r] : 0.f; });
     T* o = static_cast<T*>(a.o);
     int held = -1;                                // a stage whose O tile a TMA store may still be reading
-    uint32_t held_count = 0;
     auto release_held = [&]() {                   // (thread 0) the stage back to the producer once read
       if (held >= 0) {
         asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-        mbar_arrive(&sm.empty[held], held_count);
+        mbar_arrive(&sm.empty[held]);           // both CTAs' stage (k, q land in both by multicast)
+        mbar_arrive_at(peer_addr(&sm.empty[held], peer));
         held = -1;
       }
     };
@@ -578,7 +580,6 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
         if (mine) mbar_arrive(&sm.prepfree[b]);
         else mbar_arrive_at(peer_addr(&sm.prepfree[b], peer));
         held = st;                                // released at the next chunk (or below), once read
-        held_count = mine ? 1 : 2;
         if (kLast && length < kC) release_held();   // (no store in flight: wait_group.read returns at once)
       }
     };

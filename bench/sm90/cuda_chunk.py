@@ -15,8 +15,8 @@ sm_90a CUDA chunked forward"), so the loops are simulated one by one and combine
     D(n) =  max(n s, ceil(n / 2) p, n r, issue, mma) + ldg (the first TMA loads)
 
 the CTAs to the 132 SMs (1 CTA per SM) in launch order (model._schedule), bytes and FLOPs as for the
-Triton kernels (tiles per CTA: k, q, its v half and o per chunk, its half of h0 / ht; the footprint at
-HBM's rate, re-reads at L2's). The simulator follows both sides of a guarded branch, so the rare paths of
+Triton kernels (tiles per CTA: the K-half of k and q it multicasts to both CTAs of its cluster, its v
+half and o per chunk, its half of h0 / ht; the footprint at HBM's rate, re-reads at L2's). The simulator follows both sides of a guarded branch, so the rare paths of
 a chunk (a sequence's last, partial chunk: the zeroing of its dead rows, its row stores) are charged to
 every chunk: the estimate errs high. The op's torch operators (the chunk table) are recorded from the op
 body with backend="cuda" and the kernel launch itself stubbed (launches.Recorder)."""
@@ -267,9 +267,10 @@ def estimate(f, dims, dtype, const):
     n = -(-L // M.CHUNK)
     d, bound = cta_cycles(f, n)
     t_lat = M._schedule([d + const.lat.ldg] * ctas, NUM_SMS) / CLOCK_HZ
-    # tiles per CTA: k, q (64 x K each), its v half and o half (64 x 64) per chunk; g, beta of the chunks it
-    # preps; its half of h0 and of the final state (fp32)
-    per_chunk = M.CHUNK * (2 * K + 2 * V_BLOCK) * esize + M.CHUNK * 4
+    # tiles per CTA: the K-half of k and of q it multicasts to the cluster (one read from L2 for both CTAs),
+    # its v half and o half (64 x 64) per chunk; g, beta of the chunks it preps; its half of h0 and of the
+    # final state (fp32)
+    per_chunk = M.CHUNK * (K + 2 * V_BLOCK) * esize + M.CHUNK * 4
     tiles = ctas * (n * per_chunk + 2 * K * V_BLOCK * 4)
     footprint = N * L * (2 * H * K + 2 * HV * V) * esize + N * L * HV * 8 + 2 * N * HV * K * V * 4
     hbm = min(tiles, footprint)
