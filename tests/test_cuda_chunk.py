@@ -232,3 +232,31 @@ def test_entry_point_names_its_arguments():
         C.chunk_gdr_fwd_sm90_host(**{("cu_chunk" if n == "cu_chunks" else n): x for n, x in args.items()})
     with pytest.raises(ValueError, match="K and V must be 128"):
         C.chunk_gdr_fwd_sm90_host(**dict(args, K=64))
+
+
+def test_bench_skips_what_the_cuda_kernel_refuses(monkeypatch):
+    """python -m bench: inputs the cuda kernel does not take (float32, K = 64) make ours-cuda's gate and
+    cases skipped with the refusal's reason, not failed; the gate runs at K = V = 128, the kernel's one
+    head size. (The op stands in by raising gdn_packed.cuda.chunk.refusal's error, as it does on a GPU.)"""
+    from bench import gdr, runner
+    from bench.common import Skip
+    from bench.providers import PROVIDERS
+    from gdn_packed.cuda.chunk import refusal
+    seen = []
+
+    def op(q, k, v, g, beta, **kw):
+        seen.append((q.shape[-1], v.shape[-1], q.dtype))
+        err = refusal(q, v, q.device, None if kw["cu_seqlens"] is None else kw["cu_seqlens"].numel() - 1)
+        if err is not None:
+            raise err
+        return (v,)
+    monkeypatch.setattr(gdn_packed, "chunk_gated_delta_rule", op)
+    p = PROVIDERS["gdr"]["ours-cuda"]
+    status, err, detail = runner._gate(p, torch.device("cpu"), torch.float32, False)
+    assert (status, err) == ("skipped", None) and "torch.float32" in detail and "backend='triton'" in detail
+    assert seen == [(K, K, torch.float32)]
+    xs, cu = gdr.make_inputs(1, 2, 64, 64, (5, 9), torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(Skip, match="K = 64"):
+        gdr.varlen_call(p)(*xs, cu)
+    xs, cu = gdr.make_inputs(1, 2, K, K, (5, 9), torch.bfloat16, torch.device("cpu"))
+    assert gdr.varlen_call(p)(*xs, cu) is xs[2]      # taken: the op's output
