@@ -35,16 +35,16 @@ def test_the_three_roles_are_read_from_the_sass(facts, dtype):
 
 
 def test_a_cta_takes_the_slowest_role(facts):
-    """D(n) = max(n state, ceil(n / 2) prep, n producer, issue, mma): linear in n for even n, bounded by
-    one term."""
+    """D(n) = max(n state, n (ldg + prep) / (stages - 1) (prep behind the k / q / v ring), n producer,
+    issue, mma): linear in n, bounded by one term."""
     f = facts["bf16"]
     s, p, pr = f.loops["state"], f.loops["prep"], f.loops["producer"]
-    d8, bound = cuda_chunk.cta_cycles(f, 8)
-    assert math.isclose(d8, max(8 * s["cycles"], 4 * p["cycles"], 8 * pr["cycles"],
+    d8, bound = cuda_chunk.cta_cycles(f, 8, M.CONSTANTS)
+    assert math.isclose(d8, max(8 * s["cycles"], 8 * (M.CONSTANTS.lat.ldg + p["cycles"]) / 2, 8 * pr["cycles"],
                                 8 * (s["instr"] + p["instr"] / 2 + pr["instr"]),
                                 8 * (s["mma_cycles"] + p["mma_cycles"] / 2)))
-    assert math.isclose(cuda_chunk.cta_cycles(f, 16)[0], 2 * d8)
-    assert bound in ("state", "prep", "producer", "issue", "mma")
+    assert math.isclose(cuda_chunk.cta_cycles(f, 16, M.CONSTANTS)[0], 2 * d8)
+    assert bound in ("state", "ring", "producer", "issue", "mma")
 
 
 def test_estimate_schedules_the_ctas_on_the_sms(facts):
@@ -54,7 +54,7 @@ def test_estimate_schedules_the_ctas_on_the_sms(facts):
     a = cuda_chunk.estimate(f, ANCHOR, "bf16", M.CONSTANTS)
     b = cuda_chunk.estimate(f, (4, 8192, 16, 32, 128, 128), "bf16", M.CONSTANTS)
     assert a["ctas"] == 64 and b["ctas"] == 256
-    d = cuda_chunk.cta_cycles(f, 512)[0] + M.CONSTANTS.lat.ldg
+    d = cuda_chunk.cta_cycles(f, 512, M.CONSTANTS)[0] + M.CONSTANTS.lat.ldg
     assert math.isclose(a["t_lat"], d / M.CLOCK_HZ)
     assert 0.45 < b["t_lat"] / a["t_lat"] < 0.55
     assert a["est_s"] == max(a["t_lat"], a["t_mem"], a["t_tc"]) + M.CONSTANTS.launch_s
@@ -73,7 +73,7 @@ def test_report_rows_of_the_cuda_forward(facts):
     rows, totals, _ = report([("cuda", "anchor", ANCHOR, "bf16", rec.launches)])
     (k,) = [r for r in rows if r["kernel"] == cuda_chunk.KERNEL]
     assert k["ctas"] == 64 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"]
-    assert k["bound"] in ("latency", "bytes", "FLOPs") and k["lat_role"] in ("state", "prep", "producer", "issue", "mma")
+    assert k["bound"] in ("latency", "bytes", "FLOPs") and k["lat_role"] in ("state", "ring", "producer", "issue", "mma")
     assert k["loop_hgmma"] == 20 + 32 / 2 and k["loop_waits"] == 3 + 3 / 2
     (t,) = totals
     assert t["impl"] == "cuda" and t["est_us"] >= k["est_us"]

@@ -7,12 +7,15 @@ per (V-block, value head, sequence), three warpgroups each running its own loop 
 sm_90a CUDA chunked forward"), so the loops are simulated one by one and combined per CTA of n chunks:
 
     state   the state warpgroup's chunk loop, one warp's path: s cycles a chunk       -> n s
-    prep    the prep warpgroup's loop (the CTA preps every other chunk): p a chunk     -> ceil(n / 2) p
+    ring    the prep warpgroup's loop (p a chunk it preps: every other chunk) behind the k / q / v
+            ring of S stages: chunk j + S is loaded into chunk j's stage once both CTAs' state
+            warpgroups have released it (at the start of step j + 1, once O's TMA store has read
+            it), lands ldg later and is prepped before step j + S can start           -> n (ldg + p) / (S - 1)
     producer the producer warp's loop (table row, g / beta, TMA loads): r a chunk     -> n r
     issue   one warp of each warpgroup per SM sub-partition (a scheduler each):
             i_state + i_prep / 2 + i_producer instructions a chunk                     -> n (...)
     mma     the SM's tensor pipe: m_state + m_prep / 2 cycles a chunk                  -> n (...)
-    D(n) =  max(n s, ceil(n / 2) p, n r, issue, mma) + ldg (the first TMA loads)
+    D(n) =  max(n s, n (ldg + p) / (S - 1), n r, issue, mma) + ldg (the first TMA loads)
 
 the CTAs to the 132 SMs (1 CTA per SM) in launch order (model._schedule), bytes and FLOPs as for the
 Triton kernels (tiles per CTA: the K-half of k and q it multicasts to both CTAs of its cluster, its v
@@ -41,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CSRC = os.path.join(ROOT, "csrc")
 SOURCE = os.path.join(CSRC, "chunk_gdr_fwd_sm90.cu")
 KERNEL = "chunk_gdr_fwd_sm90_kernel"
-THREADS, V_BLOCK, HEAD_DIM = 384, 64, 128
+THREADS, V_BLOCK, HEAD_DIM, STAGES = 384, 64, 128, 3     # STAGES: the k / q / v ring (kStages)
 DTYPES = ("bf16", "fp16")          # the kernel's inputs (fp32: refused, no row)
 
 
@@ -249,10 +252,11 @@ def _smem_bytes():
         return 0
 
 
-def cta_cycles(f, n):
+def cta_cycles(f, n, const):
     """D(n): one CTA's cycles over n chunks (module docstring), and the term that bounds it."""
     s, p, pr = f.loops["state"], f.loops["prep"], f.loops["producer"]
-    terms = dict(state=n * s["cycles"], prep=math.ceil(n / 2) * p["cycles"], producer=n * pr["cycles"],
+    terms = dict(state=n * s["cycles"], ring=n * (const.lat.ldg + p["cycles"]) / (STAGES - 1),
+                 producer=n * pr["cycles"],
                  issue=n * (s["instr"] + p["instr"] / 2 + pr["instr"]),
                  mma=n * (s["mma_cycles"] + p["mma_cycles"] / 2))
     bound = max(terms, key=terms.get)
@@ -265,7 +269,7 @@ def estimate(f, dims, dtype, const):
     esize = 2
     ctas = 2 * HV * N
     n = -(-L // M.CHUNK)
-    d, bound = cta_cycles(f, n)
+    d, bound = cta_cycles(f, n, const)
     t_lat = M._schedule([d + const.lat.ldg] * ctas, NUM_SMS) / CLOCK_HZ
     # tiles per CTA: the K-half of k and of q it multicasts to the cluster (one read from L2 for both CTAs),
     # its v half and o half (64 x 64) per chunk; g, beta of the chunks it preps; its half of h0 and of the
@@ -325,7 +329,7 @@ def row(name, dims, dtype, const):
     """The report row of the kernel (report.py's columns), or one with the error."""
     f = facts(dtype, const)
     base = dict(impl="cuda", shape=name, dtype=dtype, mode="fwd", kernel=KERNEL, config="VB64 cluster2 s3 p4",
-                candidates=1, warps=THREADS // 32, stages=3, loop_hmma="", loop_f2fp="", step_stalls={}, dots="bf16+f16"
+                candidates=1, warps=THREADS // 32, stages=STAGES, loop_hmma="", loop_f2fp="", step_stalls={}, dots="bf16+f16"
                 if dtype == "bf16" else "f16", error=f.error)
     if f.error or not takes(dims, dtype):
         return dict(base, grid="", ctas="", regs="", smem_kb="", spill_b=0, ctas_per_sm="", waves="", loop_hgmma="",
