@@ -10,6 +10,8 @@ run (ours and FLA's), compiled for the H200 without a GPU, read, and timed by a 
                   critical path through the kernel (simulate)
     model.py      the timing model and its constants (bench/NOTES.md, "sm_90 report")
     validate.py   the model against FLA's published H200 times (published_h200.csv): fit and check
+    cuda_chunk.py the sm_90a CUDA chunked forward (csrc/, nvcc): its roles simulated one by one
+    cuda_table.py the chunk table with gdn_packed._C built: csrc/chunk_table.cu's two launches (nvcc)
     report.py     rows per launch, totals, the text table and the result files
     command.py    the `python -m bench kernels` command line
 """

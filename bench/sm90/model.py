@@ -4,7 +4,8 @@ and its check against FLA's published H200 times).
 Per launch of P programs of w warps, from the compile's facts (kernel_facts):
     c        CTAs per SM = min(64K regs / (regs rounded up to 8 x 32 x w), 228 KB / (smem + 1 KB), 64 / w, 32)
     latency  one warp's path through the kernel's SASS (sass.simulate: in-order issue, each instruction
-             waiting for its sources, results at issue + latency, cp.async / wgmma / TMA waits, barriers;
+             waiting for its sources, results at issue + latency, cp.async / wgmma / TMA waits, barriers,
+             fences;
              loops run their TTIR trip counts, a sequential chunk loop its sequence's chunks); one CTA
              takes D = max(path, instructions x s, MMA cycles x s), s = max(1, w c / 4): the 4 warp
              schedulers and the tensor pipe of an SM shared by the warps of its c co-resident CTAs (the

@@ -47,9 +47,10 @@ def sass_loop(ins):
 @dataclasses.dataclass(frozen=True)
 class Latencies:
     """Cycles from an instruction's issue to its result: the model's constants. ldg and bar are fitted on
-    FLA's published H200 times (model.FIT, validate.py; bench/NOTES.md), the others fixed; hgmma, hmma
-    and smem are taken from published Hopper microbenchmarks (Luo et al., "Benchmarking and Dissecting
-    the Nvidia Hopper GPU Architecture", IPDPS 2024, arXiv 2402.13499: H800 tables IV and VII)."""
+    FLA's published H200 times (model.FIT, validate.py; bench/NOTES.md), the others fixed; hgmma (with
+    hgmma_cycles) and smem come from published Hopper microbenchmarks (Luo et al., "Benchmarking and
+    Dissecting the Nvidia Hopper GPU Architecture", IPDPS 2024, arXiv 2402.13499: H800 tables IV, VII
+    and VIII)."""
     alu: float = 4.0        # integer / fp32 pipes, dependent issue
     xu: float = 12.0        # conversions (F2F, I2F, F2I, FRND) and MUFU (EX2, RCP, ...)
     smem: float = 30.0      # LDS / LDSM / SHFL: a shared-memory round trip (Luo et al. table IV: 29.0)
@@ -197,7 +198,9 @@ def simulate(prog, trips, lat, cap=3):
     the other on the tensor pipe (hgmma_cycles each), a group (up to the one marked gsb0) is
     done hgmma cycles after the pipe finishes it, and WARPGROUP.DEPBAR.LE gsb0, n waits for all but
     the n newest groups; TMA loads (UTMALDG, UBLKCP) land ldg cycles after issue and an mbarrier wait
-    (SYNCS.PHASECHK) waits for the oldest one; BAR.SYNC costs bar cycles. A loop runs at most `cap`
+    (SYNCS.PHASECHK) waits for the oldest one; BAR.SYNC costs bar cycles; a MEMBAR waits for the
+    warp's loads and stores in flight (shared: smem, global: ldg cycles after issue; not cp.async or
+    TMA, which complete through their own waits). A loop runs at most `cap`
     iterations; the rest are charged at the last simulated iteration's cycles and instructions. "stalls":
     the cycles the warp waited, by what it waited for (wgmma, global, shared, barrier, alu, xu, mma)."""
     tree = loop_tree(prog)

@@ -268,8 +268,8 @@ def format_check(table, const, state_warps=None):
     worst, held, within = summary(table)
     n_train = sum(t["train"] for t in table)
     heads = ", ".join(f"{m} {h}/{hv}" for m, h, hv in TRAIN)
-    out = [f"model check: FLA rows within {worst * 100:.0f}% ({within} of {len(table)} within 20%; the "
-           f"{len(table) - n_train} held-out rows within {held * 100:.0f}%); fitted on the {n_train} rows marked * "
+    out = [f"model check: FLA rows within {worst * 100:.1f}% ({within} of {len(table)} within 20%; the "
+           f"{len(table) - n_train} held-out rows within {held * 100:.1f}%); fitted on the {n_train} rows marked * "
            f"({heads} heads): {const.fitted_text()}; FLA's state kernels at "
            f"{STATE_WARPS if state_warps is None else state_warps} warps",
            "FLA's published H200 times (QwenLM/FlashQLA benchmark_results_H200.txt, fla 0.5.1) against the model of "
