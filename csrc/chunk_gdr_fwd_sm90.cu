@@ -173,15 +173,29 @@ struct HostPolicy {
     round_into(o, f, 0, sign);
     return o;
   }
+  // the products in fp32 from operands widened once (exact: the same sums as widening every term)
+  static void gemm_nt(float* acc, int ldc, const std::vector<float>& a, const std::vector<float>& b, int m, int n,
+                      int kd) {
+    for (int r = 0; r < m; ++r)
+      for (int c = 0; c < n; ++c) {
+        float s = 0.f;
+        for (int k = 0; k < kd; ++k) s += a[r * kd + k] * b[c * kd + k];
+        acc[r * ldc + c] += s;
+      }
+  }
+  template <typename T>
+  static std::vector<float> widen_b(const Smem& b, int ncols, int kd) {   // B as [n][k]
+    const T* bb = static_cast<const T*>(b.base);
+    std::vector<float> out(static_cast<size_t>(ncols) * kd);
+    for (int n = 0; n < ncols; ++n)
+      for (int k = 0; k < kd; ++k) out[n * kd + k] = to_f(b.kmajor ? bb[n * b.ld + k] : bb[k * b.ld + n]);
+    return out;
+  }
   template <typename T, int KD, int N>
   static void mma_cols(Frag<N>& acc, int col0, int ncols, const Op<T, KD>& a, const Smem& b) {
-    const T* bb = static_cast<const T*>(b.base);
-    for (int r = 0; r < kC; ++r)
-      for (int n = 0; n < ncols; ++n) {
-        float s = 0.f;
-        for (int k = 0; k < KD; ++k) s += to_f(a.d[r * KD + k]) * to_f(b.kmajor ? bb[n * b.ld + k] : bb[k * b.ld + n]);
-        acc.d[r * N + col0 + n] += s;
-      }
+    std::vector<float> af(kC * KD);
+    for (int i = 0; i < kC * KD; ++i) af[i] = to_f(a.d[i]);
+    gemm_nt(acc.d + col0, N, af, widen_b<T>(b, ncols, KD), kC, ncols, KD);
   }
   template <typename T, int KD, int N>
   void mma(Frag<N>& acc, const Op<T, KD>& a, const Smem& b) { mma_cols(acc, 0, N, a, b); }
@@ -191,14 +205,7 @@ struct HostPolicy {
   void mma_hi(Frag<2 * kC>& acc, const Op<T, kC>& a, const Smem& b) { mma_cols(acc, kC, kC, a, b); }
   template <typename T>
   static void mma_ss(Frag<kC>& acc, const Smem& a, const Smem& b) {   // A [m][k] and B as [n][k], K = kK
-    const T* aa = static_cast<const T*>(a.base);
-    const T* bb = static_cast<const T*>(b.base);
-    for (int r = 0; r < kC; ++r)
-      for (int n = 0; n < kC; ++n) {
-        float s = 0.f;
-        for (int k = 0; k < kK; ++k) s += to_f(aa[r * a.ld + k]) * to_f(bb[n * b.ld + k]);
-        acc.d[r * kC + n] += s;
-      }
+    gemm_nt(acc.d, kC, widen_b<T>(a, kC, kK), widen_b<T>(b, kC, kK), kC, kC, kK);
   }
   template <typename T>
   void mma_grams(Frag<kC>& kk, Frag<kC>& qk, Frag<kC>& qq, const Smem& q, const Smem& k) {
