@@ -208,10 +208,16 @@ struct HostPolicy {
     gemm_nt(acc.d, kC, widen_b<T>(a, kC, kK), widen_b<T>(b, kC, kK), kC, kC, kK);
   }
   template <typename T>
-  void mma_grams(Frag<kC>& kk, Frag<kC>& qk, Frag<kC>& qq, const Smem& q, const Smem& k) {
+  void mma_grams(Frag<kC>& kk, Frag<kC>& qk, const Smem& q, const Smem& k) {
     mma_ss<T>(kk, k, k);
     mma_ss<T>(qk, q, k);
-    mma_ss<T>(qq, q, q);
+  }
+  template <typename T>   // __host__ __device__ only because prep_chunk calls it from a lambda (host only)
+  GDN_HD float row_sumsq_half(const Smem& t, int i, int h) const {
+    const T* p = static_cast<const T*>(t.base) + i * t.ld + h * (kK / 2);
+    float s = 0.f;
+    for (int c = 0; c < kK / 2; ++c) s += to_f(p[c]) * to_f(p[c]);
+    return s;
   }
   template <typename T, int N>
   void store(const Frag<N>& f, const Smem& dst, bool transpose) {

@@ -282,19 +282,17 @@ struct DevPolicy {
   __device__ void mma_hi(Frag<2 * kC>& acc, const Op<U, kC>& a, const Smem& b) const {
     mma_n<U, kC, kC>(acc.d + kC / 2, a, b);
   }
-  // K K^T, Q K^T and Q Q^T (k-step by k-step, the three products interleaved) as one group
+  // K K^T and Q K^T (k-step by k-step, the two products interleaved) as one group
   template <typename U>
-  __device__ void mma_grams(Frag<kC>& kk, Frag<kC>& qk, Frag<kC>& qq, const Smem& q, const Smem& k) const {
+  __device__ void mma_grams(Frag<kC>& kk, Frag<kC>& qk, const Smem& q, const Smem& k) const {
     fence_regs<kC / 2>(kk.d);
     fence_regs<kC / 2>(qk.d);
-    fence_regs<kC / 2>(qq.d);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int s = 0; s < kK / 16; ++s) {
       const uint64_t dq = desc_k(q, s), dk = desc_k(k, s);
       ss_fma<typename Gmma<U>::SS64>(dk, dk, kk.d, std::make_index_sequence<32>{});
       ss_fma<typename Gmma<U>::SS64>(dq, dk, qk.d, std::make_index_sequence<32>{});
-      ss_fma<typename Gmma<U>::SS64>(dq, dq, qq.d, std::make_index_sequence<32>{});
     }
     cute::warpgroup_commit_batch();
   }
@@ -360,6 +358,25 @@ struct DevPolicy {
       }
     }
     return f;
+  }
+  // sum of squares of row i of a K-major [rows, 128] tile over K-half h (the block h kstep on)
+  template <typename U>
+  __device__ float row_sumsq_half(const Smem& t, int i, int h) const {
+    uint32_t r[8][4];                       // the row's 8 pieces first, then 4 independent sums
+#pragma unroll
+    for (int x = 0; x < 8; ++x)
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r[x][0]), "=r"(r[x][1]), "=r"(r[x][2]), "=r"(r[x][3]) : "r"(t.addr + h * t.kstep + swz(i, x))
+                   : "memory");
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int x = 0; x < 8; ++x)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = Gmma<U>::unpack(r[x][e]);
+        s[e] += f.x * f.x + f.y * f.y;
+      }
+    return (s[0] + s[1]) + (s[2] + s[3]);
   }
   template <class F>
   __device__ void for_rows(F&& fn) const {

@@ -21,7 +21,8 @@
 //   P::mma(acc, a, b)     acc += a B, B a [KD, N] tile in shared memory (P::Smem: K-major or MN-major);
 //                         issued only: P::wait_mma(tiles...) waits for every product issued, and the
 //                         tiles it names (accumulators and A operands) are not touched before it
-//   P::mma_grams(kk, qk, qq, q, k)   K K^T, Q K^T, Q Q^T from the shared q, k tiles (prep), one group
+//   P::mma_grams(kk, qk, q, k)   K K^T and Q K^T from the shared q, k tiles (prep), one group
+//   P::row_sumsq_half(tile, i, h)    the sum of squares of row i over K-half h of a [64, K] tile
 //   P::store(frag, tile, transpose)   a fragment to a shared tile of the operand type
 //   P::vt(tile)           V^T [64 v, 64 c] of the state block's 64 columns of v, as fp32
 //   P::for_rows(f)        f(i) for i in 0..63, chunk rows or columns (device: threads 0..63 of prep)
@@ -71,8 +72,10 @@ struct Gates {
 struct PrepScratch {
   alignas(16) float rq[kC];
   alignas(16) float rk[kC];
-  float qn[kC];          // |q_i|^2: the diagonal of Q Q^T
+  float qn[2][kC];       // |q_i|^2 over the two halves of K
   float kn[kC];          // |k_i|^2: the diagonal of K K^T
+  float eg[kC];          // e^gam_i
+  float ew[kC];          // e^(sum of g over (i, 63])
   alignas(16) float insuf[kC];
   alignas(16) float sigma[kStrips];
   alignas(16) float dsum[kC][kStrip];
@@ -127,15 +130,15 @@ GDN_HD void strip_sums(PrepScratch& s, const float* g, int c) {
   if (c == base) s.sigma[c / kStrip] = gs[0] + sum;
 }
 
-// Row r: its dsum and strip rows, its gate row and row factors (rk, rq from the diagonals of K K^T and
-// Q Q^T), and with r = 0 the chunk's decay. Everything it reads is loaded first.
-GDN_HD void gate_row(PrepScratch& s, const float* g, const float* beta, int r, int length, float scale,
-                     bool l2norm, Gates& out) {
+// Row r's sums of g (no Gram product needed: run while those are on the tensor cores): its dsum and
+// strip rows, e^gam_r and e^(sum of g over (r, 63]), its beta, and with r = 0 the chunk's decay.
+// Everything it reads is loaded first.
+GDN_HD void gate_sums(PrepScratch& s, const float* g, const float* beta, int r, int length, Gates& out) {
   const int jr = r / kStrip, pr = r % kStrip;
   float gs[kStrip], sig[kStrips], d[kStrip], st[kStrips];
   load8(gs, g + jr * kStrip);
   load8(sig, s.sigma);
-  const float insuf = s.insuf[r], kn = s.kn[r], qn = s.qn[r], b = beta[r];
+  const float insuf = s.insuf[r], b = beta[r];
   float seg = 0.f;                          // sum of g over (8 jr + p, r], then over [8 j, r]
 #pragma unroll
   for (int p = kStrip - 1; p >= 0; --p) {
@@ -152,17 +155,23 @@ GDN_HD void gate_row(PrepScratch& s, const float* g, const float* beta, int r, i
   }
   store8(s.dsum[r], d);
   store8(s.strip[r], st);
-  const float rk = l2norm ? rsqrt_f(kn + 1e-6f) : 1.f;
-  const float rq = l2norm ? rsqrt_f(qn + 1e-6f) : 1.f;
+  s.eg[r] = exp_f(seg);                     // seg: gam_r, the sum over [0, r]
+  s.ew[r] = exp_f(suf);
+  out.beta[r] = r < length ? b : 0.f;
+  if (r == 0) out.eg_last = exp_f(tot);
+}
+
+// Row r's factors once the diagonal of K K^T is in kn: rk, rq (l2norm) and its gate row.
+GDN_HD void gate_factors(PrepScratch& s, int r, int length, float scale, bool l2norm, Gates& out) {
+  const float rk = l2norm ? rsqrt_f(s.kn[r] + 1e-6f) : 1.f;
+  const float rq = l2norm ? rsqrt_f(s.qn[0][r] + s.qn[1][r] + 1e-6f) : 1.f;
   s.rk[r] = rk;
   s.rq[r] = rq;
   const bool live = r < length;
-  const float eg = exp_f(seg);              // seg: gam_r, the sum over [0, r]
-  out.beta[r] = live ? b : 0.f;
+  const float eg = s.eg[r];
   out.egk[r] = live ? eg * rk : 0.f;
   out.cq[r] = live ? scale * eg * rq : 0.f;
-  out.wk[r] = live ? exp_f(suf) * rk : 0.f;
-  if (r == 0) out.eg_last = exp_f(tot);
+  out.wk[r] = live ? s.ew[r] * rk : 0.f;
 }
 
 // float pairs at an 8-byte aligned address
@@ -266,23 +275,22 @@ GDN_HD void prep_chunk(P& p, const typename P::Smem& q_t, const typename P::Smem
                        const typename P::Smem& at_store, const typename P::Smem& at_b,
                        const typename P::Smem& dt_store, const typename P::Smem& dt_b,
                        const typename P::Smem& ts_store, const typename P::Smem& m_store) {
-  // the Gram matrices (fp32 accumulators of the exact q, k; Q Q^T for |q|^2) run on the tensor cores
-  // during the strip sums
-  typename P::template Frag<kC> kk, qk, qq;
+  // the Gram matrices (fp32 accumulators of the exact q, k) run on the tensor cores during the sums of g
+  // and |q|^2
+  typename P::template Frag<kC> kk, qk;
   P::zero(kk);
   P::zero(qk);
-  P::zero(qq);
-  p.template mma_grams<T>(kk, qk, qq, q_t, k_kmaj);
+  p.template mma_grams<T>(kk, qk, q_t, k_kmaj);
   p.for_rows([&](int c) { strip_sums(s, g, c); });
-  p.wait_mma(kk, qk, qq);
-  P::for_each2(kk, qq, [&](int r, int c, float& x, float& y) {
-    if (r == c) {
-      s.kn[r] = x;
-      s.qn[r] = y;
-    }
+  p.for_threads([&](int t) {                // |q_i|^2 over the halves of K
+    s.qn[t / kC][t % kC] = l2norm ? p.template row_sumsq_half<T>(q_t, t % kC, t / kC) : 0.f;
   });
   p.sync_generic();
-  p.for_rows([&](int r) { gate_row(s, g, beta, r, length, scale, l2norm, gates); });
+  p.for_rows([&](int r) { gate_sums(s, g, beta, r, length, gates); });
+  p.wait_mma(kk, qk);
+  P::for_each(kk, [&](int r, int c, float& x) { if (r == c) s.kn[r] = x; });
+  p.sync_generic();
+  p.for_rows([&](int r) { gate_factors(s, r, length, scale, l2norm, gates); });
   p.sync_generic();
   // A = beta E (k^ k^^T), strictly lower (A^T for the doubling, its diagonal blocks for the
   // substitution); M = scale E (q^ k^^T), lower incl. diagonal, in the input dtype

@@ -282,7 +282,7 @@ def estimate(f, dims, dtype, const):
     t_mem = max(hbm / HBM_BPS + (tiles - hbm) / const.l2_bps, tiles / (busy * SM_BPS))
     C = M.CHUNK
     flops = ctas * n * (2 * V_BLOCK * (3 * C * K + 2 * C * C)       # state: S^T [K; Q]^T, X'^T Ts^T, U^T M^T, U^T K
-                        + (6 * C * C * K + 4 * C ** 3) / 2)          # prep, every other chunk: 3 Grams, 1 doubling level
+                        + (4 * C * C * K + 4 * C ** 3) / 2)          # prep, every other chunk: 2 Grams, 1 doubling level
     t_tc = flops / TC_FLOPS["bf16"]
     parts = {"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc}
     top = max(parts, key=parts.get)
