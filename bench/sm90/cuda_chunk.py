@@ -338,12 +338,13 @@ def row(name, dims, dtype, const):
                     error=f.error or f"the kernel takes K = V = {HEAD_DIM}, bf16 / fp16 only")
     est = estimate(f, dims, dtype, const)
     s, p = f.loops["state"], f.loops["prep"]
+    n = -(-dims[1] // M.CHUNK)
     us = lambda t: round(t * 1e6, 1)  # noqa: E731
     return dict(base, grid=f"2x{dims[3]}x{dims[0]}", ctas=est["ctas"], regs=f.regs, smem_kb=round(f.smem / 1024, 1),
                 spill_b=f.spill, ctas_per_sm=1, waves=math.ceil(est["ctas"] / NUM_SMS),
                 loop_hgmma=s["hgmma"] + p["hgmma"] / 2, loop_instr=round(s["instr"] + p["instr"] / 2),
                 loop_waits=s["waits"] + p["waits"] / 2, loop_bars="",
-                step_cycles=round(max(s["cycles"], p["cycles"] / 2)),
+                step_cycles=round(cta_cycles(f, n, const)[0] / n),     # the CTA's cycles a chunk step, its bound
                 step_stalls={k: round(v) for k, v in s["stalls"].items()},
                 hbm_gb=float(f"{est['hbm_bytes'] / 1e9:.4g}"), gflop=round(est["flops"] / 1e9, 2),
                 lat_us=us(est["t_lat"]), bytes_us=us(est["t_mem"]), flops_us=us(est["t_tc"]),
