@@ -19,10 +19,11 @@ sm_90a CUDA chunked forward"), so the loops are simulated one by one and combine
 
 the CTAs to the 132 SMs (1 CTA per SM) in launch order (model._schedule), bytes and FLOPs as for the
 Triton kernels (tiles per CTA: the K-half of k and q it multicasts to both CTAs of its cluster, its v
-half and o per chunk, its half of h0 / ht; the footprint at HBM's rate, re-reads at L2's). The simulator follows both sides of a guarded branch, so the rare paths of
-a chunk (a sequence's last, partial chunk: the zeroing of its dead rows, its row stores) are charged to
-every chunk: the estimate errs high. The op's torch operators (the chunk table) are recorded from the op
-body with backend="cuda" and the kernel launch itself stubbed (launches.Recorder)."""
+half and o per chunk, its half of h0 / ht; the footprint at HBM's rate, re-reads at L2's). A sequence's
+last chunk, the only one that can be partial (its dead rows zeroed, its rows stored one by one), runs
+outside the chunk loops, so the loops simulated are the common chunk's. The op's other launches (the
+chunk table) are recorded from the op body with backend="cuda" and the kernel launch itself stubbed
+(launches.Recorder)."""
 import collections
 import dataclasses
 import glob
@@ -177,9 +178,10 @@ def _role_loops(prog):
 
 def _simulate_loop(prog, span, const):
     """One iteration of a loop simulated alone (inner loops once): cycles, instr, mma_cycles, stalls,
-    hgmma, shapes (HGMMA by shape), waits. A bulk copy to the cluster peer's shared memory (UBLKCP: prep's Ts / M / gates) completes
-    on the peer's mbarrier, which this warp never waits for: it is issued like any instruction, not queued
-    as a load that this warp's next mbarrier wait would wait for (sass.simulate's TMA rule)."""
+    hgmma, shapes (HGMMA by shape), waits. A bulk copy to the cluster peer's shared memory (UBLKCP: prep's
+    Ts / M / gates) completes on the peer's mbarrier, which this warp never waits for: it is issued like
+    any instruction, not queued as a load that this warp's next mbarrier wait would wait for
+    (sass.simulate's TMA rule)."""
     sub = [dataclasses.replace(x, op="PEER." + x.op) if x.op.startswith("UBLKCP") else x
            for x in prog[span[0]:span[1] + 1]]
 
@@ -282,7 +284,7 @@ def estimate(f, dims, dtype, const):
     t_mem = max(hbm / HBM_BPS + (tiles - hbm) / const.l2_bps, tiles / (busy * SM_BPS))
     C = M.CHUNK
     flops = ctas * n * (2 * V_BLOCK * (3 * C * K + 2 * C * C)       # state: S^T [K; Q]^T, X'^T Ts^T, U^T M^T, U^T K
-                        + (4 * C * C * K + 4 * C ** 3) / 2)          # prep, every other chunk: 2 Grams, 1 doubling level
+                        + (4 * C * C * K + 4 * C ** 3) / 2)          # prep, every other chunk: 2 Grams, doubling
     t_tc = flops / TC_FLOPS["bf16"]
     parts = {"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc}
     top = max(parts, key=parts.get)
@@ -329,8 +331,8 @@ def row(name, dims, dtype, const):
     """The report row of the kernel (report.py's columns), or one with the error."""
     f = facts(dtype, const)
     base = dict(impl="cuda", shape=name, dtype=dtype, mode="fwd", kernel=KERNEL, config="VB64 cluster2 s3 p4",
-                candidates=1, warps=THREADS // 32, stages=STAGES, loop_hmma="", loop_f2fp="", step_stalls={}, dots="bf16+f16"
-                if dtype == "bf16" else "f16", error=f.error)
+                candidates=1, warps=THREADS // 32, stages=STAGES, loop_hmma="", loop_f2fp="", step_stalls={},
+                dots="bf16+f16" if dtype == "bf16" else "f16", error=f.error)
     if f.error or not takes(dims, dtype):
         return dict(base, grid="", ctas="", regs="", smem_kb="", spill_b=0, ctas_per_sm="", waves="", loop_hgmma="",
                     loop_instr="", loop_waits="", loop_bars="", step_cycles="", hbm_gb=0.0, gflop=0.0, lat_us="",
