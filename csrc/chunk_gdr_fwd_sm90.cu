@@ -12,19 +12,25 @@
 //        fp32 (or 0)
 // Grid (V-blocks 2, HV, N) in clusters of 2: the two V-block CTAs of a (value head, sequence). CTA
 // (384 threads, 1 per SM, 225 KB shared memory):
-//   warpgroup 0, producer (40 registers): one thread waits for a free stage of the 3-stage ring and
-//        issues the TMA loads of the chunk's k, q (qk head, [64 rows, 128] each, 128B-swizzled) and the
-//        CTA's 64 columns of v; rows past T arrive as 0 (TMA), rows of other sequences are zeroed here
+//   warpgroup 0, producer (40 registers): one warp. Per chunk: the table row (one int4, the next one a
+//        chunk ahead), g and beta of the rows for the chunks this CTA preps (plain loads: 4-byte strided
+//        columns, below TMA's 16-byte granule; with raw_gates formed from a, b here), then, once both
+//        CTAs have released the stage of the 3-stage ring, the TMA loads: the CTA's K-half of k and of q
+//        (qk head, [64 rows, 64] each, 128B-swizzled) multicast to both CTAs of the cluster, and the
+//        CTA's 64 columns of v; rows past T arrive as 0 (TMA)
 //   warpgroup 1, prep (232 registers): every other chunk (j % 2 == the CTA's rank), for both CTAs, up to
-//        4 chunks ahead of the state warpgroups: K K^T and Q K^T (wgmma) issued first, then on the CUDA
-//        cores g, beta (plain loads: 4-byte strided columns, below TMA's 16-byte granule), |q|^2, the
-//        gate sums from strips of 8 rows, |k|^2 from the diagonal of K K^T, E, A and M in the
-//        accumulator layout, the 16 x 16 diagonal blocks of (I + A)^-1 by substitution, two doubling
-//        levels (wgmma) -> Ts, M, gates in shared memory (4 buffers; never written to global memory),
-//        sent to the peer CTA's same buffer by a bulk copy over the cluster's shared memory
+//        4 chunks ahead of the state warpgroups: K K^T and Q K^T (wgmma, one group) issued first, and in
+//        their shadow the gate sums from strips of 8 rows and |q|^2 (row sums over K-halves); |k|^2 from
+//        the diagonal of K K^T; E, A and M in the accumulator layout; (I + A)^-1 as 16 x 16 diagonal
+//        blocks by substitution, 32 x 32 ones on the CUDA cores, one doubling level on wgmma -> Ts, M,
+//        gates in shared memory (4 buffers; never written to global memory), sent to the peer CTA's
+//        same buffer by a bulk copy over the cluster's shared memory
 //   warpgroup 2, state (240 registers): S^T [64 v, 128] fp32 in registers, the chunk step of
-//        chunk_gdr_sm90.cuh (wgmma with S^T, X'^T, U^T as register A operands), o through a
-//        transposing stmatrix into the consumed v tile and 16-byte stores of the live rows
+//        chunk_gdr_sm90.cuh (wgmma with S^T, X'^T, U^T as register A operands), O through a
+//        transposing stmatrix into the consumed v tile and a TMA store of the chunk
+// A sequence's last chunk, the only one that can be partial, runs outside the chunk loops of prep and
+// state: its rows of other sequences (loaded by TMA) are zeroed there and its live rows of o stored one
+// by one.
 // Synchronisation: mbarriers full / empty (TMA ring), prepped / prepfree (prep buffers, across the
 // cluster: chunk_gdr_fwd_sm90_device.cuh); named barriers within a warpgroup. The host mirror
 // (chunk_gdr_fwd_sm90 with host = true) runs the same tile program over every (value head, sequence) in
