@@ -40,6 +40,45 @@ def test_opcheck_backward(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_segments_worked_out_once_per_call(backend, monkeypatch):
+    """The public function builds the chunk table and the gating's token mask once, the forward saves
+    them and the backward takes them (no rebuild: one make_chunk_table and one real_rows call for
+    forward + backward); both ops pass opcheck with them given, and give what they build themselves."""
+    from gdn_packed import segments
+    from gdn_packed.ops import chunk_gdr, chunk_table
+    (q, k, v, a, b, s0), cu, cu_pad = packed_inputs(requires_grad=True)
+    A_log, dt_bias = torch.zeros(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    calls = {"table": 0, "real": 0}
+
+    def counted(name, fn):
+        def f(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+        return f
+    monkeypatch.setattr(chunk_table, "make_chunk_table", counted("table", chunk_table.make_chunk_table))
+    monkeypatch.setattr(chunk_gdr, "make_chunk_table", counted("table", chunk_gdr.make_chunk_table))
+    monkeypatch.setattr(segments, "real_rows", counted("real", segments.real_rows))
+    o, fs = gdn_packed.chunk_gated_delta_rule(q, k, v, a, b, initial_state=s0, output_final_state=True,
+                                              cu_seqlens=cu, cu_seqlens_padded=cu_pad, A_log=A_log,
+                                              dt_bias=dt_bias, backend=backend)
+    (o.sum() + fs.sum()).backward()
+    assert calls == {"table": 1, "real": 1}, calls
+    monkeypatch.undo()
+    T = q.shape[1]
+    table, cu_chunks = chunk_table.build_chunk_table(cu, cu_pad, T, 64)
+    real = segments.real_rows(cu, cu_pad, T)
+    args = (q, k, v, a, b, s0, cu, cu_pad, 0.25, True, backend, A_log, dt_bias)
+    given = chunk_gdr_fwd(*args, True, table, cu_chunks, real)
+    built = chunk_gdr_fwd(*args, True)
+    assert all(torch.equal(x, y) for x, y in zip(given, built))
+    torch.library.opcheck(chunk_gdr_fwd, args + (True, table, cu_chunks, real))
+    do, dht = torch.randn_like(v), torch.randn_like(s0)
+    bwd = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args[:8]) + (do, dht) + args[8:11] \
+        + (A_log.detach(), dt_bias.detach(), given[2] if given[2].numel() else None)
+    torch.library.opcheck(chunk_gdr_bwd, bwd + (table, cu_chunks, real))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_torch_compile_fullgraph_matches_eager(backend):
     (q, k, v, g, beta, s0), cu, cu_pad = packed_inputs()
 

@@ -1,9 +1,9 @@
 """The chunked gated delta rule as torch custom ops: the one registration site.
 
     gdn_packed::chunk_gdr_fwd  (q, k, v, g, beta, initial_state?, cu_seqlens?, cu_seqlens_padded?,
-                                scale, use_qk_l2norm, backend, A_log?, dt_bias?, keep=True)
-                                -> (o, final_state, kept)
-    gdn_packed::chunk_gdr_bwd  (... same inputs ..., do, dht?, ..., kept?)
+                                scale, use_qk_l2norm, backend, A_log?, dt_bias?, keep=True,
+                                table?, cu_chunks?, real?) -> (o, final_state, kept)
+    gdn_packed::chunk_gdr_bwd  (... same inputs ..., do, dht?, ..., kept?, table?, cu_chunks?, real?)
                                 -> (dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)
 
 With A_log and dt_bias [HV] (the gating of Qwen3-Next / Megatron), `g` and `beta` hold the raw a and b
@@ -18,10 +18,13 @@ its size follows from the shapes alone); on the triton backend, when its state p
 recompute needs no segment pass of its own (S K V floats per sequence and value head); elsewhere, or
 with keep=False, an empty tensor and the backward recomputes from the inputs. The public function
 asks for kept only when autograd will need it and drops it from what it returns.
-Both ops build the chunk table on the device (no host sync), flatten the packed rows and hand them to
-one backend implementation (gdn_packed.ops._dispatch.kernel), which writes every row of the outputs
-it is given. Input checks live in `chunk_gated_delta_rule`, the public function, and run once, before
-any launch; the ops trust them (they call make_chunk_table, not the checked chunk_table op).
+The segments are worked out once per call: the public function builds the chunk table (the
+gdn_packed::chunk_table op, on the device, no host sync) and, with the gating on packed rows, the token
+mask `real` [T] (segments.real_rows, the mask every op takes), hands them to the forward, which saves
+them for the backward (neither is rebuilt there). Called without them, as tests call the ops, the ops
+build them. Both flatten the packed rows and hand them to one backend implementation
+(gdn_packed.ops._dispatch.kernel), which writes every row of the outputs it is given. Input checks live
+in `chunk_gated_delta_rule`, the public function, and run once, before any launch; the ops trust them.
 """
 from typing import Optional
 
@@ -31,7 +34,7 @@ from torch import Tensor
 from gdn_packed import _validate as V
 from gdn_packed import segments
 from gdn_packed.ops import BACKENDS
-from gdn_packed.ops._common import compute_dtype, new_output, refuse_float64, resolve_backend
+from gdn_packed.ops._common import compute_dtype, new_output, refuse_float64, resolve_backend, triton_usable
 from gdn_packed.ops._dispatch import TABLE, kernel
 from gdn_packed.ops._fla_compat import fla_keywords
 from gdn_packed.ops.chunk_table import chunk_slots, make_chunk_table
@@ -40,30 +43,40 @@ OP = "chunk_gated_delta_rule"
 CHUNK_SIZE = 64
 MAX_HEAD_DIM = 256
 BACKENDS_IMPLEMENTED = BACKENDS[OP]
+# "cuda" is opt-in (asked by name) until tools/gpu_check.py has passed it on an H200 (issue 28)
+AUTO_BACKENDS = tuple(b for b in BACKENDS_IMPLEMENTED if b != "cuda")
 
 
-def _segments(q, cu_seqlens, cu_seqlens_padded):
-    """Flattened row count T, sequence count N, and the chunk table over the rows (the public
-    function checked cu_seqlens: no check here)."""
+def _segments(q, cu_seqlens, cu_seqlens_padded, table=None, cu_chunks=None):
+    """Flattened row count T, sequence count N, and the chunk table over the rows: the one given (what
+    the public function built), else built here (the public function checked cu_seqlens: no check)."""
     T = q.shape[0] * q.shape[1]
     cu_seqlens, N = segments.segments_or_rows(q, cu_seqlens, torch.int32)
-    table, cu_chunks = make_chunk_table(cu_seqlens, cu_seqlens_padded, T, CHUNK_SIZE)
+    if table is None:
+        table, cu_chunks = make_chunk_table(cu_seqlens, cu_seqlens_padded, T, CHUNK_SIZE)
     return T, N, table, cu_chunks
+
+
+def _token_mask(A_log, cu_seqlens, cu_seqlens_padded, T):
+    """real [T] bool (False on padding rows), what the gating needs of the packed layout; None without
+    gating or without cu_seqlens (every row real). No sync."""
+    if A_log is None or cu_seqlens is None:
+        return None
+    return segments.real_rows(cu_seqlens, cu_seqlens_padded, T)
 
 
 def _rows(x, T):
     return x.reshape(T, *x.shape[2:])
 
 
-def _raw_gate_rows(a, b, cu_seqlens, cu_seqlens_padded, T):
-    """The raw gate inputs a, b as rows [T, HV], with padding rows replaced by 0 (selection, no
-    sync): whatever they hold, padding rows then give finite g, beta, and their da, db and share of
-    dA_log, ddt_bias are exactly 0 (the chunked backward gives them dg = dbeta = 0)."""
+def _raw_gate_rows(a, b, real, T):
+    """The raw gate inputs a, b as rows [T, HV], with the padding rows (real [T] False) replaced by 0
+    (selection, no sync): whatever they hold, padding rows then give finite g, beta, and their da, db
+    and share of dA_log, ddt_bias are exactly 0 (the chunked backward gives them dg = dbeta = 0)."""
     a, b = _rows(a, T), _rows(b, T)
-    if cu_seqlens is None:
+    if real is None:
         return a, b
-    real = segments.real_rows(cu_seqlens, cu_seqlens_padded, T)[:, None]
-    return torch.where(real, a, a.new_zeros(())), torch.where(real, b, b.new_zeros(()))
+    return torch.where(real[:, None], a, a.new_zeros(())), torch.where(real[:, None], b, b.new_zeros(()))
 
 
 @torch.library.custom_op("gdn_packed::chunk_gdr_fwd", mutates_args=())
@@ -71,18 +84,26 @@ def chunk_gdr_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
                   cu_seqlens_padded: Optional[Tensor], scale: float, use_qk_l2norm: bool,
                   backend: str, A_log: Optional[Tensor] = None,
-                  dt_bias: Optional[Tensor] = None, keep: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    T, N, table, cu_chunks = _segments(q, cu_seqlens, cu_seqlens_padded)
+                  dt_bias: Optional[Tensor] = None, keep: bool = True, table: Optional[Tensor] = None,
+                  cu_chunks: Optional[Tensor] = None, real: Optional[Tensor] = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    T, N, table, cu_chunks = _segments(q, cu_seqlens, cu_seqlens_padded, table, cu_chunks)
     HV, K, V_ = v.shape[2], q.shape[3], v.shape[3]
     o = new_output(v.shape, v.dtype, v.device)
     final_state = new_output((N, HV, K, V_), torch.float32, v.device)
     kept = new_output(*_kept_spec(q, v, N, backend, keep), v.device)
     g_rows, beta_rows = _rows(g, T), _rows(beta, T)
+    fwd, more = kernel(OP, backend, "fwd"), ({"kept": kept} if kept.numel() else {})
     if A_log is not None:
-        a_rows, b_rows = _raw_gate_rows(g, beta, cu_seqlens, cu_seqlens_padded, T)
-        g_rows, beta_rows = kernel(OP, backend, "gate_fwd")(a_rows, b_rows, A_log, dt_bias)
-    more = {"kept": kept} if kept.numel() else {}
-    kernel(OP, backend, "fwd")(_rows(q, T), _rows(k, T), _rows(v, T), g_rows, beta_rows, table, cu_chunks,
+        if real is None:
+            real = _token_mask(A_log, cu_seqlens, cu_seqlens_padded, T)
+        a_rows, b_rows = _raw_gate_rows(g, beta, real, T)
+        if "fwd_raw" in TABLE[OP][backend]:     # a forward that forms the gates itself (_dispatch.py)
+            fwd, g_rows, beta_rows = kernel(OP, backend, "fwd_raw"), a_rows, b_rows
+            more.update(A_log=A_log, dt_bias=dt_bias)
+        else:
+            g_rows, beta_rows = kernel(OP, backend, "gate_fwd")(a_rows, b_rows, A_log, dt_bias)
+    fwd(_rows(q, T), _rows(k, T), _rows(v, T), g_rows, beta_rows, table, cu_chunks,
         initial_state, scale, CHUNK_SIZE, use_qk_l2norm, _rows(o, T), final_state, **more)
     return o, final_state, kept
 
@@ -99,7 +120,7 @@ def _kept_spec(q, v, N, backend, keep):
 
 @chunk_gdr_fwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, use_qk_l2norm, backend,
-      A_log=None, dt_bias=None, keep=True):
+      A_log=None, dt_bias=None, keep=True, table=None, cu_chunks=None, real=None):
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     kept_shape, kept_dtype = _kept_spec(q, v, N, backend, keep)
     return (v.new_empty(v.shape),
@@ -112,9 +133,10 @@ def chunk_gdr_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                   initial_state: Optional[Tensor], cu_seqlens: Optional[Tensor],
                   cu_seqlens_padded: Optional[Tensor], do: Tensor, dht: Optional[Tensor],
                   scale: float, use_qk_l2norm: bool, backend: str, A_log: Optional[Tensor] = None,
-                  dt_bias: Optional[Tensor] = None, kept: Optional[Tensor] = None
+                  dt_bias: Optional[Tensor] = None, kept: Optional[Tensor] = None, table: Optional[Tensor] = None,
+                  cu_chunks: Optional[Tensor] = None, real: Optional[Tensor] = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    T, N, table, cu_chunks = _segments(q, cu_seqlens, cu_seqlens_padded)
+    T, N, table, cu_chunks = _segments(q, cu_seqlens, cu_seqlens_padded, table, cu_chunks)
     HV, K, V_ = v.shape[2], q.shape[3], v.shape[3]
     dq, dk, dv = (new_output(x.shape, x.dtype, x.device) for x in (q, k, v))
     dg, dbeta = new_output(g.shape, g.dtype, g.device), new_output(beta.shape, beta.dtype, beta.device)
@@ -123,7 +145,9 @@ def chunk_gdr_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     gating = A_log is not None
     if gating:      # the chunked backward runs on the float32 gates and writes float32 dg, dbeta
         gate_fwd, gate_bwd = kernel(OP, backend, "gate_fwd"), kernel(OP, backend, "gate_bwd")
-        a_rows, b_rows = _raw_gate_rows(g, beta, cu_seqlens, cu_seqlens_padded, T)
+        if real is None:
+            real = _token_mask(A_log, cu_seqlens, cu_seqlens_padded, T)
+        a_rows, b_rows = _raw_gate_rows(g, beta, real, T)
         g_rows, beta_rows = gate_fwd(a_rows, b_rows, A_log, dt_bias)
         dg_rows = new_output(g_rows.shape, torch.float32, g.device)
         dbeta_rows = new_output(g_rows.shape, torch.float32, g.device)
@@ -143,7 +167,7 @@ def chunk_gdr_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
 @chunk_gdr_bwd.register_fake
 def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, do, dht, scale, use_qk_l2norm,
-      backend, A_log=None, dt_bias=None, kept=None):
+      backend, A_log=None, dt_bias=None, kept=None, table=None, cu_chunks=None, real=None):
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if A_log is None:
         dA_log, ddt_bias = (q.new_empty(0, dtype=torch.float32) for _ in range(2))
@@ -156,26 +180,27 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, do, dht, s
 
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale, l2, backend, *more = inputs
-    A_log, dt_bias = (more + [None, None])[:2]
+    A_log, dt_bias, _keep, table, cu_chunks, real = (more + [None] * 6)[:6]
     kept = output[2]
     ctx.mark_non_differentiable(kept)
     ctx.set_materialize_grads(False)        # no zero gradient for kept (as large as 5 v's), nor do, dht
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, A_log, dt_bias,
-                          kept)
+                          kept, table, cu_chunks, real)
     ctx.scale, ctx.l2, ctx.backend = scale, l2, backend
 
 
 def _backward(ctx, do, dht, _dkept):
-    q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, A_log, dt_bias, kept = ctx.saved_tensors
+    (q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, A_log, dt_bias, kept, table, cu_chunks,
+     real) = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = chunk_gdr_bwd(
         q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, do, dht, ctx.scale, ctx.l2,
-        ctx.backend, A_log, dt_bias, kept)
+        ctx.backend, A_log, dt_bias, kept, table, cu_chunks, real)
     dh0 = None if initial_state is None else dh0.to(initial_state.dtype)
     if A_log is None:
         dA_log = ddt_bias = None
-    return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, dA_log, ddt_bias, None
+    return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, dA_log, ddt_bias, None, None, None, None
 
 
 chunk_gdr_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -223,7 +248,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             "triton": the Triton kernels; on CPU tensors only under the Triton interpreter
             (TRITON_INTERPRET=1 set before triton is imported); they compute in float32 at most, so
             float64 inputs are a TypeError there ("auto" runs float64 on "torch", exactly).
-            "cuda": not implemented for this op (raises NotImplementedError).
+            "cuda": the sm_90a CUDA forward (csrc/chunk_gdr_fwd_sm90.cu; H100 / H200, K = V = 128,
+            bfloat16 / float16; other inputs are an error naming why) with the Triton backward;
+            opt-in only: "auto" never picks it yet.
         validate: also check the values of cu_seqlens (and cu_seqlens_padded): starting at 0,
             non-decreasing, within the rows. That reads them back to the host, so it is off by
             default on CUDA tensors (the op then never synchronises); GDN_PACKED_VALIDATE=1 turns it
@@ -244,13 +271,32 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale)
     _check_gates(A_log, dt_bias, v.shape[2], q.device)
     segments.check_values_where_free(cu_seqlens, cu_seqlens_padded, q.shape[1], validate)
-    backend = resolve_backend(backend, q.device, have=BACKENDS_IMPLEMENTED, refuse=refuse_float64(q))
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    backend = resolve_backend(backend, q.device, have=AUTO_BACKENDS if backend == "auto" else BACKENDS_IMPLEMENTED,
+                              refuse=lambda b: _refuse(b, q, v, N))
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     grads = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
+    # the segments, once per call: the forward saves them for the backward
+    T = q.shape[0] * q.shape[1]
+    table, cu_chunks = torch.ops.gdn_packed.chunk_table(segments.segments_or_rows(q, cu_seqlens, torch.int32)[0],
+                                                        cu_seqlens_padded, T, CHUNK_SIZE)
+    real = _token_mask(A_log, cu_seqlens, cu_seqlens_padded, T)
     o, final_state, _ = chunk_gdr_fwd(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded,
-                                      scale, bool(use_qk_l2norm_in_kernel), backend, A_log, dt_bias, grads)
+                                      scale, bool(use_qk_l2norm_in_kernel), backend, A_log, dt_bias, grads,
+                                      table, cu_chunks, real)
     return o, (final_state if output_final_state else None)
+
+
+def _refuse(backend, q, v, N):
+    """resolve_backend's `refuse`: float64 on triton; on cuda what its kernel does not take
+    (gdn_packed.cuda.chunk.refusal), or no triton for its backward."""
+    if backend != "cuda":
+        return refuse_float64(q)(backend)
+    from gdn_packed.cuda.chunk import refusal
+    why = triton_usable(q.device)
+    return refusal(q, v, q.device, N) or (RuntimeError(f"backend='cuda' of {OP} runs the Triton backward: "
+                                                       f"{why}") if why else None)
 
 
 def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded, scale):
