@@ -195,6 +195,28 @@ def test_op_matches_and_opcheck(name, dtype):
     ref_t, ref_cc = ref_chunk_table(cu, pad, T, 64)
     assert table.tolist() == ref_t and cc.tolist() == ref_cc
     torch.library.opcheck(torch.ops.gdn_packed.chunk_table.default, (_t(cu, dtype), _t(pad, dtype), T, 64))
+    trusted = torch.ops.gdn_packed.chunk_table(_t(cu, dtype), _t(pad, dtype), T, 64, trusted=True)
+    assert trusted[0].tolist() == ref_t and trusted[1].tolist() == ref_cc
+    torch.library.opcheck(torch.ops.gdn_packed.chunk_table.default, (_t(cu, dtype), _t(pad, dtype), T, 64),
+                          {"trusted": True})
+
+
+def test_op_checks_its_inputs_unless_trusted():
+    """Called directly the op checks its inputs; trusted=True (a public op that checked them already)
+    skips the metadata check, so chunk_gated_delta_rule checks cu_seqlens once per call."""
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        torch.ops.gdn_packed.chunk_table(torch.tensor([0.0, 3.0]), None, 3, 64)
+    calls = []
+    import gdn_packed.ops.chunk_table as ct
+    real_check = ct._check
+    ct._check = lambda *a: calls.append(a) or real_check(*a)
+    try:
+        torch.ops.gdn_packed.chunk_table(_t([0, 3], torch.int32), None, 3, 64, trusted=True)
+        assert calls == []
+        torch.ops.gdn_packed.chunk_table(_t([0, 3], torch.int32), None, 3, 64)
+        assert len(calls) == 1
+    finally:
+        ct._check = real_check
 
 
 def test_op_compiles_without_graph_break():

@@ -280,7 +280,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     # the segments, once per call: the forward saves them for the backward
     T = q.shape[0] * q.shape[1]
     table, cu_chunks = torch.ops.gdn_packed.chunk_table(segments.segments_or_rows(q, cu_seqlens, torch.int32)[0],
-                                                        cu_seqlens_padded, T, CHUNK_SIZE)
+                                                        cu_seqlens_padded, T, CHUNK_SIZE, trusted=True)
     real = _token_mask(A_log, cu_seqlens, cu_seqlens_padded, T)
     o, final_state, _ = chunk_gdr_fwd(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded,
                                       scale, bool(use_qk_l2norm_in_kernel), backend, A_log, dt_bias, grads,

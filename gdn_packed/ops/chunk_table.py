@@ -7,8 +7,10 @@ table int32 [T // chunk_size + N, 4] rows (seq_id, chunk_idx, start_row, length)
 csrc/segments.cuh. CUDA tensors use the csrc/ kernels when gdn_packed._C can run, everything else the
 torch implementation (the dispatch table, gdn_packed/ops/_dispatch.py). No path reads CUDA cu_seqlens
 back to the host, so the op is CUDA-graph capturable.
-The registered op checks its inputs; `make_chunk_table` is the unchecked implementation that
-chunk_gdr calls inside its own op (its public function checked cu_seqlens already).
+The registered op checks its inputs unless called with trusted=True, which a public op passes after
+checking them itself (chunk_gated_delta_rule builds its table with it: one check per call);
+`make_chunk_table` is the unchecked implementation that chunk_gdr's ops call inside their own op when
+they are not given a table.
 """
 from __future__ import annotations
 
@@ -57,8 +59,9 @@ def make_chunk_table(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T:
 
 @torch.library.custom_op("gdn_packed::chunk_table", mutates_args=())
 def chunk_table(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int,
-                chunk_size: int) -> tuple[Tensor, Tensor]:
-    _check(cu_seqlens, cu_seqlens_padded, T, chunk_size)
+                chunk_size: int, trusted: bool = False) -> tuple[Tensor, Tensor]:
+    if not trusted:
+        _check(cu_seqlens, cu_seqlens_padded, T, chunk_size)
     table, cu_chunks = make_chunk_table(cu_seqlens, cu_seqlens_padded, T, chunk_size)
     # a custom op must not return a view (of its inputs or of anything else)
     if table._base is not None:
@@ -69,9 +72,9 @@ def chunk_table(cu_seqlens: Tensor, cu_seqlens_padded: Optional[Tensor], T: int,
 
 
 @chunk_table.register_fake
-def _(cu_seqlens, cu_seqlens_padded, T, chunk_size):
-    nc = _check(cu_seqlens, cu_seqlens_padded, T, chunk_size)
+def _(cu_seqlens, cu_seqlens_padded, T, chunk_size, trusted=False):
     n = cu_seqlens.shape[0] - 1
+    nc = chunk_slots(T, chunk_size, n) if trusted else _check(cu_seqlens, cu_seqlens_padded, T, chunk_size)
     return (cu_seqlens.new_empty((nc, 4), dtype=torch.int32),
             cu_seqlens.new_empty((n + 1,), dtype=torch.int32))
 
