@@ -1,0 +1,424 @@
+// The device side shared by the sm_90a chunked kernels (csrc/chunk_gdr_fwd_sm90.cu, chunk_gdr_bwd_sm90.cu),
+// written once: the wgmma / ldmatrix / stmatrix policy of their tile programs (chunk_gdr_sm90.cuh), the
+// mbarrier, cluster and named-barrier helpers, and the TMA descriptors. Shared tiles are 128B-swizzled
+// (TMA's CU_TENSOR_MAP_SWIZZLE_128B, the GMMA descriptors' B128 layout): element (r, c) of a [rows, 64]
+// 16-bit block at byte r * 128 + (((c / 8) ^ (r % 8)) * 16) + (c % 8) * 2, blocks 1024-aligned.
+#pragma once
+
+#include <cuda.h>
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include <string>
+#include <utility>
+
+#include "api.h"
+#include "chunk_gdr_sm90.cuh"
+#include "cuda_status.cuh"
+
+namespace gdn {
+namespace sm90 {
+namespace {
+
+constexpr uint32_t kBlock = 8192;          // one [64 rows, 64 cols] 16-bit block
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ uint32_t swz(uint32_t row, uint32_t chunk) {   // byte offset in a block
+  return row * 128 + (((chunk ^ (row & 7)) & 7) << 4);
+}
+
+// ---- mbarriers and named barriers (with memory clobbers: the plain reads after a wait stay after it)
+__device__ __forceinline__ void mbar_init(uint64_t* b, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* b, int phase) {
+  asm volatile(
+      "{\n.reg .pred p;\nWAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(b)), "r"(phase) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* b, uint32_t count = 1) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");
+}
+
+// ---- the cluster of a head's two V-block CTAs: the peer's shared memory and barriers
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ uint32_t peer_addr(const void* p, uint32_t rank) {   // shared::cluster address
+  uint32_t a;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_u32(p)), "r"(rank));
+  return a;
+}
+// arrivals on the peer's barriers with the default semantics (release, CTA scope), as CUTLASS's cluster
+// barriers: what they order is this CTA's reads of a buffer (done: their values are used) and, for
+// prep's arrival, the bytes of a bulk copy that completes on the same barrier
+__device__ __forceinline__ void mbar_arrive_at(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx_at(uint32_t cluster_addr, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cluster.b64 _, [%0], %1;" ::"r"(cluster_addr), "r"(bytes)
+               : "memory");
+}
+// bytes from this CTA's shared memory to the peer's (dst, mbar: shared::cluster addresses), completing
+// on the peer's barrier
+__device__ __forceinline__ void copy_to_peer(uint32_t dst, const void* src, uint32_t bytes, uint32_t mbar) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "r"(smem_u32(src)), "r"(bytes), "r"(mbar) : "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void fence_async_smem() {        // generic-proxy smem writes -> async proxy
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+__device__ __forceinline__ void named_sync(int id) {
+  asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+}
+template <int R>
+__device__ __forceinline__ void set_regs() {
+  if constexpr (R > 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
+  else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
+}
+
+// ---- GMMA operand types and instructions
+template <typename T> struct Gmma;
+template <> struct Gmma<__nv_bfloat16> {
+  template <cute::SM90::GMMA::Major B> using RS64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, B>;
+  template <cute::SM90::GMMA::Major B> using RS128 = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, B>;
+  using SS64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  static __device__ uint32_t pack(float x, float y) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ float2 unpack(uint32_t u) {
+    return __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u));
+  }
+};
+template <> struct Gmma<__half> {
+  template <cute::SM90::GMMA::Major B> using RS64 = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, B>;
+  template <cute::SM90::GMMA::Major B> using RS128 = cute::SM90::GMMA::MMA_64x128x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, B>;
+  using SS64 = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  static __device__ uint32_t pack(float x, float y) {
+    __half2 h = __floats2half2_rn(x, y);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+  static __device__ float2 unpack(uint32_t u) { return __half22float2(*reinterpret_cast<__half2*>(&u)); }
+};
+
+template <class MMA, size_t... I>
+__device__ __forceinline__ void rs_fma(const uint32_t (&a)[4], uint64_t desc, float* d, std::index_sequence<I...>) {
+  MMA::fma(a[0], a[1], a[2], a[3], desc, d[I]..., cute::SM90::GMMA::ScaleOut::One);
+}
+template <class MMA, size_t... I>
+__device__ __forceinline__ void ss_fma(uint64_t da, uint64_t db, float* d, std::index_sequence<I...>) {
+  MMA::fma(da, db, d[I]..., cute::SM90::GMMA::ScaleOut::One);
+}
+
+template <int NR>
+__device__ __forceinline__ void fence_regs(float* d) {
+#pragma unroll
+  for (int i = 0; i < NR; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+template <int NR>
+__device__ __forceinline__ void fence_regs(uint32_t* d) {
+#pragma unroll
+  for (int i = 0; i < NR; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+// ---- the device policy: one warpgroup, the thread's share of each tile
+template <typename T>
+struct DevPolicy {
+  int bar;           // the warpgroup's named barrier
+
+  template <int N>
+  struct Frag {
+    float d[N / 2];
+  };
+  template <typename U, int KD>
+  struct Op {
+    uint32_t r[KD / 16][4];
+  };
+  struct Smem {      // a tile in shared memory as a GMMA operand (B128 layout)
+    uint32_t addr;   // first block
+    uint32_t kstep;  // K-major: bytes between the 64-column blocks; MN-major: LBO (between the N halves)
+    bool kmajor;
+  };
+
+  // the thread's element i of a fragment: the wgmma accumulator layout (row, col) of thread t
+  static __device__ int tid_wg() { return static_cast<int>(threadIdx.x) & 127; }
+  static __device__ int row(int i) {
+    const int t = tid_wg();
+    return 16 * (t >> 5) + ((t & 31) >> 2) + 8 * ((i >> 1) & 1);
+  }
+  static __device__ int col(int i) { return 8 * (i >> 2) + 2 * (tid_wg() & 3) + (i & 1); }
+
+  template <int N, class F>
+  static __device__ void for_each(Frag<N>& f, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) fn(row(i), col(i), f.d[i]);
+  }
+  template <int N, class F>
+  static __device__ void for_each2(Frag<N>& f, Frag<N>& g, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) fn(row(i), col(i), f.d[i], g.d[i]);
+  }
+  // the accumulator layout's pairs: elements 2j, 2j + 1 are (row, col), (row, col + 1), col even
+  template <int N, class F>
+  static __device__ void for_each_pair(Frag<N>& f, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < N / 2; i += 2) fn(row(i), col(i), f.d[i], f.d[i + 1]);
+  }
+  template <int N, class F>
+  static __device__ void for_each_pair2(Frag<N>& f, Frag<N>& g, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < N / 2; i += 2) fn(row(i), col(i), f.d[i], f.d[i + 1], g.d[i], g.d[i + 1]);
+  }
+  template <class F>
+  static __device__ void for_each_lo(Frag<2 * kC>& f, Frag<kC>& v, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < kC / 2; ++i) fn(row(i), col(i), f.d[i], v.d[i]);
+  }
+  template <class F>
+  static __device__ void for_each_lo(Frag<2 * kC>& f, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < kC / 2; ++i) fn(row(i), col(i), f.d[i]);
+  }
+  template <class F>
+  static __device__ void for_each_hi(Frag<2 * kC>& f, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < kC / 2; ++i) fn(row(i), col(i), f.d[kC / 2 + i]);
+  }
+  template <int N>
+  static __device__ void zero(Frag<N>& f) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) f.d[i] = 0.f;
+  }
+
+  // the register A operand of k-steps 0 .. KD / 16 - 1: columns 16 kk .. 16 kk + 15 of the fragment
+  // (the accumulator layout's pairs are the A fragment's: rows r, r + 8; columns c, c + 8)
+  template <typename U, int KD, int N>
+  __device__ Op<U, KD> op(const Frag<N>& f, float sign) const {
+    static_assert(KD <= N, "an operand of the fragment's columns");
+    Op<U, KD> o;
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; ++kk)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) o.r[kk][j] = Gmma<U>::pack(sign * f.d[8 * kk + 2 * j], sign * f.d[8 * kk + 2 * j + 1]);
+    return o;
+  }
+  template <typename U>
+  __device__ Op<U, kC> op_lo(const Frag<2 * kC>& f, float sign) const {
+    return op<U, kC, 2 * kC>(f, sign);
+  }
+
+  static __device__ uint64_t desc(uint32_t addr, uint32_t lbo) {
+    cute::GmmaDescriptor g;
+    g.bitfield.start_address_ = static_cast<uint16_t>((addr & 0x3FFFF) >> 4);
+    g.bitfield.leading_byte_offset_ = static_cast<uint16_t>(lbo >> 4);
+    g.bitfield.stride_byte_offset_ = 1024 >> 4;      // 8 rows of 128 B
+    g.bitfield.base_offset_ = 0;
+    g.bitfield.layout_type_ = 1;                       // B128
+    return g.desc_;
+  }
+  // the descriptor of k-step kk (16 rows of K): K-major: +32 B within a 128 B row, then the next block;
+  // MN-major: +16 rows of 128 B
+  static __device__ uint64_t desc_k(const Smem& b, int kk) {
+    if (b.kmajor) return desc(b.addr + (kk >> 2) * b.kstep + (kk & 3) * 32, 16);
+    return desc(b.addr + kk * 2048, b.kstep);
+  }
+
+  // issue (no wait) the KD / 16 wgmma of acc[:, :NCOL] += a B as one group
+  template <typename U, int KD, int NCOL>
+  __device__ void mma_n(float* d, const Op<U, KD>& a, const Smem& b) const {
+    using namespace cute::SM90::GMMA;
+    fence_regs<NCOL / 2>(d);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; ++kk) {
+      const uint64_t db = desc_k(b, kk);
+      if constexpr (NCOL == 128) {
+        if (b.kmajor) rs_fma<typename Gmma<U>::template RS128<Major::K>>(a.r[kk], db, d, std::make_index_sequence<64>{});
+        else rs_fma<typename Gmma<U>::template RS128<Major::MN>>(a.r[kk], db, d, std::make_index_sequence<64>{});
+      } else {
+        if (b.kmajor) rs_fma<typename Gmma<U>::template RS64<Major::K>>(a.r[kk], db, d, std::make_index_sequence<32>{});
+        else rs_fma<typename Gmma<U>::template RS64<Major::MN>>(a.r[kk], db, d, std::make_index_sequence<32>{});
+      }
+    }
+    cute::warpgroup_commit_batch();
+  }
+  template <typename U, int KD, int N>
+  __device__ void mma(Frag<N>& acc, const Op<U, KD>& a, const Smem& b) const { mma_n<U, KD, N>(acc.d, a, b); }
+  template <typename U>
+  __device__ void mma_lo(Frag<2 * kC>& acc, const Op<U, kC>& a, const Smem& b) const { mma_n<U, kC, kC>(acc.d, a, b); }
+  template <typename U>
+  __device__ void mma_hi(Frag<2 * kC>& acc, const Op<U, kC>& a, const Smem& b) const {
+    mma_n<U, kC, kC>(acc.d + kC / 2, a, b);
+  }
+  // K K^T and Q K^T (k-step by k-step, the two products interleaved) as one group
+  template <typename U>
+  __device__ void mma_grams(Frag<kC>& kk, Frag<kC>& qk, const Smem& q, const Smem& k) const {
+    fence_regs<kC / 2>(kk.d);
+    fence_regs<kC / 2>(qk.d);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int s = 0; s < kK / 16; ++s) {
+      const uint64_t dq = desc_k(q, s), dk = desc_k(k, s);
+      ss_fma<typename Gmma<U>::SS64>(dk, dk, kk.d, std::make_index_sequence<32>{});
+      ss_fma<typename Gmma<U>::SS64>(dq, dk, qk.d, std::make_index_sequence<32>{});
+    }
+    cute::warpgroup_commit_batch();
+  }
+  // wait for every issued group; the named accumulators and A operands are pinned past the wait (the
+  // compiler neither reads an accumulator nor reuses an operand's registers before it)
+  template <class... Tiles>
+  __device__ void wait_mma(Tiles&... tiles) const {
+    cute::warpgroup_wait<0>();
+    (fence_tile(tiles), ...);
+  }
+  template <int N>
+  static __device__ void fence_tile(Frag<N>& f) { fence_regs<N / 2>(f.d); }
+  template <typename U, int KD>
+  static __device__ void fence_tile(Op<U, KD>& o) { fence_regs<KD / 4>(&o.r[0][0]); }
+
+  // a 64 x 64 fragment (32 floats in the accumulator layout) to a B128 block, rounded to U; with
+  // transpose the block holds its transpose (stmatrix .trans)
+  template <typename U>
+  __device__ void stmatrix(const float* d, uint32_t dst, bool transpose) const {
+    const int wtid = tid_wg(), lane = wtid & 31, w = wtid >> 5, mi = lane >> 3, j = lane & 7;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      uint32_t r[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int h = i & 1, a = 2 * p + (i >> 1);
+        r[i] = Gmma<U>::pack(d[4 * a + 2 * h], d[4 * a + 2 * h + 1]);
+      }
+      const int h = mi & 1, a = 2 * p + (mi >> 1);
+      if (transpose) {
+        const uint32_t addr = dst + swz(8 * a + j, 2 * w + h);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+      } else {
+        const uint32_t addr = dst + swz(16 * w + 8 * h + j, a);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+                     "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+      }
+    }
+  }
+  template <typename U, int N>
+  __device__ void store(const Frag<N>& f, const Smem& dst, bool transpose) const {
+    static_assert(N == kC, "64 x 64 tiles only");
+    stmatrix<U>(f.d, dst.addr, transpose);
+  }
+  // V^T [64 v, 64 c] of this warpgroup's 64 columns of the v tile (ldmatrix .trans)
+  __device__ Frag<kC> vt(const Smem& v) const {
+    Frag<kC> f;
+    const int wtid = tid_wg(), lane = wtid & 31, w = wtid >> 5, mi = lane >> 3, j = lane & 7;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const int h = mi & 1, a = 2 * p + (mi >> 1);
+      const uint32_t addr = v.addr + swz(8 * a + j, 2 * w + h);
+      uint32_t r[4];
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int hi = i & 1, ai = 2 * p + (i >> 1);
+        const float2 x = Gmma<T>::unpack(r[i]);
+        f.d[4 * ai + 2 * hi] = x.x;
+        f.d[4 * ai + 2 * hi + 1] = x.y;
+      }
+    }
+    return f;
+  }
+  // sum of squares of row i of a K-major [rows, 128] tile over K-half h (the block h kstep on)
+  template <typename U>
+  __device__ float row_sumsq_half(const Smem& t, int i, int h) const {
+    uint32_t r[8][4];                       // the row's 8 pieces first, then 4 independent sums
+#pragma unroll
+    for (int x = 0; x < 8; ++x)
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r[x][0]), "=r"(r[x][1]), "=r"(r[x][2]), "=r"(r[x][3]) : "r"(t.addr + h * t.kstep + swz(i, x))
+                   : "memory");
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int x = 0; x < 8; ++x)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float2 f = Gmma<U>::unpack(r[x][e]);
+        s[e] += f.x * f.x + f.y * f.y;
+      }
+    return (s[0] + s[1]) + (s[2] + s[3]);
+  }
+  template <class F>
+  __device__ void for_rows(F&& fn) const {
+    if (tid_wg() < kC) fn(tid_wg());
+  }
+  template <class F>
+  __device__ void for_threads(F&& fn) const { fn(tid_wg()); }
+  __device__ void sync() const {
+    fence_async_smem();
+    named_sync(bar);
+  }
+  __device__ void sync_generic() const { named_sync(bar); }
+};
+
+__device__ __forceinline__ void zero16(uint32_t addr) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(addr), "r"(0) : "memory");
+}
+
+// Rows [length, 64) of the block at `block` (shared address): 0; by the 128 threads of a warpgroup.
+__device__ __forceinline__ void zero_rows_from(uint32_t block, int length, int wtid) {
+  for (int e = wtid; e < (kC - length) * 8; e += 128) zero16(block + swz(length + e / 8, e % 8));
+}
+
+// ---- TMA descriptors (the driver's cuTensorMapEncodeTiled through the runtime: no libcuda link)
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+Status encode_fn(const char* who, EncodeTiled* enc) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  const cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &fn, cudaEnableDefault, &q);
+  if (e != cudaSuccess || fn == nullptr) return cuda_error((std::string(who) + ": cuTensorMapEncodeTiled").c_str(), e);
+  *enc = reinterpret_cast<EncodeTiled>(fn);
+  return {};
+}
+
+// A contiguous 16-bit tensor of dims (innermost first) as a 128B-swizzled TMA map with box `box`.
+Status encode_3d(EncodeTiled enc, CUtensorMap* m, CUtensorMapDataType ty, const void* base, const int64_t (&dims)[3],
+                 const uint32_t (&box)[3], const char* who, const char* names) {
+  if ((reinterpret_cast<std::uintptr_t>(base) & 15) != 0)
+    return Status::invalid(std::string(who) + ": " + names + " must be 16-byte aligned (TMA)");
+  const cuuint64_t d[3] = {static_cast<cuuint64_t>(dims[0]), static_cast<cuuint64_t>(dims[1]),
+                           static_cast<cuuint64_t>(dims[2] > 0 ? dims[2] : 1)};
+  const cuuint64_t strides[2] = {d[0] * 2, d[0] * d[1] * 2};
+  const cuuint32_t b[3] = {box[0], box[1], box[2]}, estr[3] = {1, 1, 1};
+  const CUresult r = enc(m, ty, 3, const_cast<void*>(base), d, strides, b, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                         CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                         CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return {StatusKind::kCudaError, std::string(who) + ": cuTensorMapEncodeTiled failed (" + std::to_string(r) + ")"};
+  return {};
+}
+
+// [rows, heads, cols] rows of a packed tensor (q, k, v, o, ...): boxes of 64 columns of one head, 64 rows.
+Status encode_rows(EncodeTiled enc, CUtensorMap* m, CUtensorMapDataType ty, const void* base, int64_t cols,
+                   int64_t heads, int64_t rows, const char* who, const char* names) {
+  return encode_3d(enc, m, ty, base, {cols, heads, rows}, {64, 1, static_cast<uint32_t>(kC)}, who, names);
+}
+
+}  // namespace
+}  // namespace sm90
+}  // namespace gdn

@@ -1,0 +1,165 @@
+// The host policy of the sm_90a chunked kernels' tile programs (chunk_gdr_sm90.cuh), shared by the host
+// mirrors of the forward (chunk_gdr_fwd_sm90.cu) and the backward (chunk_gdr_bwd_sm90.cu): one "thread"
+// holds a whole 64 x N tile; shared tiles are row-major arrays without swizzle; the products are plain
+// loops in fp32 over operands rounded as the device's (an fp32 mirror rounds nothing).
+#pragma once
+
+#include <vector>
+
+#include "chunk_gdr_sm90.cuh"
+#include "dtypes.cuh"
+
+namespace gdn {
+namespace sm90 {
+namespace {
+
+struct HostPolicy {
+  template <int N>
+  struct Frag {
+    float d[kC * N];
+  };
+  template <typename T, int KD>
+  struct Op {
+    T d[kC * KD];
+  };
+  struct Smem {       // element (row, col) at base[row * ld + col]; as a B operand [k, n]: K-major
+    void* base;       // reads base[n * ld + k], MN-major base[k * ld + n]
+    int ld;
+    bool kmajor;
+  };
+
+  template <int N, class F>
+  static void for_each(Frag<N>& f, F&& fn) {
+    for (int i = 0; i < kC * N; ++i) fn(i / N, i % N, f.d[i]);
+  }
+  template <int N, class F>
+  static void for_each2(Frag<N>& f, Frag<N>& g, F&& fn) {
+    for (int i = 0; i < kC * N; ++i) fn(i / N, i % N, f.d[i], g.d[i]);
+  }
+  template <int N, class F>
+  static void for_each_pair(Frag<N>& f, F&& fn) {
+    for (int i = 0; i < kC * N; i += 2) fn(i / N, i % N, f.d[i], f.d[i + 1]);
+  }
+  template <int N, class F>
+  static void for_each_pair2(Frag<N>& f, Frag<N>& g, F&& fn) {
+    for (int i = 0; i < kC * N; i += 2) fn(i / N, i % N, f.d[i], f.d[i + 1], g.d[i], g.d[i + 1]);
+  }
+  template <class F>
+  static void for_each_lo(Frag<2 * kC>& f, Frag<kC>& v, F&& fn) {
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < kC; ++c) fn(r, c, f.d[r * 2 * kC + c], v.d[r * kC + c]);
+  }
+  template <class F>
+  static void for_each_lo(Frag<2 * kC>& f, F&& fn) {
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < kC; ++c) fn(r, c, f.d[r * 2 * kC + c]);
+  }
+  template <class F>
+  static void for_each_hi(Frag<2 * kC>& f, F&& fn) {
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < kC; ++c) fn(r, c, f.d[r * 2 * kC + kC + c]);
+  }
+  template <int N>
+  static void zero(Frag<N>& f) {
+    for (float& x : f.d) x = 0.f;
+  }
+  template <typename T, int KD, int N>
+  static void round_into(Op<T, KD>& o, const Frag<N>& f, int col0, float sign) {
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < KD; ++c) o.d[r * KD + c] = from_f<T>(sign * f.d[r * N + col0 + c]);
+  }
+  template <typename T, int KD, int N>
+  Op<T, KD> op(const Frag<N>& f, float sign) {
+    Op<T, KD> o;
+    round_into(o, f, 0, sign);
+    return o;
+  }
+  template <typename T>
+  Op<T, kC> op_lo(const Frag<2 * kC>& f, float sign) {
+    Op<T, kC> o;
+    round_into(o, f, 0, sign);
+    return o;
+  }
+  // the products in fp32 from operands widened once (exact: the same sums as widening every term)
+  static void gemm_nt(float* acc, int ldc, const std::vector<float>& a, const std::vector<float>& b, int m, int n,
+                      int kd) {
+    for (int r = 0; r < m; ++r)
+      for (int c = 0; c < n; ++c) {
+        float s = 0.f;
+        for (int k = 0; k < kd; ++k) s += a[r * kd + k] * b[c * kd + k];
+        acc[r * ldc + c] += s;
+      }
+  }
+  template <typename T>
+  static std::vector<float> widen_b(const Smem& b, int ncols, int kd) {   // B as [n][k]
+    const T* bb = static_cast<const T*>(b.base);
+    std::vector<float> out(static_cast<size_t>(ncols) * kd);
+    for (int n = 0; n < ncols; ++n)
+      for (int k = 0; k < kd; ++k) out[n * kd + k] = to_f(b.kmajor ? bb[n * b.ld + k] : bb[k * b.ld + n]);
+    return out;
+  }
+  template <typename T, int KD, int N>
+  static void mma_cols(Frag<N>& acc, int col0, int ncols, const Op<T, KD>& a, const Smem& b) {
+    std::vector<float> af(kC * KD);
+    for (int i = 0; i < kC * KD; ++i) af[i] = to_f(a.d[i]);
+    gemm_nt(acc.d + col0, N, af, widen_b<T>(b, ncols, KD), kC, ncols, KD);
+  }
+  template <typename T, int KD, int N>
+  void mma(Frag<N>& acc, const Op<T, KD>& a, const Smem& b) { mma_cols(acc, 0, N, a, b); }
+  template <typename T>
+  void mma_lo(Frag<2 * kC>& acc, const Op<T, kC>& a, const Smem& b) { mma_cols(acc, 0, kC, a, b); }
+  template <typename T>
+  void mma_hi(Frag<2 * kC>& acc, const Op<T, kC>& a, const Smem& b) { mma_cols(acc, kC, kC, a, b); }
+  template <typename T>
+  static void mma_ss(Frag<kC>& acc, const Smem& a, const Smem& b) {   // A [m][k] and B as [n][k], K = kK
+    gemm_nt(acc.d, kC, widen_b<T>(a, kC, kK), widen_b<T>(b, kC, kK), kC, kC, kK);
+  }
+  template <typename T>
+  void mma_grams(Frag<kC>& kk, Frag<kC>& qk, const Smem& q, const Smem& k) {
+    mma_ss<T>(kk, k, k);
+    mma_ss<T>(qk, q, k);
+  }
+  template <typename T>   // __host__ __device__ only because prep_chunk calls it from a lambda (host only)
+  GDN_HD float row_sumsq_half(const Smem& t, int i, int h) const {
+    const T* p = static_cast<const T*>(t.base) + i * t.ld + h * (kK / 2);
+    float s = 0.f;
+    for (int c = 0; c < kK / 2; ++c) s += to_f(p[c]) * to_f(p[c]);
+    return s;
+  }
+  template <typename T, int N>
+  void store(const Frag<N>& f, const Smem& dst, bool transpose) {
+    T* p = static_cast<T*>(dst.base);
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < N; ++c) p[transpose ? c * dst.ld + r : r * dst.ld + c] = from_f<T>(f.d[r * N + c]);
+  }
+  template <typename T>
+  Frag<kC> vt_as(const Smem& v) {
+    Frag<kC> f;
+    const T* p = static_cast<const T*>(v.base);
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < kC; ++c) f.d[r * kC + c] = to_f(p[c * v.ld + r]);
+    return f;
+  }
+  template <class F>
+  void for_rows(F&& fn) {
+    for (int i = 0; i < kC; ++i) fn(i);
+  }
+  template <class F>
+  void for_threads(F&& fn) {
+    for (int t = 0; t < 128; ++t) fn(t);
+  }
+  void sync() {}
+  void sync_generic() {}
+  template <class... Tiles>
+  void wait_mma(const Tiles&...) {}
+};
+
+// The host policy with the input dtype bound (vt reads v of that type).
+template <typename T>
+struct HostPolicyT : HostPolicy {
+  Frag<kC> vt(const Smem& v) { return vt_as<T>(v); }
+};
+
+}  // namespace
+}  // namespace sm90
+}  // namespace gdn
