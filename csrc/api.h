@@ -90,4 +90,24 @@ struct ChunkSm90Params {
 Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::uintptr_t stream);
 int chunk_gdr_fwd_sm90_smem_bytes();     // the kernel's dynamic shared memory per CTA (the model reads it)
 
+// ---- chunk_gdr_bwd_sm90.cu: the backward's reverse dS pass (compiled with the forward: GDN_HAVE_SM90) ----
+struct ChunkBwdSm90Params {
+  std::uintptr_t q = 0, k = 0, do_ = 0;   // [T, H, K], [T, H, K], [T, HV, V]; 16-bit, contiguous, 16-B aligned
+  std::uintptr_t gates = 0;               // Triton prep's gate rows [NC, HV, 5, C] float32 (16-B aligned)
+  std::uintptr_t eg_last = 0;             // [NC, HV] float32
+  std::uintptr_t ts = 0, mm = 0;          // Ts, M [NC, HV, C, C], q's dtype
+  std::uintptr_t table = 0, cu_chunks = 0;             // the device chunk table (chunk_size rows)
+  std::uintptr_t dht = 0;                 // [N, HV, K, V] float32, or 0
+  std::uintptr_t dsn = 0, dxp = 0;        // out: dSn^T [NC, HV, V, K], dX'^T [NC, HV, V, C], q's dtype
+  std::uintptr_t dv = 0;                  // out: [T, HV, V], q's dtype: every row written
+  std::uintptr_t dh0 = 0;                 // out: [N, HV, K, V] float32
+  std::uintptr_t dq = 0, dk = 0;          // out: [T, H, K], q's dtype: padding rows only (zeros)
+  std::uintptr_t dg = 0, dbeta = 0;       // out: [T, HV], gate_dtype: padding rows only (zeros)
+  int64_t N = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, NC = 0, chunk_size = 0;
+  int dtype = 0;                          // 1 float16, 2 bfloat16 (0 float32: host mirror only)
+  int gate_dtype = 0;                     // of dg, dbeta (0 float32, 1 float16, 2 bfloat16)
+};
+Status chunk_gdr_bwd_sm90(const ChunkBwdSm90Params& p, bool host, int device, std::uintptr_t stream);
+int chunk_gdr_bwd_sm90_smem_bytes();     // the kernel's dynamic shared memory per CTA (the model reads it)
+
 }  // namespace gdn

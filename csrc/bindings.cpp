@@ -280,6 +280,22 @@ std::vector<Arg<gdn::ChunkSm90Params>> chunk_sm90_args() {
           arg("dtype", &P::dtype), arg("scale", &P::scale), arg("l2norm", &P::l2norm),
           arg("raw_gates", &P::raw_gates)};
 }
+
+std::vector<Arg<gdn::ChunkBwdSm90Params>> chunk_bwd_sm90_args() {
+  using P = gdn::ChunkBwdSm90Params;
+  auto qk = [](const P& p) { return p.T > 0 && p.H > 0; };
+  auto vo = [](const P& p) { return p.T > 0 && p.HV > 0; };
+  auto slots = [](const P& p) { return p.NC > 0 && p.HV > 0; };
+  auto seqs = [](const P& p) { return p.N > 0 && p.HV > 0; };
+  return {ptr("q", &P::q, qk), ptr("k", &P::k, qk), ptr("do", &P::do_, vo), ptr("gates", &P::gates, slots),
+          ptr("eg_last", &P::eg_last, slots), ptr("ts", &P::ts, slots), ptr("mm", &P::mm, slots),
+          ptr("table", &P::table, always<P>), ptr("cu_chunks", &P::cu_chunks, always<P>), arg("dht", &P::dht),
+          ptr("dsn", &P::dsn, slots), ptr("dxp", &P::dxp, slots), ptr("dv", &P::dv, vo), ptr("dh0", &P::dh0, seqs),
+          ptr("dq", &P::dq, qk), ptr("dk", &P::dk, qk), ptr("dg", &P::dg, vo), ptr("dbeta", &P::dbeta, vo),
+          arg("N", &P::N), arg("T", &P::T), arg("H", &P::H), arg("HV", &P::HV), arg("K", &P::K), arg("V", &P::V),
+          arg("NC", &P::NC), arg("chunk_size", &P::chunk_size), arg("dtype", &P::dtype),
+          arg("gate_dtype", &P::gate_dtype)};
+}
 #endif
 
 }  // namespace
@@ -329,6 +345,10 @@ PYBIND11_MODULE(_C, m) {
   m.attr("chunk_gdr_fwd_sm90_smem_bytes") = gdn::chunk_gdr_fwd_sm90_smem_bytes();
   def_kernel(m, "chunk_gdr_fwd_sm90", chunk_sm90_args(), &gdn::chunk_gdr_fwd_sm90,
              "Chunked gated delta rule forward, sm_90a, K = V = 128 (gdn_packed/cuda/chunk.py).");
+  m.attr("chunk_gdr_bwd_sm90_smem_bytes") = gdn::chunk_gdr_bwd_sm90_smem_bytes();
+  def_kernel(m, "chunk_gdr_bwd_sm90", chunk_bwd_sm90_args(), &gdn::chunk_gdr_bwd_sm90,
+             "Chunked gated delta rule backward's reverse dS pass, sm_90a, K = V = 128, on Triton prep's "
+             "outputs (gdn_packed/cuda/chunk.py).");
 #else
   m.attr("chunk_gdr_fwd_sm90_missing") = std::string(GDN_NO_SM90_WHY);   // why _C has no sm_90a chunked kernel
 #endif

@@ -21,6 +21,7 @@
 //   P::mma(acc, a, b)     acc += a B, B a [KD, N] tile in shared memory (P::Smem: K-major or MN-major);
 //                         issued only: P::wait_mma(tiles...) waits for every product issued, and the
 //                         tiles it names (accumulators and A operands) are not touched before it
+//   P::mma2(acc1, a1, b1, acc2, a2, b2)   two such products as one group
 //   P::mma_grams(kk, qk, q, k)   K K^T and Q K^T from the shared q, k tiles (prep), one group
 //   P::row_sumsq_half(tile, i, h)    the sum of squares of row i over K-half h of a [64, K] tile
 //   P::store(frag, tile, transpose)   a fragment to a shared tile of the operand type
@@ -36,10 +37,19 @@
 // and (w rk) U^T of the state warpgroup (to the input dtype); Ts and M (stored in the input dtype); the
 // doubling operands D_b, X_b and A (to the operand type of the inverse, TInv); q, k, v enter exactly.
 // Gate sums, exponentials, row norms, the substitution, accumulators and the state are fp32.
+//
+// The backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu; the formulas and numerics of
+// gdn_packed/triton/chunk_bwd.py's dS pass, which it replaces), per chunk walked from the last, with
+// dS^T [64 v, K] the gradient of the state leaving the chunk (dSn^T) and prep's gate rows (GateRow):
+//   dU^T  = (dS^T K^T) (w rk) + dO^T M                        dX'^T = dU^T + dU^T Ts      dv = beta dX'
+//   dS^T <- e^gam_last dS^T + (dO^T (scale e^gam rq)) Q - (dX'^T (beta e^gam rk)) K
+// rounded where the Triton pass rounds: dS^T, dU^T and (beta e^gam rk) dX'^T as A operands (input
+// dtype); the gated dO^T as two operands, its rounded value and its rounding error.
 #pragma once
 
 #include <cmath>
 
+#include "dtypes.cuh"
 #include "segments.cuh"
 
 namespace gdn {
@@ -373,6 +383,62 @@ GDN_HD void state_step(P& p, typename P::template Frag<kK>& S, const Gates& gt,
     p.wait_mma(acc, S, u_op, w_op);                  // both products (their A operands live until here)
   }
   o_out(acc);
+}
+
+// ---- the backward's dS step: one chunk, the dS warpgroup (the CTA's 64 value columns) ---------------
+// The rows of prep's gates [NC, HV, kGateRows, C] fp32 (gdn_packed/triton/common.py GATE_*, which
+// tests/test_cuda_chunk_bwd.py holds these to).
+enum GateRow : int { kGateBeta = 0, kGateEgk = 1, kGateEgq = 2, kGateWk = 3, kGateBegk = 4, kGateRows = 5 };
+
+// dS: dS^T [64 v, K] fp32 (accumulator layout), in: the gradient of the state leaving the chunk, out: that
+// of the state entering it. gates: the chunk's kGateRows x 64 gate rows; eg_last: e^gam_last. k_b: K as the
+// K-major B [c, K] (N = 64: dS^T K^T); k_mn, q_mn: K, Q as MN-major B operands [c, K] (N = K: the dS
+// update); ts_mn, m_mn: Ts, M [c'][c] as MN-major B operands (dU^T Ts, dO^T M); do_tile: the dO tile for
+// P::vt (dO^T [64 v, 64 c]). dsn_out(dS): the caller stores dSn^T (dS^T as it enters, in the input dtype);
+// dx_out(dx, beta): dX'^T [64 v, 64 c] and dv = beta dX' (input dtype, live rows only); shadow(): run
+// while the dS update is on the tensor cores (issued, not waited for).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P, typename T, class DsnFn, class DxFn, class ShadowFn>
+GDN_HD void dstate_step(P& p, typename P::template Frag<kK>& dS, const float* gates, float eg_last,
+                        const typename P::Smem& k_b, const typename P::Smem& k_mn, const typename P::Smem& q_mn,
+                        const typename P::Smem& ts_mn, const typename P::Smem& m_mn,
+                        const typename P::Smem& do_tile, DsnFn&& dsn_out, DxFn&& dx_out, ShadowFn&& shadow) {
+  const float *beta = gates + kGateBeta * kC, *egq = gates + kGateEgq * kC, *wk = gates + kGateWk * kC,
+              *begk = gates + kGateBegk * kC;
+  dsn_out(dS);
+  auto gdo = p.vt(do_tile);                          // dO^T [64 v, 64 c] fp32 (exact: dO in the input dtype)
+  typename P::template Frag<kC> du, dm;              // dS^T K^T, dO^T M
+  P::zero(du);
+  P::zero(dm);
+  {
+    auto ds_op = p.template op<T, kK>(dS, 1.f);
+    auto do_op = p.template op<T, kC>(gdo, 1.f);
+    p.mma2(dm, do_op, m_mn, du, ds_op, k_b);
+    p.wait_mma(du, dm, ds_op, do_op);
+  }
+  P::for_each2(du, dm, [&](int, int c, float& x, float y) { x = x * wk[c] + y; });    // dU^T
+  {                                                  // dX'^T = dU^T + dU^T Ts, in place
+    auto du_op = p.template op<T, kC>(du, 1.f);
+    p.mma(du, du_op, ts_mn);
+    p.wait_mma(du, du_op);
+  }
+  dx_out(du, beta);
+  // dS^T <- egL dS^T + (dO^T egq) Q - (dX'^T begk) K, the gated dO^T as its rounded value and its rounding
+  // error (two operands of one K-dimension each)
+  P::for_each(gdo, [&](int, int c, float& x) { x *= egq[c]; });
+  auto hi = p.template op<T, kC>(gdo, 1.f);
+  P::for_each(gdo, [&](int, int, float& x) { x -= to_f(from_f<T>(x)); });
+  auto lo = p.template op<T, kC>(gdo, 1.f);
+  P::for_each(du, [&](int, int c, float& x) { x *= begk[c]; });
+  auto dx_op = p.template op<T, kC>(du, -1.f);
+  P::for_each(dS, [&](int, int, float& x) { x *= eg_last; });
+  p.mma(dS, hi, q_mn);
+  p.mma(dS, lo, q_mn);
+  p.mma(dS, dx_op, k_mn);
+  shadow();
+  p.wait_mma(dS, hi, lo, dx_op);
 }
 
 }  // namespace sm90

@@ -238,11 +238,12 @@ struct DevPolicy {
   }
 
   // issue (no wait) the KD / 16 wgmma of acc[:, :NCOL] += a B as one group
-  template <typename U, int KD, int NCOL>
+  // (kCommit / kArrive false: mma2's halves, one group)
+  template <typename U, int KD, int NCOL, bool kCommit = true, bool kArrive = true>
   __device__ void mma_n(float* d, const Op<U, KD>& a, const Smem& b) const {
     using namespace cute::SM90::GMMA;
     fence_regs<NCOL / 2>(d);
-    cute::warpgroup_arrive();
+    if constexpr (kArrive) cute::warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < KD / 16; ++kk) {
       const uint64_t db = desc_k(b, kk);
@@ -254,10 +255,19 @@ struct DevPolicy {
         else rs_fma<typename Gmma<U>::template RS64<Major::MN>>(a.r[kk], db, d, std::make_index_sequence<32>{});
       }
     }
-    cute::warpgroup_commit_batch();
+    if constexpr (kCommit) cute::warpgroup_commit_batch();
   }
   template <typename U, int KD, int N>
   __device__ void mma(Frag<N>& acc, const Op<U, KD>& a, const Smem& b) const { mma_n<U, KD, N>(acc.d, a, b); }
+  // two products into two accumulators as one group: both accumulators fenced before either is issued
+  // (as two groups ptxas may read the first's in-flight registers to form the second's, and waits)
+  template <typename U, int KD1, int N1, int KD2, int N2>
+  __device__ void mma2(Frag<N1>& acc1, const Op<U, KD1>& a1, const Smem& b1, Frag<N2>& acc2, const Op<U, KD2>& a2,
+                       const Smem& b2) const {
+    fence_regs<N2 / 2>(acc2.d);
+    mma_n<U, KD1, N1, false>(acc1.d, a1, b1);
+    mma_n<U, KD2, N2, true, false>(acc2.d, a2, b2);
+  }
   template <typename U>
   __device__ void mma_lo(Frag<2 * kC>& acc, const Op<U, kC>& a, const Smem& b) const { mma_n<U, kC, kC>(acc.d, a, b); }
   template <typename U>

@@ -106,6 +106,11 @@ struct HostPolicy {
   }
   template <typename T, int KD, int N>
   void mma(Frag<N>& acc, const Op<T, KD>& a, const Smem& b) { mma_cols(acc, 0, N, a, b); }
+  template <typename T, int KD1, int N1, int KD2, int N2>
+  void mma2(Frag<N1>& acc1, const Op<T, KD1>& a1, const Smem& b1, Frag<N2>& acc2, const Op<T, KD2>& a2, const Smem& b2) {
+    mma(acc1, a1, b1);
+    mma(acc2, a2, b2);
+  }
   template <typename T>
   void mma_lo(Frag<2 * kC>& acc, const Op<T, kC>& a, const Smem& b) { mma_cols(acc, 0, kC, a, b); }
   template <typename T>

@@ -1,6 +1,6 @@
 """The build path: csrc/ compiles for sm_80 and sm_90a without register spills or stack frames, the
-sm_90a chunked kernel's SASS has the tensor-core products of its tile program in its chunk loops (the
-sm_90 report's compile of it, cached by its sources: bench/sm90/cuda_chunk.py), gdn_packed._C imports
+sm_90a chunked kernels' SASS (the forward, the backward's dS pass) has the tensor-core products of their
+tile program in their chunk loops (the sm_90 report's compile, cached by its sources: bench/sm90/cuda_chunk.py), gdn_packed._C imports
 when it was built, the CUDA backend reports itself unavailable (with a reason) on a machine without a
 GPU, and the package installs without nvcc."""
 import glob
@@ -25,9 +25,9 @@ ARCHS = ("sm_80", "sm_90a")
 # every kernel family of csrc/ must show up in the ptxas report (so none escapes the spill check)
 KERNEL_FAMILIES = ("chunk_count_scan_kernel", "chunk_table_fill_kernel", "conv1d_fwd_kernel", "conv1d_bwd_kernel",
                    "conv1d_final_state_kernel", "conv1d_bwd_state_kernel", "conv1d_wgrad_reduce_kernel",
-                   "recurrent_gdr_fwd_kernel", "chunk_gdr_fwd_sm90_kernel")
+                   "recurrent_gdr_fwd_kernel", "chunk_gdr_fwd_sm90_kernel", "chunk_gdr_bwd_sm90_kernel")
 # kernels built for sm_90a only (wgmma / TMA / setmaxnreg), with the CuTe headers of nvidia-cutlass
-SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": "chunk_gdr_fwd_sm90_kernel"}
+SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": "chunk_gdr_fwd_sm90_kernel", "chunk_gdr_bwd_sm90.cu": "chunk_gdr_bwd_sm90_kernel"}
 
 
 # the sm_90a file's compile (its flags, the tools, the CuTe headers) is the sm_90 report's, cached on disk
@@ -63,7 +63,7 @@ def ptxas_report():
     def compile_one(src):
         obj = os.path.join(tmp, os.path.basename(src) + ".o")
         if os.path.basename(src) in SM90_ONLY:
-            out = cuda_chunk.build()
+            out = cuda_chunk.build(src)
             SASS[os.path.basename(src)] = out.get("sass", "")
             return src, cuda_chunk.nvcc_command(src, obj), SimpleNamespace(
                 returncode=1 if "error" in out else 0, stdout=out.get("ptxas", ""), stderr=out.get("error", ""))
@@ -108,15 +108,21 @@ def test_csrc_compiles_without_spills(ptxas_report, report_table):
 
 
 @needs_nvcc
-def test_sm90_chunk_kernel_resources(ptxas_report):
-    """The warp-specialised chunked kernel (384 threads: 65536 / 384 -> 168 registers at launch, which
-    setmaxnreg redistributes 40 / 232 / 240 to the producer, prep and state warpgroups): no local memory
-    in either instantiation (bf16, fp16); ptxas checks every setmaxnreg region against its count."""
-    recs = [r for src, _, p in ptxas_report if os.path.basename(src) in SM90_ONLY
-            for r in parse_ptxas(p.stdout + "\n" + p.stderr)]
-    assert len(recs) == 2, recs
-    for r in recs:
-        assert (r["registers"], r["spill"], r["stack"]) == (168, 0, 0), r
+def test_sm90_chunk_kernel_resources(ptxas_report, report_table):
+    """The warp-specialised chunked forward (384 threads: 65536 / 384 -> 168 registers at launch, which
+    setmaxnreg redistributes 40 / 232 / 240 to the producer, prep and state warpgroups) and the backward's
+    reverse dS pass (256 threads: at most 255 registers, one CTA per SM as its shared memory allows): no
+    local memory in either instantiation (bf16, fp16) of either; ptxas checks every setmaxnreg region
+    against its count."""
+    for file, kernel in SM90_ONLY.items():
+        recs = [r for src, _, p in ptxas_report if os.path.basename(src) == file
+                for r in parse_ptxas(p.stdout + "\n" + p.stderr)]
+        assert len(recs) == 2, (file, recs)
+        for r in recs:
+            report_table("sm_90a chunked kernels, ptxas -v", f"{kernel} {r['name'][-40:]}: {r['registers']} registers, "
+                                                              f"spill {r['spill']} B, stack {r['stack']} B")
+            assert (r["spill"], r["stack"]) == (0, 0), r
+            assert r["registers"] == 168 if "fwd" in kernel else r["registers"] <= 255, r
 
 
 def sass_loops(sass):
@@ -163,6 +169,23 @@ def test_sm90_chunk_loops_run_the_tile_program_on_the_tensor_cores(ptxas_report,
         assert sorted(got, key=lambda x: sorted(x[0].items())) == want, (name, got)
 
 
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="no cuobjdump (CUDA toolkit or triton's copy): SASS not read")
+def test_sm90_dstate_loop_runs_its_step_on_the_tensor_cores(ptxas_report, report_table):
+    """cuobjdump SASS of both instantiations of the backward's reverse dS pass: its chunk loop (the
+    producer's holds none) issues exactly the wgmma of dstate_step (csrc/chunk_gdr_sm90.cuh) once a chunk,
+    in 3 waits: 16 HGMMA 64x64x16 (dS^T K^T 8 and dO^T M 4 in one group, dU^T Ts 4) and 12 HGMMA 64x128x16
+    (the dS update: the gated dO^T's rounded value and its rounding error times Q, 4 each, dX'^T K 4)."""
+    sass = SASS.get("chunk_gdr_bwd_sm90.cu")
+    assert sass, "no SASS of chunk_gdr_bwd_sm90.cu"
+    loops = sass_loops(sass)
+    assert len(loops) == 2, list(loops)
+    for name, got in loops.items():
+        report_table("sm_90a dS pass, HGMMA per chunk loop (cuobjdump)",
+                     f"{name[-60:]}: " + "; ".join(f"{dict(c)} in {w} waits" for c, w in got))
+        assert got == [(Counter({"64x64x16": 16, "64x128x16": 12}), 3)], (name, got)
+
+
 def test_parse_ptxas_sample():
     sample = """ptxas info    : Compiling entry function '_Z1kPi' for 'sm_90a'
 ptxas info    : Function properties for _Z1kPi
@@ -191,7 +214,8 @@ def test_extension_imports_when_built():
 
     for fn in ("chunk_table", "chunk_table_host", "cuda_runtime_version", "device_count", "cuda_status",
                "conv1d_varlen_fwd", "conv1d_varlen_fwd_host", "conv1d_varlen_bwd", "conv1d_varlen_bwd_host",
-               "recurrent_gdr_fwd", "recurrent_gdr_fwd_host", "chunk_gdr_fwd_sm90", "chunk_gdr_fwd_sm90_host"):
+               "recurrent_gdr_fwd", "recurrent_gdr_fwd_host", "chunk_gdr_fwd_sm90", "chunk_gdr_fwd_sm90_host",
+               "chunk_gdr_bwd_sm90", "chunk_gdr_bwd_sm90_host"):
         assert hasattr(_C, fn), fn
     assert _C.cuda_runtime_version() >= 12000
     assert _C.cuda_runtime_version() == _C.cuda_compiled_version()  # static cudart

@@ -93,49 +93,57 @@ def missing():
     return ""
 
 
-def _cache_path():
-    """Keyed by every csrc source and header the file includes and nvcc's version."""
-    from bench.sm90.toolchain import cache_dir
-    if not cache_dir():
-        return ""
-    h = hashlib.sha256(subprocess.run([find_tool("nvcc"), "--version"], capture_output=True, text=True).stdout.encode())
-    for p in sorted(glob.glob(os.path.join(CSRC, "*.cu*")) + glob.glob(os.path.join(CSRC, "*.h"))):
-        with open(p, "rb") as f:
-            h.update(os.path.basename(p).encode() + f.read())
-    return os.path.join(cache_dir(), "cuda_chunk_" + h.hexdigest()[:32] + ".json")
-
-
 _BUILD = {}
 
 
-def build():
-    """{"ptxas": ptxas -v text, "sass": cuobjdump -sass text ('' without cuobjdump)} of the sm_90a object
-    (cached on disk: tests/test_build.py and the report share one compile), or {"error"}."""
-    if "out" in _BUILD:
-        return _BUILD["out"]
-    why = missing()
-    if why:
-        return dict(error=why)
-    path = _cache_path()
+def nvcc_cached(tag, source, cmd, key_files):
+    """{"ptxas": ptxas -v text, "sass": cuobjdump -sass text ('' without cuobjdump)} of `source` compiled
+    by cmd(source, obj) (an nvcc command line), or {"error"}: cached in memory and on disk beside the
+    Triton compiles (bench.sm90.toolchain.cache_dir) as <tag>_<hash>.json, keyed by nvcc's version, the
+    command and the contents of key_files (the source and what it includes), so tests/test_build.py and
+    the report share one compile. Used for csrc/chunk_gdr_*_sm90.cu here and csrc/chunk_table.cu
+    (cuda_table.py)."""
+    from bench.sm90.toolchain import cache_dir
+    if (tag, source) in _BUILD:
+        return _BUILD[tag, source]
+    nvcc = find_tool("nvcc")
+    if nvcc is None:
+        return dict(error="no nvcc (CUDA toolkit: $CUDACXX, PATH or /usr/local/cuda/bin)")
+    h = hashlib.sha256(subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.encode())
+    h.update(" ".join(cmd(source, "k.o")).encode())
+    for p in sorted(key_files):
+        with open(p, "rb") as f:
+            h.update(os.path.basename(p).encode() + f.read())
+    path = os.path.join(cache_dir(), f"{tag}_{h.hexdigest()[:32]}.json") if cache_dir() else ""
     if path and os.path.exists(path):
         with open(path) as f:
-            _BUILD["out"] = json.load(f)
-        return _BUILD["out"]
-    with tempfile.TemporaryDirectory(prefix="gdn_cuda_chunk_") as tmp:
+            _BUILD[tag, source] = json.load(f)
+        return _BUILD[tag, source]
+    with tempfile.TemporaryDirectory(prefix=f"gdn_{tag}_") as tmp:
         obj = os.path.join(tmp, "k.o")
-        p = subprocess.run(nvcc_command(SOURCE, obj), capture_output=True, text=True)
+        p = subprocess.run(cmd(source, obj), capture_output=True, text=True)
         if p.returncode:
             return dict(error=f"nvcc failed: {(p.stderr or p.stdout).strip().splitlines()[-1][:300]}")
         dump = find_tool("cuobjdump")
         out = dict(ptxas=p.stdout + p.stderr, sass=subprocess.run([dump, "-sass", obj], capture_output=True, text=True,
                                                                   check=True).stdout if dump else "")
-    _BUILD["out"] = out
+    _BUILD[tag, source] = out
     if path:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), suffix=".tmp", delete=False) as f:
             json.dump(out, f)
         os.replace(f.name, path)
     return out
+
+
+def build(source=SOURCE):
+    """nvcc_cached of an sm_90a chunked kernel's file (the forward's by default; csrc/*_sm90.cu) as the
+    build compiles it (nvcc_command), keyed by every csrc source and header, or {"error"}."""
+    why = missing()
+    if why:
+        return dict(error=why)
+    keys = glob.glob(os.path.join(CSRC, "*.cu*")) + glob.glob(os.path.join(CSRC, "*.h"))
+    return nvcc_cached("cuda_chunk", source, nvcc_command, keys)
 
 
 @dataclasses.dataclass

@@ -16,13 +16,9 @@ a CTA taking max(one warp's path, its instructions x warps per scheduler), the C
 on the SMs (model._schedule), max'd with their bytes at HBM rate, + a launch each."""
 import contextlib
 import dataclasses
-import hashlib
-import json
 import math
 import os
 import re
-import subprocess
-import tempfile
 from unittest import mock
 
 from bench.sm90 import model as M
@@ -69,42 +65,18 @@ def built(rec):
         yield
 
 
-_BUILD = {}
-
-
 def build():
-    """{"ptxas", "sass"} of csrc/chunk_table.cu compiled for sm_90a (cached on disk beside the Triton
-    compiles, keyed by its sources and nvcc's version), or {"error"}."""
-    from bench.sm90.cuda_chunk import find_tool
-    from bench.sm90.toolchain import cache_dir
-    if "out" in _BUILD:
-        return _BUILD["out"]
-    nvcc, dump = find_tool("nvcc"), find_tool("cuobjdump")
-    if nvcc is None or dump is None:
+    """{"ptxas", "sass"} of csrc/chunk_table.cu compiled for sm_90a (cuda_chunk.nvcc_cached: cached on disk
+    beside the Triton compiles, keyed by its sources and nvcc's version), or {"error"}."""
+    from bench.sm90.cuda_chunk import find_tool, nvcc_cached
+    if find_tool("nvcc") is None or find_tool("cuobjdump") is None:
         return dict(error="no nvcc / cuobjdump (CUDA toolkit: $CUDACXX, PATH or /usr/local/cuda/bin)")
-    h = hashlib.sha256(subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.encode())
-    for name in ("chunk_table.cu", "segments.cuh", "cuda_status.cuh", "api.h"):
-        with open(os.path.join(CSRC, name), "rb") as f:
-            h.update(name.encode() + f.read())
-    path = os.path.join(cache_dir(), f"cuda_table_{h.hexdigest()[:32]}.json") if cache_dir() else ""
-    if path and os.path.exists(path):
-        with open(path) as f:
-            _BUILD["out"] = json.load(f)
-        return _BUILD["out"]
-    with tempfile.TemporaryDirectory(prefix="gdn_cuda_table_") as tmp:
-        obj = os.path.join(tmp, "k.o")
-        p = subprocess.run([nvcc, "-c", SOURCE, "-o", obj, "-std=c++17", "-O3", "-I", CSRC, "-Xptxas", "-v",
-                            "-gencode=arch=compute_90a,code=sm_90a"], capture_output=True, text=True)
-        if p.returncode:
-            return dict(error=f"nvcc failed: {(p.stderr or p.stdout).strip().splitlines()[-1][:300]}")
-        out = dict(ptxas=p.stdout + p.stderr,
-                   sass=subprocess.run([dump, "-sass", obj], capture_output=True, text=True, check=True).stdout)
-    _BUILD["out"] = out
-    if path:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(out, f)
-    return out
+
+    def cmd(src, obj):
+        return [find_tool("nvcc"), "-c", src, "-o", obj, "-std=c++17", "-O3", "-I", CSRC, "-Xptxas", "-v",
+                "-gencode=arch=compute_90a,code=sm_90a"]
+    keys = [os.path.join(CSRC, n) for n in ("chunk_table.cu", "segments.cuh", "cuda_status.cuh", "api.h")]
+    return nvcc_cached("cuda_table", SOURCE, cmd, keys)
 
 
 def _kernel(text, name, int64):

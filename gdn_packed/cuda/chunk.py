@@ -7,6 +7,9 @@ ops/_dispatch.py): the op saves only its inputs, which is all that backward need
     refusal(q, v, device)   None when backend="cuda" of the chunked op takes these inputs on `device`,
                             else the exception saying why (resolve_backend's `refuse`)
     chunk_gdr_fwd_cuda(...) the forward, the dispatch table's "fwd" and "fwd_raw" (raw a, b gates)
+    chunk_bwd_dstate_cuda(...)  the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) in place of
+                            the Triton one (gdn_packed.triton.chunk.chunk_bwd_dstate): the same inputs
+                            (Triton prep's outputs) and outputs
 """
 import torch
 
@@ -88,3 +91,47 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
            dtype=q.dtype, scale=float(scale), l2norm=bool(use_l2norm), raw_gates=raw)
     if out is not o:
         o.copy_(out)
+
+
+def chunk_bwd_dstate_cuda(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, *,
+                          host=False):
+    """The reverse dS pass of the backward on Triton prep's outputs `prep` (gdn_packed.triton.chunk.Prep:
+    gates [NC, HV, 5, C] fp32, eg_last [NC, HV] fp32, ts, mm [NC, HV, C, C] in q's dtype), as
+    gdn_packed.triton.chunk.chunk_bwd_dstate: writes dsn [NC, HV, V, K] (dS^T leaving each chunk slot)
+    and dxp [NC, HV, V, C] (dX'^T) in q's dtype in the slots of the sequences' chunks, dv [T, HV, V]
+    (every row: padding rows 0), dh0 [N, HV, K, V] fp32, and 0 on the padding rows of dq, dk [T, H, K]
+    and dg, dbeta [T, HV] (their other rows are the dq / dk / finalize kernels'). q, k [T, H, K],
+    do [T, HV, V] (bf16 / fp16; fp32 with host=True), dht [N, HV, K, V] or None; table int32 [NC, 4],
+    cu_chunks int32 [N + 1]."""
+    T, H, K = q.shape
+    HV, Vd = do.shape[1], do.shape[2]
+    N, NC = cu_chunks.numel() - 1, table.shape[0]
+    acts = (torch.bfloat16, torch.float16, torch.float32) if host else (torch.bfloat16, torch.float16)
+    gate_dt = (torch.float32, torch.bfloat16, torch.float16)
+    check_tensors(q=(q, (T, H, HEAD_DIM), acts), k=(k, (T, H, HEAD_DIM), q.dtype),
+                  do=(do, (T, HV, HEAD_DIM), q.dtype), table=(table, (NC, 4), torch.int32),
+                  cu_chunks=(cu_chunks, (N + 1,), torch.int32),
+                  gates=(prep.gates, (NC, HV, 5, CHUNK), torch.float32),
+                  eg_last=(prep.eg_last, (NC, HV), torch.float32),
+                  ts=(prep.ts, (NC, HV, CHUNK, CHUNK), q.dtype), mm=(prep.mm, (NC, HV, CHUNK, CHUNK), q.dtype),
+                  dht=(dht, (N, HV, K, Vd), None), dsn=(dsn, (NC, HV, Vd, K), q.dtype),
+                  dxp=(dxp, (NC, HV, Vd, CHUNK), q.dtype), dv=(dv, (T, HV, Vd), q.dtype),
+                  dh0=(dh0, (N, HV, K, Vd), torch.float32), dq=(dq, (T, H, K), q.dtype),
+                  dk=(dk, (T, H, K), q.dtype), dg=(dg, (T, HV), gate_dt), dbeta=(dbeta, (T, HV), dg.dtype))
+    if H == 0 or HV % H:
+        raise ValueError(f"the value heads of do (do.shape[1] = {HV}) must be a multiple of the qk heads of q "
+                         f"(q.shape[1] = {H})")
+    if N == 0:
+        for x in (dq, dk, dv, dg, dbeta):
+            x.zero_()           # no sequence: every row is padding
+        return
+    out = dv if host or dv.data_ptr() % 16 == 0 else torch.empty_like(dv)     # TMA stores dv's whole chunks
+    launch("chunk_gdr_bwd_sm90", q.device, host=host,
+           reads=dict(q=_aligned(q), k=_aligned(k), do=_aligned(do), gates=_aligned(prep.gates),
+                      eg_last=prep.eg_last.contiguous(), ts=_aligned(prep.ts), mm=_aligned(prep.mm),
+                      table=_aligned(table), cu_chunks=cu_chunks,
+                      dht=None if dht is None else dht.to(torch.float32)),
+           writes=dict(dsn=dsn, dxp=dxp, dv=out, dh0=dh0, dq=dq, dk=dk, dg=dg, dbeta=dbeta), N=N, T=T, H=H, HV=HV,
+           K=K, V=Vd, NC=NC, chunk_size=CHUNK, dtype=q.dtype, gate_dtype=dg.dtype)
+    if out is not dv:
+        dv.copy_(out)

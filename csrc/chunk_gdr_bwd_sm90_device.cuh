@@ -1,0 +1,239 @@
+// The device side of chunk_gdr_bwd_sm90.cu (included there once): the warp-specialised reverse dS kernel
+// and its launch. The wgmma / ldmatrix / stmatrix policy, the barrier and cluster helpers and the TMA
+// descriptors are chunk_gdr_sm90_device.cuh's (shared with the forward).
+#pragma once
+
+#include "chunk_gdr_sm90_device.cuh"
+
+namespace gdn {
+namespace sm90 {
+namespace {
+
+constexpr int kBwdThreads = 256;           // producer, dS warpgroups
+constexpr int kBwdStages = 3;              // the TMA ring: chunk slot walked it-th in stage it % 3
+
+struct alignas(16) GateRows {              // one chunk slot's rows of prep's gates (a bulk copy: 16-byte multiple)
+  float row[kGateRows][kC];
+};
+
+struct alignas(1024) BwdShared {
+  uint8_t kq[kBwdStages][2][2 * kBlock];   // per stage and K half: [K rows 0..63 ; Q rows 0..63] x 64 cols
+  uint8_t tm[kBwdStages][2][kBlock];       // per stage: Ts, M [c'][c] (input dtype)
+  uint8_t dO[kBwdStages][kBlock];          // per stage: the CTA's 64 columns of dO [c][v]
+  uint8_t dsn[2][kBlock];                  // staging of the TMA stores: dSn^T [v][K half], dX'^T [v][c],
+  uint8_t dxp[kBlock];                     // dv [c][v] (one chunk's; rewritten once the stores have read it)
+  uint8_t dv[kBlock];
+  GateRows gates[kBwdStages];
+  float eg_last[kBwdStages];
+  int32_t rows[kBwdStages][2];             // per stage: the chunk's start row and length (the producer's)
+  uint64_t full[kBwdStages], empty[kBwdStages];
+};
+// a stage's bytes in each CTA: k, q (both K-halves: this CTA's multicast and the peer's), Ts and M (one
+// multicast by each CTA), the CTA's dO, the gate rows
+constexpr uint32_t kBwdStageBytes = 7 * kBlock + sizeof(GateRows);
+constexpr int kBwdSmemBytes = sizeof(BwdShared) + 1024;      // + the 1024-byte alignment of the base
+static_assert(kBwdSmemBytes <= 232448, "one CTA's shared memory on sm_90 (227 KB)");
+
+// bytes from global memory to this CTA's shared memory, completing on its mbarrier
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* mbar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(mbar)) : "memory");
+}
+
+// grid (kVBlocks, HV, N) in clusters of the kVBlocks CTAs of a (value head, sequence): CTA rank vb owns
+// value columns vb * 64 .. vb * 64 + 63. Barriers (an elected thread arrives for its warpgroup):
+//   full[s]      the loads of the slot walked it-th landed in stage s = it % 3: k, q (one K-half multicast
+//                by each CTA's producer to both), Ts (by rank 0's) and M (rank 1's) to both, the CTA's dO
+//                columns and gate rows (1 arrival + all the bytes)
+//   empty[s]     stage s read in both CTAs (the multicasts write both): by each CTA's dS warpgroup (2: one
+//                local, one remote arrival)
+// Named barrier 1: the dS warpgroup's.
+template <typename T>
+__global__ void __cluster_dims__(kVBlocks, 1, 1) __launch_bounds__(kBwdThreads, 1)
+chunk_gdr_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                          const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_ts,
+                          const __grid_constant__ CUtensorMap tm_mm, const __grid_constant__ CUtensorMap tm_dsn,
+                          const __grid_constant__ CUtensorMap tm_dxp, const __grid_constant__ CUtensorMap tm_dv,
+                          const BwdArgs a) {
+  using P = DevPolicy<T>;
+  extern __shared__ uint8_t smem_raw[];
+  BwdShared& sm = *reinterpret_cast<BwdShared*>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
+  const int vb = static_cast<int>(cluster_rank());           // blockIdx.x
+  const uint32_t peer = vb ^ 1;
+  const int64_t hv = blockIdx.y, n = blockIdx.z, HV = a.HV;
+  const int h = static_cast<int>(hv / (HV / a.H));
+  const int64_t c0 = a.cu_chunks[n], c1 = a.cu_chunks[n + 1];
+  const int nchunks = static_cast<int>(c1 - c0);
+  if (tid == 0) {
+    for (int i = 0; i < kBwdStages; ++i) {
+      mbar_init(&sm.full[i], 1);
+      mbar_init(&sm.empty[i], kVBlocks);          // the dS warpgroups of both CTAs
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cluster_sync();                                 // both CTAs' barriers initialised before any arrival
+
+  if (wg == 0) {                                  // ---- producer: lane 0 of warp 0
+    if (tid == 0) {
+      const int4* table = reinterpret_cast<const int4*>(a.table);   // rows (seq, idx, start, length)
+      int4 next = nchunks > 0 ? __ldg(table + c1 - 1) : make_int4(0, 0, 0, 0);
+      float next_eg = nchunks > 0 ? __ldg(a.eg_last + (c1 - 1) * HV + hv) : 0.f;
+      constexpr uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+      constexpr uint16_t both = (1u << kVBlocks) - 1;
+      for (int it = 0; it < nchunks; ++it) {
+        const int st = it % kBwdStages;
+        const int64_t j = c1 - 1 - it;
+        const int32_t start = next.z, length = next.w;
+        const float eg = next_eg;
+        if (it + 1 < nchunks) {                   // the next slot's row and decay, in flight during this one
+          next = __ldg(table + j - 1);
+          next_eg = __ldg(a.eg_last + (j - 1) * HV + hv);
+        }
+        if (it >= kBwdStages) mbar_wait(&sm.empty[st], ((it / kBwdStages) + 1) & 1);
+        sm.rows[st][0] = start;
+        sm.rows[st][1] = length;
+        sm.eg_last[st] = eg;
+        const int slot = static_cast<int>(j * HV + hv);
+        mbar_expect_tx(&sm.full[st], kBwdStageBytes);   // all of the stage: the peer's multicasts land here too
+        cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_k, &sm.full[st], both, hint, sm.kq[st][vb], vb * 64, h, start);
+        cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_q, &sm.full[st], both, hint, sm.kq[st][vb] + kBlock, vb * 64, h,
+                                               start);
+        cute::SM90_TMA_LOAD_MULTICAST_3D::copy(vb == 0 ? &tm_ts : &tm_mm, &sm.full[st], both, hint, sm.tm[st][vb],
+                                               0, 0, slot);
+        cute::SM90_TMA_LOAD_3D::copy(&tm_do, &sm.full[st], hint, sm.dO[st], vb * kVB, static_cast<int>(hv), start);
+        bulk_load(&sm.gates[st], a.gates + static_cast<int64_t>(slot) * kGateRows * kC, sizeof(GateRows),
+                  &sm.full[st]);
+      }
+    }
+  } else {                                        // ---- dS: dS^T of the CTA's 64 value columns in registers
+    P p{1};
+    typename P::template Frag<kK> dS;
+    const float* dht = a.dht ? a.dht + (n * HV + hv) * kK * kV : nullptr;
+    P::for_each(dS, [&](int r, int c, float& x) { x = dht ? dht[c * kV + vb * kVB + r] : 0.f; });
+    T* dv = static_cast<T*>(a.dv);
+    const uint32_t dsn0 = smem_u32(sm.dsn[0]), dsn1 = smem_u32(sm.dsn[1]), dxp = smem_u32(sm.dxp),
+                   dvs = smem_u32(sm.dv);
+    // a sequence's last chunk (the first walked; the only one that can be partial: kFirst) apart, so the
+    // loop of the others holds no dead-row work
+    auto step = [&](int it, auto first) {
+      constexpr bool kFirst = decltype(first)::value;
+      const int st = it % kBwdStages;
+      const int64_t j = c1 - 1 - it, slot = j * HV + hv;
+      mbar_wait(&sm.full[st], (it / kBwdStages) & 1);
+      const int64_t start = sm.rows[st][0];
+      const int length = sm.rows[st][1];
+      if constexpr (kFirst) {
+        if (length < kC) {                        // the rows of other sequences in this CTA's copy: 0
+          for (int half = 0; half < 2; ++half) {
+            zero_rows_from(smem_u32(sm.kq[st][half]), length, wtid);
+            zero_rows_from(smem_u32(sm.kq[st][half]) + kBlock, length, wtid);
+          }
+          zero_rows_from(smem_u32(sm.dO[st]), length, wtid);
+          p.sync();
+        }
+      }
+      const uint32_t kq = smem_u32(sm.kq[st][0]);
+      const typename P::Smem k_b{kq, 2 * kBlock, true}, k_mn{kq, 2 * kBlock, false};
+      const typename P::Smem q_mn{kq + kBlock, 2 * kBlock, false};
+      const typename P::Smem ts_mn{smem_u32(sm.tm[st][0]), kBlock, false}, m_mn{smem_u32(sm.tm[st][1]), kBlock, false};
+      const typename P::Smem do_t{smem_u32(sm.dO[st]), 0, true};
+      dstate_step<P, T>(
+          p, dS, sm.gates[st].row[0], sm.eg_last[st], k_b, k_mn, q_mn, ts_mn, m_mn, do_t,
+          [&](typename P::template Frag<kK>& ds) {      // dSn^T (the staging is free: see the shadow below)
+            p.template stmatrix<T>(ds.d, dsn0, false);
+            p.template stmatrix<T>(ds.d + kC / 2, dsn1, false);
+          },
+          [&](typename P::template Frag<kC>& dx, const float* beta) {
+            p.template stmatrix<T>(dx.d, dxp, false);
+            typename P::template Frag<kC> b;             // dv = beta dX', [c][v]
+            P::for_each2(b, dx, [&](int, int c, float& y, float x) { y = x * beta[c]; });
+            p.template stmatrix<T>(b.d, dvs, true);
+            fence_async_smem();                          // the staging, for the TMA stores
+            named_sync(p.bar);
+            if (wtid == 0) {
+              const int s32 = static_cast<int>(slot);
+              cute::SM90_TMA_STORE_3D::copy(&tm_dsn, sm.dsn[0], 0, vb * kVB, s32);
+              cute::SM90_TMA_STORE_3D::copy(&tm_dsn, sm.dsn[1], static_cast<int>(kC), vb * kVB, s32);
+              cute::SM90_TMA_STORE_3D::copy(&tm_dxp, sm.dxp, 0, vb * kVB, s32);
+              // a whole chunk: one store (the box is the chunk's rows; rows past T, a middle chunk's only
+              // dead rows, are clipped)
+              if (!kFirst || length == kC)
+                cute::SM90_TMA_STORE_3D::copy(&tm_dv, sm.dv, vb * kVB, static_cast<int>(hv), static_cast<int>(start));
+              asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            }
+            if (kFirst && length < kC) {                 // the live rows only (the next sequence's follow them)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const int id = wtid + 128 * i, c = id >> 3, x = id & 7;
+                if (c < length) {
+                  uint4 val;
+                  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                               : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(dvs + swz(c, x)) : "memory");
+                  *reinterpret_cast<uint4*>(dv + ((start + c) * HV + hv) * kV + vb * kVB + 8 * x) = val;
+                }
+              }
+            }
+          },
+          [&] {                                          // in the dS update's shadow: the stores have read the
+            if (wtid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");   // staging (and the
+            named_sync(p.bar);                           // row stores' reads are done) before the next step
+          });
+      if (wtid == 0) {                                   // the stage back to both producers (every warp's reads
+        mbar_arrive(&sm.empty[st]);                      // of it precede its wgmma of the dS update, waited for)
+        mbar_arrive_at(peer_addr(&sm.empty[st], peer));
+      }
+    };
+    if (nchunks > 0) step(0, std::true_type{});
+    for (int it = 1; it < nchunks; ++it) step(it, std::false_type{});
+    if (wtid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");   // the last stores done
+    float* dh0 = a.dh0 + (n * HV + hv) * kK * kV;
+    P::for_each(dS, [&](int r, int c, float& x) { dh0[c * kV + vb * kVB + r] = x; });
+    int64_t pa, pb;
+    padding_after(a.table, a.cu_chunks, n, a.N, a.T, &pa, &pb);
+    const int64_t first = n == 0 ? padding_before_first(a.table, a.cu_chunks, a.N, a.T) : 0;
+    zero_padding_rows(a, vb, hv, pa, pb, wtid, 128);
+    zero_padding_rows(a, vb, hv, 0, first, wtid, 128);
+  }
+  cluster_sync();          // neither CTA leaves while the peer may still multicast to or arrive on its barriers
+}
+
+template <typename T>
+Status launch_bwd_t(const BwdArgs& a, CUtensorMapDataType ty, cudaStream_t stream) {
+  constexpr const char* who = "chunk_gdr_bwd_sm90";
+  constexpr const char* names = "q, k, do, ts, mm, dsn, dxp, dv";
+  const uint32_t blk[3] = {64, 64, 1};
+  const int64_t slots = a.NC * a.HV;
+  EncodeTiled enc = nullptr;
+  CUtensorMap tq, tk, tdo, tts, tmm, tdsn, tdxp, tdv;
+  Status st = encode_fn(who, &enc);
+  if (st.ok()) st = encode_rows(enc, &tq, ty, a.q, kK, a.H, a.T, who, names);
+  if (st.ok()) st = encode_rows(enc, &tk, ty, a.k, kK, a.H, a.T, who, names);
+  if (st.ok()) st = encode_rows(enc, &tdo, ty, a.do_, kV, a.HV, a.T, who, names);
+  if (st.ok()) st = encode_rows(enc, &tdv, ty, a.dv, kV, a.HV, a.T, who, names);
+  if (st.ok()) st = encode_3d(enc, &tts, ty, a.ts, {kC, kC, slots}, blk, who, names);
+  if (st.ok()) st = encode_3d(enc, &tmm, ty, a.mm, {kC, kC, slots}, blk, who, names);
+  if (st.ok()) st = encode_3d(enc, &tdsn, ty, a.dsn, {kK, kV, slots}, blk, who, names);
+  if (st.ok()) st = encode_3d(enc, &tdxp, ty, a.dxp, {kC, kV, slots}, blk, who, names);
+  if (!st.ok()) return st;
+  if ((reinterpret_cast<std::uintptr_t>(a.gates) & 15) != 0 || (reinterpret_cast<std::uintptr_t>(a.table) & 15) != 0)
+    return Status::invalid("chunk_gdr_bwd_sm90: gates and table must be 16-byte aligned (bulk copies, int4 rows)");
+  auto kernel = chunk_gdr_bwd_sm90_kernel<T>;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBwdSmemBytes);
+  if (e != cudaSuccess) return cuda_error("chunk_gdr_bwd_sm90: cudaFuncSetAttribute", e);
+  if (a.N > 65535 || a.HV > 65535)
+    return Status::invalid("chunk_gdr_bwd_sm90: at most 65535 sequences and value heads");
+  const dim3 grid(kVBlocks, static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N));
+  kernel<<<grid, kBwdThreads, kBwdSmemBytes, stream>>>(tq, tk, tdo, tts, tmm, tdsn, tdxp, tdv, a);
+  return launch_status("chunk_gdr_bwd_sm90");
+}
+
+Status launch_bwd(const BwdArgs& a, int dtype, cudaStream_t stream) {
+  if (a.N == 0 || a.HV == 0) return {};
+  if (dtype == kF16) return launch_bwd_t<__half>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);
+  return launch_bwd_t<__nv_bfloat16>(a, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, stream);
+}
+
+}  // namespace
+}  // namespace sm90
+}  // namespace gdn
