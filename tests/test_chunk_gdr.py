@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import gdn_packed
-from gdn_packed.testing import (DTYPE_ID, GDR_CASES, backend_params, budgets, gdr_case_id, gdr_inputs, layout,
-                                no_host_sync, poisoned_outputs, real_rows, reference_gdr, rel_err)
+from gdn_packed.testing import (DTYPE_ID, GDR_CASES, PACKING_BY_NAME, GdrCase, backend_params, budgets, gdr_case_id,
+                                gdr_inputs, layout, no_host_sync, poisoned_outputs, real_rows, reference_gdr, rel_err)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 OP = "chunk_gated_delta_rule"
@@ -30,7 +30,11 @@ BACKENDS = [p for p in backend_params(OP, DEV) if p.values[0] != "cuda"]
 OTHER_BACKENDS = [p for p in BACKENDS if p.values[0] != "torch"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
-CASE_IDS = [gdr_case_id(c) for c in GDR_CASES]
+# V >= 128 in bf16 / fp16: the Triton state passes at 128-row state blocks and 8 warps (gdn_packed/triton/
+# configs.py state_config), which no case of GDR_CASES reaches (V <= 48); test_wide_state_blocks_triton
+WIDE = len(GDR_CASES)
+CASES = GDR_CASES + [GdrCase(PACKING_BY_NAME["around-chunk-gaps"], 1, 2, 16, 128, h0=True, l2=True)]
+CASE_IDS = [gdr_case_id(c) for c in CASES]
 PADDED = [i for i, c in enumerate(GDR_CASES) if c.packing.has_padding]
 assert PADDED, "GDR_CASES has no case with padding rows: the padding checks would test nothing"
 
@@ -52,7 +56,7 @@ def on_dev(t):
 @functools.lru_cache(maxsize=None)
 def inputs(ci, dtype):
     """(q, k, v, g, beta, h0), cu_seqlens, cu_seqlens_padded, rows, and the cotangents do, dht."""
-    c = GDR_CASES[ci]
+    c = CASES[ci]
     cu, cu_pad, rows = c.packing.layout()
     N = len(c.packing.lengths)
     x = gdr_inputs(rows, c.H, c.HV, c.K, c.V, dtype, N=N, initial_state=c.h0, unit_k=not c.l2, seed=ci)
@@ -88,7 +92,7 @@ def run(ci, dtype, backend):
     x, cu, cu_pad, _, do, dht = inputs(ci, dtype)
     leaves = leaves_of(x)
     with poisoned_outputs():
-        o, fs = call(leaves, cu, cu_pad, GDR_CASES[ci].l2, backend)
+        o, fs = call(leaves, cu, cu_pad, CASES[ci].l2, backend)
         return with_grads(leaves, o, fs, do, dht)
 
 
@@ -110,7 +114,7 @@ def reference(ci, dtype):
     leaves = [None if t is None else t.detach().cpu().double().requires_grad_() for t in x]
     o, fs = reference_gdr(*leaves[:5], initial_state=leaves[5], cu_seqlens=cu.cpu(),
                           cu_seqlens_padded=None if cu_pad is None else cu_pad.cpu(),
-                          use_qk_l2norm_in_kernel=GDR_CASES[ci].l2)
+                          use_qk_l2norm_in_kernel=CASES[ci].l2)
     return with_grads(leaves, o, fs, do.cpu().double(), dht.cpu().double())
 
 
@@ -337,7 +341,7 @@ def fla_result(ci, dtype):
     leaves = leaves_of(x)
     q, k, v, g, beta = (t[:, real] for t in leaves[:5])
     o, fs = fla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=leaves[5], output_final_state=True,
-                                       cu_seqlens=cu.long(), use_qk_l2norm_in_kernel=GDR_CASES[ci].l2)
+                                       cu_seqlens=cu.long(), use_qk_l2norm_in_kernel=CASES[ci].l2)
     full_o = o.new_zeros(1, rows, *o.shape[2:])
     full_o[:, real] = o
     return with_grads(leaves, full_o, fs, do, dht)
@@ -393,6 +397,39 @@ def test_segmented_state_pass(ci, dtype, segments, monkeypatch):
         base = errors(result(ci, dtype, "triton"), ref, names)
         worse = {n: f"{err[n]:.2e} > 1.1 x {base[n]:.2e}" for n in names if err[n] > 1.1 * base[n]}
         assert not worse, worse
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+def test_wide_state_blocks_triton(segments, monkeypatch, report_table):
+    """V = 128 in bf16 (case WIDE: h0, l2norm, GVA 2, padding between and after the sequences): the
+    forward state pass, its pass A (V + K = 144 carried rows: two 128-row blocks, the second mostly
+    masked) and the backward's recompute run 128-row state blocks at 8 warps (configs.state_config), the
+    dS pass too. Without segments and with three (forced; sequences of 1 and 2 chunks: empty segments):
+    o, state and every gradient within the budgets and within 1.1x FLA's error, padding rows exactly 0."""
+    if "triton" not in [p.values[0] for p in BACKENDS]:
+        pytest.skip("the triton backend cannot run here")
+    from gdn_packed.triton import chunk as triton_chunk
+    from gdn_packed.triton.configs import state_config
+    c, dtype = CASES[WIDE], torch.bfloat16
+    for store in (False, True):
+        cfg = state_config(c.K, c.V, dtype, store_states=store)
+        assert (cfg["BV"], cfg["num_warps"]) == (128, 8), cfg
+    monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, **kw: segments)
+    got, ref, names = run(WIDE, dtype, "triton"), reference(WIDE, dtype), ("o", "state") + GRADS
+    err = errors(got, ref, names)
+    assert not over_budget(err, dtype), over_budget(err, dtype)
+    pad = padding(WIDE)
+    for n in ("o",) + GRADS[:5]:
+        assert torch.isfinite(got[n]).all() and (got[n][0, pad] == 0).all(), n
+    real = (~pad).cpu()
+    on_real = lambda d: {n: t if t is None or n in ("state", "dh0") else t.cpu()[:, real]  # noqa: E731
+                         for n, t in d.items()}
+    ours, fla = (errors(on_real(d), on_real(ref), names) for d in (got, fla_result(WIDE, dtype)))
+    report_table("triton vs FLA 0.6.0, rel. error against float64 (ours / FLA)",
+                 f"{CASE_IDS[WIDE]:44s} bf16 S={segments} " + "  ".join(f"{n} {ours[n]:.2e}/{fla[n]:.2e}"
+                                                                    for n in ours))
+    worse = {n: f"ours {ours[n]:.2e} > 1.1 x FLA {fla[n]:.2e}" for n in ours if ours[n] > 1.1 * fla[n]}
+    assert not worse, worse
 
 
 @pytest.mark.parametrize("segments", [1, 3])

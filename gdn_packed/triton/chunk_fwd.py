@@ -27,7 +27,8 @@ as in FLA and chunk_bwd.py):
   chunk_fwd_state_kernel  grid (cdiv(V, BV), HV, N): one program per V-block (fastest axis: the blocks
       of one sequence and head run side by side and share q, k, Ts, M through L2), value head and
       sequence, looping over the sequence's chunk slots with the transposed state S^T [BV, K] in fp32
-      registers, so every state product takes S^T as the register operand of the tensor-core dot:
+      registers (BV: configs.state_config; V >= 128 in bf16 / fp16: 128 rows at 8 warps, each warpgroup
+      one 64-row half), so every state product takes S^T as the register operand of the tensor-core dot:
           KS^T = S^T K^T, X'^T = beta (V^T - (e^gam rk) KS^T), U^T = X'^T + X'^T Ts^T,
           O^T  = (scale e^gam rq) S^T Q^T + U^T M^T,  S^T <- e^gam_last S^T + ((w rk) U^T) K
       (five dots per chunk; fp32 with K > 128, SPLIT_K: the products with k and q over the two halves
@@ -259,6 +260,9 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
         b_beta = gate_row(gates, p_slot, GATE_BETA, C)
         b_egk = gate_row(gates, p_slot, GATE_EGK, C)
         b_wk = gate_row(gates, p_slot, GATE_WK, C)
+        # the chunk decay broadcast over the K columns (a vector load, copied with the tiles; a scalar load
+        # would be waited for by the fence before the next wgmma)
+        b_dec = tl.load(eg_last + p_slot + 0 * o_k)
         o_cc = o_c[:, None] * C + o_c[None, :]
         b_st_in = b_st.to(DT)
         if STORE_STATES:     # the state as the dots below use it (rounded to the input dtype)
@@ -290,9 +294,9 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
                      mask=m_vt)
         b_uw = (b_ut * b_wk[None, :]).to(DT)
         if SPLIT_K:     # (k read again, an L1/L2 hit, half a tile at a time: fp32 with K > 128)
-            b_st = b_st * tl.load(eg_last + p_slot) + _split_dot(b_uw, p_k, o_c * S_QK, m_c, K, BK)
+            b_st = b_st * b_dec[None, :] + _split_dot(b_uw, p_k, o_c * S_QK, m_c, K, BK)
         else:
-            b_st = b_st * tl.load(eg_last + p_slot) + tl.dot(b_uw, b_k)
+            b_st = b_st * b_dec[None, :] + tl.dot(b_uw, b_k)
     if PROPAGATE:       # the segment's end rows: S^T from a zero entering state, then P^T
         p_e = (i_p * HV + i_h).to(tl.int64) * (R * K) + o_v[:, None] * K + o_k[None, :]
         tl.store(ends + p_e, b_st, mask=(o_v < R)[:, None] & m_k[None, :])

@@ -52,20 +52,22 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     spills; what is left: tests/test_sm90_aot.py's known_spills, the history in bench/NOTES.md).
     2 stages (the next chunk's tiles copied while this one computes) when two fit in shared memory,
     else 1; one stage holds q, k [C, BK], v [C, BV] and Ts, M [C, C] in the input dtype.
-    The STORE_STATES variant (the backward's recompute; store_states) with V >= 128: BV = 128 at 8 warps,
-    1 stage, each warpgroup one 64-row half of S^T (the same registers per thread as BV = 64 at 4
-    warps), so k and Ts are read once per value head and segment instead of once per 64-row V-block
-    (1 CTA of 8 warps per SM: the warps per SM of two 4-warp CTAs)."""
+    V >= 128 (bf16/fp16, K <= 128): BV = 128 at 8 warps, each warpgroup one 64-row half of S^T (the same
+    registers per thread as BV = 64 at 4 warps), so q, k, Ts and M are read once per value head and
+    segment instead of once per 64-row V-block (1 CTA of 8 warps per SM: the warps per SM of two 4-warp
+    CTAs); the forward pass and pass A at 2 stages, the STORE_STATES variant (the backward's recompute;
+    store_states) at 1 (bench/NOTES.md has the model's numbers for each)."""
     BK = pow2(K)
     narrow = dtype == torch.float32 or BK > 128
     BV = 8 if dtype == torch.float32 and BK > 128 else max(16, min(16 if narrow else 64, pow2(V)))
-    if store_states and BV == 64 and pow2(V) >= 128:
-        return dict(BK=BK, BV=128, SPLIT_K=False, num_warps=8, num_stages=1)
     esize = torch.finfo(dtype).bits // 8
+    wide = BV == 64 and pow2(V) >= 128         # two warpgroups, one 64-row half of S^T each
+    if wide:
+        BV = 128
     stage_kb = (2 * CHUNK * BK + CHUNK * BV + 2 * CHUNK * CHUNK) * esize / 1024
     return dict(BK=BK, BV=BV, SPLIT_K=esize == 4 and BK > 128,
-                num_warps=8 if narrow else 4,
-                num_stages=2 if 2 * stage_kb + 16 <= smem and not (store_states and BV == 64) else 1)
+                num_warps=8 if narrow or wide else 4,
+                num_stages=2 if 2 * stage_kb + 16 <= smem and not (store_states and BV >= 64) else 1)
 
 
 def bwd_configs(K, V, dtype):
