@@ -183,6 +183,68 @@ def test_prep_inputs_are_triton_preps():
         assert rel_err(getattr(got, name)[used], getattr(want, name)[used].double()) <= 1e-5, name
 
 
+def dstate_pass(packing, dtype, seed, impl, device="cuda"):
+    """The reverse dS pass of `impl` ("cuda": the sm_90a kernel, "mirror": its host mirror, "triton":
+    gdn_packed.triton.chunk.chunk_bwd_dstate, the pass it replaces) on Triton prep's outputs of one
+    packing's inputs (prep on `device`), every output NaN-poisoned first: {name: CPU tensor}, the chunk
+    slots of the sequences and the padding rows."""
+    from gdn_packed.triton.chunk import _rows, chunk_bwd_dstate, chunk_fwd_prep
+    from gdn_packed.triton.configs import bwd_configs
+    cu, cu_pad, rows = packing.layout()
+    x = gdr_inputs(rows, H, HV, K, K, dtype, N=len(packing.lengths), unit_k=False, seed=seed)
+    pad = ~real_rows(cu, cu_pad, rows)
+    q, k, v, g, beta = (t[0].to(device) for t in x[:5])
+    N = len(packing.lengths)
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(rows, HV, K, generator=gen).to(dtype).to(device)
+    dht = (torch.randn(N, HV, K, K, generator=gen) * 0.1).to(device)
+    table, cc = make_chunk_table(cu.to(device), None if cu_pad is None else cu_pad.to(device), rows, C)
+    q, k, v, g, beta, r = _rows(q, k, v, g, beta)
+    prep = chunk_fwd_prep(q, k, g, beta, table, HV, SCALE, True, r)
+    NC = table.shape[0]
+    nan = lambda *s, dt=dtype: torch.full(s, float("nan"), dtype=dt, device=device)  # noqa: E731
+    out = dict(dsn=nan(NC, HV, K, K), dxp=nan(NC, HV, K, C), dv=nan(rows, HV, K),
+               dh0=nan(N, HV, K, K, dt=torch.float32), dq=nan(rows, H, K), dk=nan(rows, H, K),
+               dg=nan(rows, HV, dt=torch.float32), dbeta=nan(rows, HV, dt=torch.float32))
+    if impl == "triton":
+        chunk_bwd_dstate(q, k, do, table, cc, prep, r, dht, **out, cfg=bwd_configs(K, K, dtype)["dstate"])
+    elif impl == "cuda":
+        chunk_bwd_dstate_cuda(q, k, do, table, cc, prep, dht, **out)
+    else:
+        cpu = {n: t.cpu() for n, t in out.items()}
+        chunk_bwd_dstate_cuda(q.cpu(), k.cpu(), do.cpu(), table.cpu(), cc.cpu(),
+                              Prep(*(None if t is None else t.cpu() for t in prep)), dht.cpu(), **cpu, host=True)
+        out = cpu
+    return {n: t.cpu() for n, t in out.items()}, live_mask(table.cpu(), cc.cpu(), NC)[1], pad
+
+
+def assert_dstate_close(a, b, used, pad, tol):
+    """Outputs of two dS passes: dsn, dxp on the sequences' slots, dv, dh0 within rel. `tol`; the padding
+    rows exactly 0 in both, the real rows of dq, dk, dg, dbeta untouched (NaN) in both."""
+    pick = lambda o, n: o[n][used] if n in ("dsn", "dxp") else o[n]  # noqa: E731
+    errs = {n: rel_err(pick(a, n), pick(b, n).double()) for n in ("dsn", "dxp", "dv", "dh0")}
+    assert all(e <= tol for e in errs.values()), errs
+    for o in (a, b):
+        assert (o["dv"][pad] == 0).all() and not o["dv"].isnan().any()
+        for n in ("dq", "dk", "dg", "dbeta"):
+            assert (o[n][pad] == 0).all() and o[n][~pad].isnan().all(), n
+    return errs
+
+
+@pytest.mark.parametrize("pi", [2, 3, 4, 6], ids=[IDS[i] for i in (2, 3, 4, 6)])
+def test_mirror_matches_the_triton_pass_it_replaces(pi):
+    """The mirror and gdn_packed.triton.chunk.chunk_bwd_dstate (under the interpreter; fp16: the
+    interpreter's bf16 arithmetic is wrong, ../shared/ENVIRONMENT.md) on the same Triton prep: the same
+    products rounded at the same points, so within 1e-4; both write the same padding rows and nothing
+    else of dq, dk, dg, dbeta. (tests/test_cuda_chunk_gpu.py runs the device kernel against both.)"""
+    from gdn_packed.ops._common import triton_usable
+    if triton_usable(torch.device("cpu")):
+        pytest.skip(f"the Triton pass cannot run here: {triton_usable(torch.device('cpu'))}")
+    tri, used, pad = dstate_pass(PACKINGS[pi], torch.float16, pi, "triton", device="cpu")
+    mir, _, _ = dstate_pass(PACKINGS[pi], torch.float16, pi, "mirror", device="cpu")
+    assert_dstate_close(mir, tri, used, pad, 1e-4)
+
+
 @pytest.mark.parametrize("pi", [0, 2], ids=[IDS[0], IDS[2]])
 def test_mirror_no_worse_than_fla(pi, report_table):
     """bf16 dv and dh0 (final gradients) against FLA's chunk_gated_delta_rule backward on the same inputs."""

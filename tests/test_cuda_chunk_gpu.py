@@ -6,7 +6,10 @@ mbarrier phases, the cluster's copies or setmaxnreg (docs/DESIGN.md section 10):
     exactly 0 with NaN-poisoned outputs; NaN in the inputs' padding rows changes nothing;
   - long sequences (the TMA ring and the prep buffers wrap around many times; a partial last chunk)
     against backend="triton"; bit-identical reruns;
-  - the gates from raw a, b in the kernel; autograd through backend="cuda" = the Triton backward.
+  - the gates from raw a, b in the kernel; autograd through backend="cuda" = the Triton backward;
+  - the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) on Triton prep's outputs against the
+    Triton pass it replaces and its host mirror, on every packing and on long sequences (fp16 too),
+    bit-identical reruns.
 Without such a GPU every test here is a visible skip."""
 import pytest
 import torch
@@ -124,3 +127,33 @@ def test_raw_gates_and_autograd_through_the_triton_backward():
     assert rel_err(got["cuda"][0], got["triton"][0].double()) <= BUDGETS[torch.bfloat16]["o"]
     for a, b in zip(got["cuda"][1], got["triton"][1]):
         assert torch.equal(a, b)
+
+
+
+# ---- the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu; helpers: tests/test_cuda_chunk_bwd.py) ----
+
+@pytest.mark.parametrize("pi", range(len(PACKINGS)), ids=IDS)
+def test_dstate_kernel_matches_triton_and_the_mirror(pi):
+    """The sm_90a dS pass on every packing (bf16), against the Triton pass it replaces (within the bf16
+    gradient budget: the same products, rounded at the same points) and its host mirror on the same prep
+    (a layout bug shows as O(1)); the padding rows exactly 0, nothing else of dq, dk, dg, dbeta written."""
+    from test_cuda_chunk_bwd import assert_dstate_close, dstate_pass
+    got, used, pad = dstate_pass(PACKINGS[pi], torch.bfloat16, pi, "cuda")
+    tri, _, _ = dstate_pass(PACKINGS[pi], torch.bfloat16, pi, "triton")
+    mir, _, _ = dstate_pass(PACKINGS[pi], torch.bfloat16, pi, "mirror")
+    assert_dstate_close(got, tri, used, pad, BUDGETS[torch.bfloat16]["grad"])
+    assert_dstate_close(got, mir, used, pad, 1e-2)
+
+
+@pytest.mark.parametrize("packing", LONG, ids=[p.name for p in LONG])
+def test_dstate_long_sequences_match_triton_and_rerun_bit_identical(packing):
+    """Hundreds of chunks a sequence (the ring wraps around many times; the Triton pass runs in segments
+    there) and fp16: against the Triton pass, and a second run of the kernel (bit-identical)."""
+    from test_cuda_chunk_bwd import assert_dstate_close, dstate_pass
+    for dtype in (torch.bfloat16, torch.float16):
+        got, used, pad = dstate_pass(packing, dtype, 5, "cuda")
+        tri, _, _ = dstate_pass(packing, dtype, 5, "triton")
+        assert_dstate_close(got, tri, used, pad, BUDGETS[dtype]["grad"])
+        again, _, _ = dstate_pass(packing, dtype, 5, "cuda")
+        assert all(torch.equal(got[n], again[n]) or (got[n].isnan() == again[n].isnan()).all()
+                   and torch.equal(got[n].nan_to_num(), again[n].nan_to_num()) for n in got)

@@ -15,7 +15,8 @@ so time an early step leaves is given to the later ones and the whole run ends i
              first config (fla-core's tuning is not what the tests check); dry run: the first device
              test of each module
   sanitizer  the CUDA kernels (chunk table, conv fwd+bwd, recurrent, the sm_90a chunked forward with
-             the Triton backward) and one Triton chunked forward+backward, small packed cases, run
+             the Triton backward, the sm_90a backward's dS pass against the Triton one) and one Triton
+             chunked forward+backward, small packed cases, run
              plainly, under compute-sanitizer memcheck and racecheck; dry run: plainly, on CPU
   graph      CUDA-graph capture and replay of the chunked op's forward+backward over a packing, under
              torch.cuda.set_sync_debug_mode("error"), replay against eager on new data
@@ -444,7 +445,44 @@ def _case_cuda_chunk(dev, skipped):
         outs[backend] = o.detach()
     err = rel_err(outs["cuda"], outs["triton"].double())
     assert err <= 2e-2, f"cuda chunked forward {err:.2e} from the Triton forward"
-    return [f"cuda chunk fwd (sm_90a) + Triton bwd (o {err:.1e} from triton)"]
+    ran = [f"cuda chunk fwd (sm_90a) + Triton bwd (o {err:.1e} from triton)"]
+    from gdn_packed import _cext
+    if hasattr(_cext.get_C(), "chunk_gdr_bwd_sm90"):
+        ran.append(_case_cuda_dstate(q, k, v, g, beta, cu, cu_pad))
+    return ran
+
+
+def _case_cuda_dstate(q, k, v, g, beta, cu, cu_pad):
+    """The backward's sm_90a reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) and the Triton pass it replaces
+    on the same Triton prep: finite, dv and dh0 within the bf16 gradient budget of each other."""
+    import torch
+
+    from gdn_packed.cuda.chunk import chunk_bwd_dstate_cuda
+    from gdn_packed.ops.chunk_table import make_chunk_table
+    from gdn_packed.testing import rel_err
+    from gdn_packed.triton.chunk import _rows, chunk_bwd_dstate, chunk_fwd_prep
+    from gdn_packed.triton.configs import bwd_configs
+    q, k, v, g, beta = (x.detach()[0] for x in (q, k, v, g, beta))
+    (T, H, K), HV, N = q.shape, v.shape[1], cu.numel() - 1
+    table, cc = make_chunk_table(cu, cu_pad, T, 64)
+    q, k, v, g, beta, r = _rows(q, k, v, g, beta)
+    prep = chunk_fwd_prep(q, k, g, beta, table, HV, K ** -0.5, True, r)
+    do, dht = torch.randn_like(v), torch.randn(N, HV, K, K, device=q.device)
+    outs = []
+    for run in ("cuda", "triton"):
+        o = dict(dsn=torch.empty(table.shape[0], HV, K, K, dtype=q.dtype, device=q.device),
+                 dxp=torch.empty(table.shape[0], HV, K, 64, dtype=q.dtype, device=q.device),
+                 dv=torch.empty_like(v), dh0=torch.empty_like(dht), dq=torch.empty_like(q), dk=torch.empty_like(k),
+                 dg=torch.empty_like(g), dbeta=torch.empty_like(beta))
+        if run == "cuda":
+            chunk_bwd_dstate_cuda(q, k, do, table, cc, prep, dht, **o)
+        else:
+            chunk_bwd_dstate(q, k, do, table, cc, prep, r, dht, **o, cfg=bwd_configs(K, K, q.dtype)["dstate"])
+        assert torch.isfinite(o["dv"]).all() and torch.isfinite(o["dh0"]).all(), f"non-finite {run} dS pass"
+        outs.append(o)
+    errs = {n: rel_err(outs[0][n], outs[1][n].double()) for n in ("dv", "dh0")}
+    assert max(errs.values()) <= 2.5e-2, f"cuda dS pass from the Triton one: {errs}"
+    return f"cuda dS pass (sm_90a) vs Triton's (dv {errs['dv']:.1e}, dh0 {errs['dh0']:.1e})"
 
 
 def case_graph():
