@@ -55,8 +55,10 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     V >= 128 (bf16/fp16, K <= 128): BV = 128 at 8 warps, each warpgroup one 64-row half of S^T (the same
     registers per thread as BV = 64 at 4 warps), so q, k, Ts and M are read once per value head and
     segment instead of once per 64-row V-block (1 CTA of 8 warps per SM: the warps per SM of two 4-warp
-    CTAs); the forward pass and pass A at 2 stages, the STORE_STATES variant (the backward's recompute;
-    store_states) at 1 (bench/NOTES.md has the model's numbers for each)."""
+    CTAs), at 3 stages where they fit, every variant: the next chunk's tile loads take their addresses
+    from its chunk table row, itself a load, and at 2 stages part of their wait stays on the chunk step
+    (the STORE_STATES variant, the backward's recompute, is at 1 stage when 3 do not fit; 2 are slower
+    for it; bench/NOTES.md has the model's numbers for each)."""
     BK = pow2(K)
     narrow = dtype == torch.float32 or BK > 128
     BV = 8 if dtype == torch.float32 and BK > 128 else max(16, min(16 if narrow else 64, pow2(V)))
@@ -65,9 +67,11 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     if wide:
         BV = 128
     stage_kb = (2 * CHUNK * BK + CHUNK * BV + 2 * CHUNK * CHUNK) * esize / 1024
-    return dict(BK=BK, BV=BV, SPLIT_K=esize == 4 and BK > 128,
-                num_warps=8 if narrow or wide else 4,
-                num_stages=2 if 2 * stage_kb + 16 <= smem and not (store_states and BV >= 64) else 1)
+    stages = 1 if 2 * stage_kb + 16 > smem or (store_states and BV >= 64) else 2
+    if wide and 3 * stage_kb + 16 <= smem:
+        stages = 3
+    return dict(BK=BK, BV=BV, SPLIT_K=esize == 4 and BK > 128, num_warps=8 if narrow or wide else 4,
+                num_stages=stages)
 
 
 def bwd_configs(K, V, dtype):
