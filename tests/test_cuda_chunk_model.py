@@ -1,7 +1,8 @@
 """The sm_90a CUDA chunked forward in the sm_90 report (bench/sm90/cuda_chunk.py): compiled with nvcc
 (the compile tests/test_build.py shares, cached by the csrc sources), its three loops found in the SASS
 and simulated at the model's constants, the per-CTA combination of the warp-specialised roles, the op
-body's torch operators with backend="cuda", and its row beside FLA's in the totals. No GPU needed."""
+body's torch operators with backend="cuda", and its row beside FLA's in the totals; the backward's reverse
+dS pass (csrc/chunk_gdr_bwd_sm90.cu) the same way, in the backward of backend="cuda". No GPU needed."""
 import math
 
 import pytest
@@ -81,3 +82,62 @@ def test_report_rows_of_the_cuda_forward(facts):
     other = cuda_chunk.row("K64", (1, 1024, 2, 4, 64, 64), "bf16", M.CONSTANTS)
     assert other["est_us"] == "" and "K = V = 128" in other["error"]
     assert not cuda_chunk.takes((1, 1024, 2, 4, 64, 64), "bf16") and not cuda_chunk.takes(ANCHOR, "fp32")
+
+
+# ---- the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) ---------------------------------------
+
+@pytest.mark.parametrize("dtype", cuda_chunk.DTYPES)
+def test_the_dstate_kernels_roles_are_read_from_the_sass(dtype):
+    """The dS warpgroup's loop (the "state" role): 28 HGMMA (16 x 64x64x16, 12 x 64x128x16) in 3 waits a
+    chunk; the producer's loop holds the TMA loads; no spill; D(n) the slowest of its terms."""
+    f = cuda_chunk.facts(dtype, M.CONSTANTS, "bwd")
+    assert not f.error, f.error
+    assert f.spill == 0 and f.regs <= 255 and set(f.loops) == {"state", "producer"}
+    s, pr = f.loops["state"], f.loops["producer"]
+    assert (s["hgmma"], s["waits"], s["shapes"]) == (28, 3, {"64x64x16": 16, "64x128x16": 12})
+    assert s["mma_cycles"] > 0 and s["cycles"] > 0 and pr["cycles"] > 0
+    d8, bound = cuda_chunk.bwd_cta_cycles(f, 8, M.CONSTANTS)
+    assert math.isclose(d8, max(8 * s["cycles"], 8 * M.CONSTANTS.lat.ldg / 2, 8 * pr["cycles"],
+                                8 * (s["instr"] + pr["instr"]), 8 * s["mma_cycles"]))
+    assert bound in ("state", "ring", "producer", "issue", "mma")
+
+
+RECORD_BWD = """
+import json
+from bench.sm90 import cuda_chunk
+from bench.sm90.hopper import fake_hopper
+from bench.sm90.launches import Recorder, _meta_inputs, _op_body
+from bench.sm90.report import report
+rec = Recorder(torch_ops=True)
+with fake_hopper(), rec.active():
+    cuda_chunk.record(rec, %r, "bf16", _meta_inputs, _op_body, modes=("bwd",))
+rows, totals, _ = report([("cuda", "anchor", %r, "bf16", rec.launches)])
+print(json.dumps(dict(names=[lc.kernel for lc in rec.launches if hasattr(lc, "kernel")], rows=rows, totals=totals),
+                 default=str))
+"""
+
+
+def test_report_rows_of_the_cuda_backward():
+    """The backward of backend="cuda" recorded on meta tensors (in a subprocess without TRITON_INTERPRET,
+    as tests/test_sm90_report.py records): the Triton backward's launches with its dS pass (pass A,
+    combine, pass) replaced by one sm_90a kernel launch, whose row names its bound; the tiles it moves at
+    the anchor: 2.19 GB (bench/NOTES.md's count)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", RECORD_BWD % (ANCHOR, ANCHOR)], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    names = out["names"]
+    assert names.count(cuda_chunk.BWD_KERNEL) == 1 and "chunk_bwd_dstate_kernel" not in names
+    assert "chunk_bwd_dq_kernel" in names and "chunk_bwd_dk_kernel" in names
+    (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.BWD_KERNEL]
+    assert k["mode"] == "bwd" and k["ctas"] == 64 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"]
+    assert k["bound"] in ("latency", "bytes", "FLOPs") and k["loop_hgmma"] == 28
+    assert math.isclose(k["hbm_gb"], 2.19, rel_tol=0.01)
+    (t,) = out["totals"]
+    assert t["impl"] == "cuda" and t["est_us"] > k["est_us"]

@@ -1,4 +1,5 @@
-"""The sm_90a CUDA chunked forward (csrc/chunk_gdr_fwd_sm90.cu, backend="cuda") in `python -m bench kernels`.
+"""The sm_90a CUDA chunked forward (csrc/chunk_gdr_fwd_sm90.cu, backend="cuda") and the backward's reverse
+dS pass (csrc/chunk_gdr_bwd_sm90.cu) in `python -m bench kernels`.
 
 It is compiled here with nvcc for sm_90a (the CuTe headers of the pinned nvidia-cutlass; cached on disk
 beside the Triton compiles, keyed by the csrc sources), and its SASS goes through the same simulator at
@@ -23,7 +24,17 @@ half and o per chunk, its half of h0 / ht; the footprint at HBM's rate, re-reads
 last chunk, the only one that can be partial (its dead rows zeroed, its rows stored one by one), runs
 outside the chunk loops, so the loops simulated are the common chunk's. The op's other launches (the
 chunk table) are recorded from the op body with backend="cuda" and the kernel launch itself stubbed
-(launches.Recorder)."""
+(launches.Recorder).
+
+The dS pass (bwd_cta_cycles, bwd_estimate): one CTA per (V-block, value head, sequence), two roles, the
+dS warpgroup's chunk loop (its "state" loop: s cycles a chunk, the three dependent wgmma groups of
+dstate_step) and the producer's (r): D(n) = max(n s, n ldg / (S - 1) (the ring: a stage reloaded once
+both CTAs' dS steps released it), n r, issue, mma) + ldg; tiles per CTA and chunk: its K-halves of k
+and q and Ts or M (multicast: counted once), its dO columns, the gate rows, the stores of dSn^T, dX'^T
+and dv. The backward of backend="cuda" is recorded as the Triton backward from the saved inputs (prep
+again, the recompute, dq / dk / finalize) with its dS pass (pass A, combine, pass) replaced by the
+kernel's launch: the wiring of the kernel into that backward (H-cuda-bwd2's patch to
+gdn_packed/triton/chunk.py) is what it models."""
 import collections
 import dataclasses
 import glob
@@ -45,6 +56,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CSRC = os.path.join(ROOT, "csrc")
 SOURCE = os.path.join(CSRC, "chunk_gdr_fwd_sm90.cu")
 KERNEL = "chunk_gdr_fwd_sm90_kernel"
+BWD_SOURCE = os.path.join(CSRC, "chunk_gdr_bwd_sm90.cu")      # the backward's reverse dS pass
+BWD_KERNEL = "chunk_gdr_bwd_sm90_kernel"
+BWD_THREADS = 256
+# per phase: the file, its kernel, the roles of its loops (_role_loops; the dS warpgroup's loop is "state")
+KERNELS = {"fwd": (SOURCE, KERNEL, {"state", "prep", "producer"}), "bwd": (BWD_SOURCE, BWD_KERNEL, {"state", "producer"})}
 THREADS, V_BLOCK, HEAD_DIM, STAGES = 384, 64, 128, 3     # STAGES: the k / q / v ring (kStages)
 DTYPES = ("bf16", "fp16")          # the kernel's inputs (fp32: refused, no row)
 
@@ -157,11 +173,11 @@ class Facts:
     error: str = ""
 
 
-def _kernel_sass(text, dtype):
-    """The SASS of the dtype's instantiation (bf16: __nv_bfloat16, fp16: __half)."""
+def _kernel_sass(text, dtype, kernel=KERNEL):
+    """The SASS of the dtype's instantiation (bf16: __nv_bfloat16, fp16: __half) of `kernel`."""
     tag = "13__nv_bfloat16" if dtype == "bf16" else "6__half"
     for body in re.split(r"\n\s*Function : ", text)[1:]:
-        if KERNEL in body.split("\n", 1)[0] and tag in body.split("\n", 1)[0]:
+        if kernel in body.split("\n", 1)[0] and tag in body.split("\n", 1)[0]:
             return body
     return ""
 
@@ -205,22 +221,23 @@ def _simulate_loop(prog, span, const):
     return per
 
 
-def facts(dtype, const):
-    """Facts of the dtype's instantiation at the model's constants."""
-    out = build()
+def facts(dtype, const, phase="fwd"):
+    """Facts of the dtype's instantiation of the phase's kernel (KERNELS) at the model's constants."""
+    source, kernel, want = KERNELS[phase]
+    out = build(source)
     if "error" in out:
         return Facts(error=out["error"])
-    body = _kernel_sass(out["sass"], dtype)
+    body = _kernel_sass(out["sass"], dtype, kernel)
     if not body:
-        return Facts(error=f"no {KERNEL} for {dtype} in the SASS" if out["sass"] else "no cuobjdump: SASS not read")
+        return Facts(error=f"no {kernel} for {dtype} in the SASS" if out["sass"] else "no cuobjdump: SASS not read")
     recs = [r for r in parse_ptxas(out["ptxas"])
-            if KERNEL in r["name"] and ("bfloat16" in r["name"]) == (dtype == "bf16")]
+            if kernel in r["name"] and ("bfloat16" in r["name"]) == (dtype == "bf16")]
     prog = sass.program(body)
     roles = _role_loops(prog)
-    if set(roles) != {"state", "prep", "producer"}:
+    if set(roles) != want:
         return Facts(error=f"the kernel's loops not found in its SASS: {sorted(roles)}")
     regs, spill = (recs[0]["registers"], recs[0]["spill"] + recs[0]["stack"]) if recs else (0, 0)
-    return Facts(regs=regs, spill=spill, smem=_smem_bytes(),
+    return Facts(regs=regs, spill=spill, smem=_smem_bytes(phase),
                  loops={r: _simulate_loop(prog, span, const) for r, span in roles.items()})
 
 
@@ -253,11 +270,11 @@ def parse_ptxas(text):
 
 
 
-def _smem_bytes():
-    """The kernel's dynamic shared memory (gdn_packed._C says, where it is built), else 0."""
+def _smem_bytes(phase="fwd"):
+    """The phase's kernel's dynamic shared memory (gdn_packed._C says, where it is built), else 0."""
     try:
         from gdn_packed import _cext
-        return int(getattr(_cext.get_C(), "chunk_gdr_fwd_sm90_smem_bytes", 0) or 0)
+        return int(getattr(_cext.get_C(), f"chunk_gdr_{phase}_sm90_smem_bytes", 0) or 0)
     except Exception:  # noqa: BLE001 (the report still runs without the extension)
         return 0
 
@@ -300,9 +317,48 @@ def estimate(f, dims, dtype, const):
                 lat_bound=bound, est_s=parts[top] + const.launch_s)
 
 
+def bwd_cta_cycles(f, n, const):
+    """The dS pass's D(n) (bench/NOTES.md, its section): the dS warpgroup's chunk loop (its "state" loop:
+    s cycles a chunk) behind the producer's TMA ring of STAGES stages (a stage is loaded again once both
+    CTAs' dS warpgroups release it, after their step's dS update: it must land ldg later, STAGES - 1 steps
+    on), the producer's own loop, the issue slots (one warp of each role per sub-partition) and the tensor
+    pipe; + the first loads."""
+    s, pr = f.loops["state"], f.loops["producer"]
+    terms = dict(state=n * s["cycles"], ring=n * const.lat.ldg / (STAGES - 1), producer=n * pr["cycles"],
+                 issue=n * (s["instr"] + pr["instr"]), mma=n * s["mma_cycles"])
+    bound = max(terms, key=terms.get)
+    return terms[bound], bound
+
+
+def bwd_estimate(f, dims, dtype, const):
+    """The dS pass's numbers at dims = (N, L, H, HV, K, V), as estimate's. Tiles per CTA and chunk: the
+    K-halves of k and q it multicasts (16 KB), Ts or M (8 KB, multicast), its 64 columns of dO (8 KB), the
+    gate rows (1.3 KB); stores dSn^T (16 KB), dX'^T (8 KB), dv (8 KB); its halves of dht and dh0 (fp32)."""
+    N, L, H, HV, K, V = dims
+    e, C = 2, M.CHUNK
+    ctas = 2 * HV * N
+    n = -(-L // C)
+    d, bound = bwd_cta_cycles(f, n, const)
+    t_lat = M._schedule([d + const.lat.ldg] * ctas, NUM_SMS) / CLOCK_HZ
+    per_chunk = (C * K + C * C + C * V_BLOCK) * e + 5 * C * 4 + 4 + (V_BLOCK * K + V_BLOCK * C + C * V_BLOCK) * e
+    tiles = ctas * (n * per_chunk + 2 * K * V_BLOCK * 4)
+    NC = N * n
+    footprint = (N * L * (2 * H * K + 2 * HV * V) * e + NC * HV * (2 * C * C * e + 5 * C * 4 + 4)
+                 + NC * HV * V * (K + C) * e + 2 * N * HV * K * V * 4)
+    hbm = min(tiles, footprint)
+    busy = min(ctas, NUM_SMS)
+    t_mem = max(hbm / HBM_BPS + (tiles - hbm) / const.l2_bps, tiles / (busy * SM_BPS))
+    flops = ctas * n * 2 * V_BLOCK * (4 * C * K + 2 * C * C)    # dS^T K^T, dO^T M, dU^T Ts, the update (3 x K)
+    t_tc = flops / TC_FLOPS["bf16"]
+    parts = {"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc}
+    top = max(parts, key=parts.get)
+    return dict(ctas=ctas, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc, hbm_bytes=tiles, flops=flops, bound=top,
+                lat_bound=bound, est_s=parts[top] + const.launch_s)
+
+
 @dataclasses.dataclass
 class CudaLaunch:
-    """The kernel's launch in a recorded case (report.py asks it for its row: row())."""
+    """A launch of one of the sm_90a kernels in a recorded case (report.py asks it for its row: row())."""
     kernel: str = KERNEL
     phase: str = "fwd"
     group: int = 0
@@ -311,50 +367,66 @@ class CudaLaunch:
         return ""
 
 
-def record(rec, dims, dtype, meta_inputs, op_body):
-    """The op body's launches with backend="cuda" (chunk_gdr_fwd, l2norm off, no h0, as
-    launches.record_ours, whose meta_inputs and op_body it takes) on meta tensors into `rec` (an active
-    launches.Recorder): its torch operators, then a CudaLaunch for the kernel, which is stubbed."""
+def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
+    """The op bodies' launches with backend="cuda" (l2norm off, no h0, as launches.record_ours, whose
+    meta_inputs and op_body it takes) on meta tensors into `rec` (an active launches.Recorder). fwd:
+    chunk_gdr_fwd's torch operators, then a CudaLaunch for the forward kernel, which is stubbed. bwd:
+    chunk_gdr_bwd (the Triton backward from the saved inputs: the cuda forward keeps nothing) with its
+    reverse dS pass (gdn_packed.triton.chunk.chunk_bwd_dstate: pass A, combine, pass) taken by the sm_90a
+    dS kernel, a CudaLaunch: what the backward of backend="cuda" launches once the dS pass is wired in
+    (H-cuda-bwd2's report: the wiring is a patch to gdn_packed/triton/chunk.py, not yet in ops)."""
     import torch
 
     from gdn_packed.cuda import chunk as cuda_chunk
     from gdn_packed.ops import _dispatch
+    from gdn_packed.triton import chunk as triton_chunk
     N, L, H, HV, K, V = dims
     q, k, v, g, beta = meta_inputs(dims, getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype]))
     cu = torch.empty(N + 1, dtype=torch.int32, device="meta")
-    rec.phase, rec.lengths = "fwd", (L,) * N
-    real = cuda_chunk.chunk_gdr_fwd_cuda
-    cuda_chunk.chunk_gdr_fwd_cuda = lambda *a, **kw: None      # the kernel: modelled, not run
+    common = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, cu_seqlens=cu, cu_seqlens_padded=None,
+                  scale=K ** -0.5, use_qk_l2norm=False, backend="cuda")
+    rec.lengths = (L,) * N
+    real_fwd, real_dstate = cuda_chunk.chunk_gdr_fwd_cuda, triton_chunk.chunk_bwd_dstate
+    cuda_chunk.chunk_gdr_fwd_cuda = lambda *a, **kw: None      # the kernels: modelled, not run
+    triton_chunk.chunk_bwd_dstate = lambda *a, **kw: rec.launches.append(CudaLaunch(BWD_KERNEL, "bwd"))
     _dispatch.kernel.cache_clear()
     try:
-        op_body("chunk_gdr_fwd")(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, cu_seqlens=cu,
-                                 cu_seqlens_padded=None, scale=K ** -0.5, use_qk_l2norm=False, backend="cuda")
+        if "fwd" in modes:
+            rec.phase = "fwd"
+            op_body("chunk_gdr_fwd")(**common)
+            rec.launches.append(CudaLaunch())
+        if "bwd" in modes:
+            rec.phase = "bwd"
+            op_body("chunk_gdr_bwd")(**common, do=torch.empty_like(v), dht=None, kept=None)
     finally:
-        cuda_chunk.chunk_gdr_fwd_cuda = real
+        cuda_chunk.chunk_gdr_fwd_cuda, triton_chunk.chunk_bwd_dstate = real_fwd, real_dstate
         _dispatch.kernel.cache_clear()
-    rec.launches.append(CudaLaunch())
 
 
-def row(name, dims, dtype, const):
-    """The report row of the kernel (report.py's columns), or one with the error."""
-    f = facts(dtype, const)
-    base = dict(impl="cuda", shape=name, dtype=dtype, mode="fwd", kernel=KERNEL, config="VB64 cluster2 s3 p4",
-                candidates=1, warps=THREADS // 32, stages=STAGES, loop_hmma="", loop_f2fp="", step_stalls={},
-                dots="bf16+f16" if dtype == "bf16" else "f16", error=f.error)
+def row(name, dims, dtype, const, launch=None):
+    """The report row of the kernel of `launch` (a CudaLaunch; default the forward's; report.py's
+    columns), or one with the error."""
+    phase = launch.phase if launch is not None else "fwd"
+    fwd = phase == "fwd"
+    f = facts(dtype, const, phase)
+    base = dict(impl="cuda", shape=name, dtype=dtype, mode=phase, kernel=KERNELS[phase][1],
+                config="VB64 cluster2 s3 p4" if fwd else "VB64 cluster2 s3", candidates=1,
+                warps=(THREADS if fwd else BWD_THREADS) // 32, stages=STAGES, loop_hmma="", loop_f2fp="",
+                step_stalls={}, dots="bf16+f16" if dtype == "bf16" else "f16", error=f.error)
     if f.error or not takes(dims, dtype):
         return dict(base, grid="", ctas="", regs="", smem_kb="", spill_b=0, ctas_per_sm="", waves="", loop_hgmma="",
                     loop_instr="", loop_waits="", loop_bars="", step_cycles="", hbm_gb=0.0, gflop=0.0, lat_us="",
                     bytes_us="", flops_us="", bound="error", est_us="",
                     error=f.error or f"the kernel takes K = V = {HEAD_DIM}, bf16 / fp16 only")
-    est = estimate(f, dims, dtype, const)
-    s, p = f.loops["state"], f.loops["prep"]
+    est = (estimate if fwd else bwd_estimate)(f, dims, dtype, const)
+    s, p = f.loops["state"], f.loops.get("prep", dict(hgmma=0, instr=0, waits=0))
     n = -(-dims[1] // M.CHUNK)
     us = lambda t: round(t * 1e6, 1)  # noqa: E731
     return dict(base, grid=f"2x{dims[3]}x{dims[0]}", ctas=est["ctas"], regs=f.regs, smem_kb=round(f.smem / 1024, 1),
                 spill_b=f.spill, ctas_per_sm=1, waves=math.ceil(est["ctas"] / NUM_SMS),
                 loop_hgmma=s["hgmma"] + p["hgmma"] / 2, loop_instr=round(s["instr"] + p["instr"] / 2),
                 loop_waits=s["waits"] + p["waits"] / 2, loop_bars="",
-                step_cycles=round(cta_cycles(f, n, const)[0] / n),     # the CTA's cycles a chunk step, its bound
+                step_cycles=round((cta_cycles if fwd else bwd_cta_cycles)(f, n, const)[0] / n),   # a chunk step
                 step_stalls={k: round(v) for k, v in s["stalls"].items()},
                 hbm_gb=float(f"{est['hbm_bytes'] / 1e9:.4g}"), gflop=round(est["flops"] / 1e9, 2),
                 lat_us=us(est["t_lat"]), bytes_us=us(est["t_mem"]), flops_us=us(est["t_tc"]),

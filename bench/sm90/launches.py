@@ -287,9 +287,9 @@ def record_cases(shapes, dtypes, modes, fla=True, ext=True, log=print):
                     (record_ours if impl == "ours" else record_fla)(rec, dims, dtype, modes)
                     log(f"recorded {impl} {name} {dt}: {len(rec.launches)} launches")
                     cases.append((impl, name, dims, dt, list(rec.launches)))
-                if "fwd" in modes and cuda_chunk.takes(dims, dt):     # backend="cuda": its forward
+                if cuda_chunk.takes(dims, dt):     # backend="cuda": its forward, its backward's dS pass
                     rec.launches = []
-                    cuda_chunk.record(rec, dims, dt, _meta_inputs, _op_body)
+                    cuda_chunk.record(rec, dims, dt, _meta_inputs, _op_body, modes)
                     cases.append(("cuda", name, dims, dt, list(rec.launches)))
     return cases
 

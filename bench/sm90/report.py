@@ -43,7 +43,7 @@ def _rows_of(case, const):
         if isinstance(lc, TorchOp):
             ops.setdefault(lc.phase, []).append(lc)
         elif isinstance(lc, cuda_chunk.CudaLaunch):     # the CUDA kernel models itself (bench/sm90/cuda_chunk.py)
-            rows.append(cuda_chunk.row(name, dims, dt, const))
+            rows.append(cuda_chunk.row(name, dims, dt, const, lc))
         elif isinstance(lc, cuda_table.TableLaunch):    # csrc's chunk table (bench/sm90/cuda_table.py)
             rows += [_complete(r) for r in cuda_table.rows(lc, name, dt, impl, const)]
         else:
