@@ -372,16 +372,10 @@ def test_no_worse_than_fla(ci, dtype, backend, report_table):
 SEGMENTED = [1, 2, 5]     # mixed (h0, l2, GVA 4), gaps-and-empties (h0), chunk-multiples (K 64, h0, l2)
 
 
-@pytest.mark.parametrize("segments", [2, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_ID.get)
-@cases(SEGMENTED)
-def test_segmented_state_pass(ci, dtype, segments, monkeypatch):
-    """The Triton state pass with every sequence split into segments (pass A from zero states with the
-    segment transitions, the combine of the boundary states, the pass from the entering states:
-    gdn_packed/triton/chunk.py). configs.state_segments picks segments only for few long sequences on
-    many SMs, so here they are forced, with sequences shorter than the segment count (empty segments),
-    zero-length ones and padding: o, state and every gradient within the budgets, padding exactly 0,
-    and bf16 no more than 1.1x the error of the unsegmented pass on the same inputs."""
+def run_in_segments(ci, dtype, segments, monkeypatch):
+    """The Triton backend on case ci with its state passes in `segments` segments (forced: configs.state_segments
+    picks them only for few long sequences on many SMs), checked: o, state and every gradient within the
+    budgets, the padding rows exactly 0. Returns (results, float64 reference, names, errors, padding mask)."""
     if "triton" not in [p.values[0] for p in BACKENDS]:
         pytest.skip("the triton backend cannot run here")
     from gdn_packed.triton import chunk as triton_chunk
@@ -392,7 +386,22 @@ def test_segmented_state_pass(ci, dtype, segments, monkeypatch):
     pad = padding(ci)
     for n in ("o",) + GRADS[:5]:
         assert torch.isfinite(got[n]).all() and (got[n][0, pad] == 0).all(), n
+    return got, ref, names, err, pad
+
+
+@pytest.mark.parametrize("segments", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_ID.get)
+@cases(SEGMENTED)
+def test_segmented_state_pass(ci, dtype, segments, monkeypatch):
+    """The Triton state pass with every sequence split into segments (pass A from zero states with the
+    segment transitions, the combine of the boundary states, the pass from the entering states:
+    gdn_packed/triton/chunk.py). configs.state_segments picks segments only for few long sequences on
+    many SMs, so here they are forced, with sequences shorter than the segment count (empty segments),
+    zero-length ones and padding: o, state and every gradient within the budgets, padding exactly 0,
+    and bf16 no more than 1.1x the error of the unsegmented pass on the same inputs."""
+    got, ref, names, err, pad = run_in_segments(ci, dtype, segments, monkeypatch)
     if dtype == torch.bfloat16:
+        from gdn_packed.triton import chunk as triton_chunk
         monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, **kw: 1)
         base = errors(result(ci, dtype, "triton"), ref, names)
         worse = {n: f"{err[n]:.2e} > 1.1 x {base[n]:.2e}" for n in names if err[n] > 1.1 * base[n]}
@@ -406,21 +415,12 @@ def test_wide_state_blocks_triton(segments, monkeypatch, report_table):
     masked) and the backward's recompute run 128-row state blocks at 8 warps (configs.state_config), the
     dS pass too. Without segments and with three (forced; sequences of 1 and 2 chunks: empty segments):
     o, state and every gradient within the budgets and within 1.1x FLA's error, padding rows exactly 0."""
-    if "triton" not in [p.values[0] for p in BACKENDS]:
-        pytest.skip("the triton backend cannot run here")
-    from gdn_packed.triton import chunk as triton_chunk
     from gdn_packed.triton.configs import state_config
     c, dtype = CASES[WIDE], torch.bfloat16
     for store in (False, True):
         cfg = state_config(c.K, c.V, dtype, store_states=store)
         assert (cfg["BV"], cfg["num_warps"]) == (128, 8), cfg
-    monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, **kw: segments)
-    got, ref, names = run(WIDE, dtype, "triton"), reference(WIDE, dtype), ("o", "state") + GRADS
-    err = errors(got, ref, names)
-    assert not over_budget(err, dtype), over_budget(err, dtype)
-    pad = padding(WIDE)
-    for n in ("o",) + GRADS[:5]:
-        assert torch.isfinite(got[n]).all() and (got[n][0, pad] == 0).all(), n
+    got, ref, names, _, pad = run_in_segments(WIDE, dtype, segments, monkeypatch)
     real = (~pad).cpu()
     on_real = lambda d: {n: t if t is None or n in ("state", "dh0") else t.cpu()[:, real]  # noqa: E731
                          for n, t in d.items()}
