@@ -154,8 +154,7 @@ void mirror_head(const BwdArgs& a, int64_t hv, int64_t n) {
 
 template <typename T>
 void run_mirror(const BwdArgs& a) {
-  for (int64_t n = 0; n < a.N; ++n)
-    for (int64_t hv = 0; hv < a.HV; ++hv) mirror_head<T>(a, hv, n);
+  for_each_head(a.N, a.HV, [&](int64_t hv, int64_t n) { mirror_head<T>(a, hv, n); });
 }
 
 }  // namespace
@@ -170,12 +169,9 @@ int chunk_gdr_bwd_sm90_smem_bytes() { return sm90::kBwdSmemBytes; }
 
 Status chunk_gdr_bwd_sm90(const ChunkBwdSm90Params& p, bool host, int device, std::uintptr_t stream) {
   auto bad = [](const std::string& m) { return Status::invalid("chunk_gdr_bwd_sm90: " + m); };
-  if (p.K != sm90::kK || p.V != sm90::kV) return bad("K and V must be 128");
-  if (p.chunk_size != sm90::kC) return bad("chunk_size must be 64");
-  if (p.N < 0 || p.T < 0 || p.NC < 0 || p.H < 1 || p.HV < 1 || p.HV % p.H != 0) return bad("sizes out of range");
-  if (p.T > kInt32Max || p.NC * p.HV > kInt32Max) return bad("T and NC * HV must fit int32 (TMA coordinates)");
-  if (p.dtype != kF16 && p.dtype != kBF16 && !(host && p.dtype == kF32))
-    return bad("dtype must be float16 or bfloat16 (float32: host mirror only)");
+  Status st = sm90::check_sizes(p, host, "chunk_gdr_bwd_sm90");
+  if (!st.ok()) return st;
+  if (p.NC < 0 || p.NC * p.HV > kInt32Max) return bad("NC * HV must fit int32 (TMA coordinates)");
   if (p.gate_dtype != kF32 && p.gate_dtype != kF16 && p.gate_dtype != kBF16) return bad("gate_dtype out of range");
   sm90::BwdArgs a{};
   a.q = reinterpret_cast<const void*>(p.q);
@@ -211,7 +207,7 @@ Status chunk_gdr_bwd_sm90(const ChunkBwdSm90Params& p, bool host, int device, st
     }
     return {};
   }
-  Status st = use_device(device, "chunk_gdr_bwd_sm90");
+  st = use_device(device, "chunk_gdr_bwd_sm90");
   if (!st.ok()) return st;
   return sm90::launch_bwd(a, p.dtype, reinterpret_cast<cudaStream_t>(stream));
 }

@@ -188,8 +188,7 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
 
 template <typename T>
 void run_mirror(const Args& a) {
-  for (int64_t n = 0; n < a.N; ++n)
-    for (int64_t hv = 0; hv < a.HV; ++hv) mirror_head<T>(a, hv, n);
+  for_each_head(a.N, a.HV, [&](int64_t hv, int64_t n) { mirror_head<T>(a, hv, n); });
 }
 
 }  // namespace
@@ -204,12 +203,8 @@ int chunk_gdr_fwd_sm90_smem_bytes() { return sm90::kSmemBytes; }
 
 Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::uintptr_t stream) {
   auto bad = [](const std::string& m) { return Status::invalid("chunk_gdr_fwd_sm90: " + m); };
-  if (p.K != sm90::kK || p.V != sm90::kV) return bad("K and V must be 128");
-  if (p.chunk_size != sm90::kC) return bad("chunk_size must be 64");
-  if (p.N < 0 || p.T < 0 || p.H < 1 || p.HV < 1 || p.HV % p.H != 0) return bad("sizes out of range");
-  if (p.T > kInt32Max) return bad("T must fit int32 (TMA coordinates)");
-  if (p.dtype != kF16 && p.dtype != kBF16 && !(host && p.dtype == kF32))
-    return bad("dtype must be float16 or bfloat16 (float32: host mirror only)");
+  Status st = sm90::check_sizes(p, host, "chunk_gdr_fwd_sm90");
+  if (!st.ok()) return st;
   if (p.raw_gates && (p.A_log == 0 || p.dt_bias == 0)) return bad("raw_gates needs A_log and dt_bias");
   if (p.table == 0 || p.cu_chunks == 0 || (p.o == 0 && p.T > 0)) return bad("table, cu_chunks and o are required");
   sm90::Args a{};
@@ -240,7 +235,7 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
     }
     return {};
   }
-  Status st = use_device(device, "chunk_gdr_fwd_sm90");
+  st = use_device(device, "chunk_gdr_fwd_sm90");
   if (!st.ok()) return st;
   return sm90::launch(a, p.dtype, reinterpret_cast<cudaStream_t>(stream));
 }

@@ -4,8 +4,10 @@
 // loops in fp32 over operands rounded as the device's (an fp32 mirror rounds nothing).
 #pragma once
 
+#include <string>
 #include <vector>
 
+#include "api.h"
 #include "chunk_gdr_sm90.cuh"
 #include "dtypes.cuh"
 
@@ -158,6 +160,26 @@ struct HostPolicy {
   template <class... Tiles>
   void wait_mma(const Tiles&...) {}
 };
+
+// The checks both entry points make (P: ChunkSm90Params or ChunkBwdSm90Params; `who` names the entry point).
+template <class P>
+Status check_sizes(const P& p, bool host, const char* who) {
+  auto bad = [who](const std::string& m) { return Status::invalid(std::string(who) + ": " + m); };
+  if (p.K != kK || p.V != kV) return bad("K and V must be 128");
+  if (p.chunk_size != kC) return bad("chunk_size must be 64");
+  if (p.N < 0 || p.T < 0 || p.H < 1 || p.HV < 1 || p.HV % p.H != 0) return bad("sizes out of range");
+  if (p.T > kInt32Max) return bad("T must fit int32 (TMA coordinates)");
+  if (p.dtype != kF16 && p.dtype != kBF16 && !(host && p.dtype == kF32))
+    return bad("dtype must be float16 or bfloat16 (float32: host mirror only)");
+  return {};
+}
+
+// A host mirror's CTAs: fn(hv, n) for every value head and sequence, one after the other.
+template <class F>
+void for_each_head(int64_t N, int64_t HV, F&& fn) {
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t hv = 0; hv < HV; ++hv) fn(hv, n);
+}
 
 // The host policy with the input dtype bound (vt reads v of that type).
 template <typename T>
