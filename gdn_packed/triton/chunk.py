@@ -315,7 +315,7 @@ def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table,
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     NC, C, dev = table.shape[0], CHUNK, q.device
-    cfg = bwd_configs(K, V, q.dtype)
+    cfg = bwd_configs(K, V, q.dtype, smem_kb(q.device))
     l2 = bool(use_l2norm)
     f32 = dict(dtype=torch.float32, device=dev)
     if prep is None:

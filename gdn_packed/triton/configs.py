@@ -42,6 +42,12 @@ def prep_config(K, dtype):
     return dict(BK=BK, PREC=dot_precision(dtype), num_warps=4, num_stages=1)
 
 
+def _stage_kb(BK, BV, esize):
+    """Shared memory (KB) of one pipeline stage of a state pass: q, k [C, BK], v (the dS pass: dO) [C, BV]
+    and Ts, M [C, C], in the input dtype of esize bytes."""
+    return (2 * CHUNK * BK + CHUNK * BV + 2 * CHUNK * CHUNK) * esize / 1024
+
+
 def state_config(K, V, dtype, smem=227, store_states=False):
     """chunk_fwd_state_kernel: the transposed state block S^T [BV, BK] (BK = K padded to a power of
     two) in fp32 registers. bf16/fp16 with K <= 128: BV = 64 (the wgmma M of one warpgroup, so the S^T
@@ -66,7 +72,7 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     wide = BV == 64 and pow2(V) >= 128         # two warpgroups, one 64-row half of S^T each
     if wide:
         BV = 128
-    stage_kb = (2 * CHUNK * BK + CHUNK * BV + 2 * CHUNK * CHUNK) * esize / 1024
+    stage_kb = _stage_kb(BK, BV, esize)
     stages = 1 if 2 * stage_kb + 16 > smem or (store_states and BV >= 64) else 2
     if wide and 3 * stage_kb + 16 <= smem:
         stages = 3
@@ -74,12 +80,13 @@ def state_config(K, V, dtype, smem=227, store_states=False):
                 num_stages=stages)
 
 
-def bwd_configs(K, V, dtype):
+def bwd_configs(K, V, dtype, smem=227):
     """Block sizes and warps of the backward kernels (gdn_packed/triton/chunk_bwd.py), one config each:
     - dstate: the whole K (padded to a power of two) x BV = 128 at 8 warps when V >= 128 (each
       warpgroup one 64-row half of dS^T, the register A operand of its wgmma: q, k, dO, M, Ts read once
-      per value head and segment; at 1 x 32768, HV = 32, V = 128: 32 programs per segment, S = 3),
-      BV = 64 at 4 warps when V = 64, smaller when V is; fp32 inputs or K > 128 (as the forward's
+      per value head and segment; at 1 x 32768, HV = 32, V = 128: 32 programs per segment, S = 3) and
+      3 pipeline stages where they fit in smem (KB; as state_config's 128-row passes), else 1;
+      BV = 64 at 4 warps and 1 stage when V = 64, smaller when V is; fp32 inputs or K > 128 (as the forward's
       state pass): BV = 16 at 8 warps; fp32 with K > 128: BV = 8 (16 spills).
     - dq, dk (chunk_bwd_dq_kernel, chunk_bwd_dk_kernel; per K-block, qk head and chunk, the C x C part
       and the state products of one gradient): 8 warps, the widest blocks without register spills on
@@ -91,9 +98,11 @@ def bwd_configs(K, V, dtype):
     - finalize: K-blocks of 64 (the l2norm backward's row dot, then its rows), 4 warps (no dots)."""
     fp32 = dtype == torch.float32
     narrow = fp32 or pow2(K) > 128
+    BV = min(8 if fp32 and pow2(K) > 128 else 16 if narrow else 128, pow2(V))
+    wide = not narrow and BV == 128
     return dict(
-        dstate=dict(BK=pow2(K), BV=min(8 if fp32 and pow2(K) > 128 else 16 if narrow else 128, pow2(V)),
-                    num_warps=8 if narrow or pow2(V) >= 128 else 4, num_stages=1),
+        dstate=dict(BK=pow2(K), BV=BV, num_warps=8 if narrow or wide else 4,
+                    num_stages=3 if wide and 3 * _stage_kb(pow2(K), BV, 2) + 16 <= smem else 1),
         dq=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=8 if fp32 else 16, PREC=dot_precision(dtype),
                 num_warps=8, num_stages=1),
         dk=dict(BK=min(64 if fp32 else 128 if pow2(V) >= 32 else 32, pow2(K)),
