@@ -100,9 +100,9 @@ def bwd_configs(K, V, dtype, smem=227):
     narrow = fp32 or pow2(K) > 128
     BV = min(8 if fp32 and pow2(K) > 128 else 16 if narrow else 128, pow2(V))
     wide = not narrow and BV == 128
+    stages = 3 if wide and 3 * _stage_kb(pow2(K), BV, torch.finfo(dtype).bits // 8) + 16 <= smem else 1
     return dict(
-        dstate=dict(BK=pow2(K), BV=BV, num_warps=8 if narrow or wide else 4,
-                    num_stages=3 if wide and 3 * _stage_kb(pow2(K), BV, 2) + 16 <= smem else 1),
+        dstate=dict(BK=pow2(K), BV=BV, num_warps=8 if narrow or wide else 4, num_stages=stages),
         dq=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=8 if fp32 else 16, PREC=dot_precision(dtype),
                 num_warps=8, num_stages=1),
         dk=dict(BK=min(64 if fp32 else 128 if pow2(V) >= 32 else 32, pow2(K)),
