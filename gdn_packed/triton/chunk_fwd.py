@@ -265,12 +265,6 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
         b_dec = tl.load(eg_last + p_slot + 0 * o_k)
         o_cc = o_c[:, None] * C + o_c[None, :]
         b_st_in = b_st.to(DT)
-        if STORE_STATES:     # the state as the dots below use it (rounded to the input dtype)
-            if K == BK:     # the block's rows are contiguous: offsets from one arange (fewer registers)
-                o_st = i_v * (BV * K) + block_offsets(BV, BK)
-            else:
-                o_st = o_v[:, None] * K + o_k[None, :]
-            tl.store(st + p_slot * (K * V) + o_st, b_st_in, mask=m_s)
         if SPLIT_K:
             b_kst = _split_dot_t(b_st_in, p_k, o_c * S_QK, m_c, K, BK)
         else:
@@ -280,8 +274,7 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
         b_ts = tl.load(ts + p_slot * (C * C) + o_cc)
         b_ut = tl.dot(b_xt_in, tl.trans(b_ts), b_xt)    # U^T = X'^T (I + Ts)^T
         if STORE_STATES:    # the backward's U^T: X'^T (I + Ts)^T of the rounded X', in the input dtype
-            tl.store(ut + p_slot * (V * C) + (o_v[:, None] * C + o_c[None, :]),
-                     tl.dot(b_xt_in, tl.trans(b_ts), b_xt_in.to(tl.float32)).to(DT), mask=m_v[:, None])
+            b_utr = tl.dot(b_xt_in, tl.trans(b_ts), b_xt_in.to(tl.float32)).to(DT)
         elif not PROPAGATE:
             b_egq = gate_row(gates, p_slot, GATE_EGQ, C)
             if SPLIT_K:
@@ -297,6 +290,14 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
             b_st = b_st * b_dec[None, :] + _split_dot(b_uw, p_k, o_c * S_QK, m_c, K, BK)
         else:
             b_st = b_st * b_dec[None, :] + tl.dot(b_uw, b_k)
+        if STORE_STATES:    # U^T and the state entering the chunk as the dots used it (input dtype), stored
+            # after the step's last dot: a store still in flight is waited for by the fence before a wgmma
+            tl.store(ut + p_slot * (V * C) + (o_v[:, None] * C + o_c[None, :]), b_utr, mask=m_v[:, None])
+            if K == BK:     # the block's rows are contiguous: offsets from one arange (fewer registers)
+                o_st = i_v * (BV * K) + block_offsets(BV, BK)
+            else:
+                o_st = o_v[:, None] * K + o_k[None, :]
+            tl.store(st + p_slot * (K * V) + o_st, b_st_in, mask=m_s)
     if PROPAGATE:       # the segment's end rows: S^T from a zero entering state, then P^T
         p_e = (i_p * HV + i_h).to(tl.int64) * (R * K) + o_v[:, None] * K + o_k[None, :]
         tl.store(ends + p_e, b_st, mask=(o_v < R)[:, None] & m_k[None, :])
