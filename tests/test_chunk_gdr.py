@@ -32,8 +32,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 # V >= 128 in bf16 / fp16: the Triton state passes at 128-row state blocks and 8 warps (gdn_packed/triton/
 # configs.py state_config), which no case of GDR_CASES reaches (V <= 48); test_wide_state_blocks_triton
-WIDE = len(GDR_CASES)
-CASES = GDR_CASES + [GdrCase(PACKING_BY_NAME["around-chunk-gaps"], 1, 2, 16, 128, h0=True, l2=True)]
+WIDE, MASKED = len(GDR_CASES), len(GDR_CASES) + 1
+CASES = GDR_CASES + [GdrCase(PACKING_BY_NAME["around-chunk-gaps"], 1, 2, 16, 128, h0=True, l2=True),
+                     GdrCase(PACKING_BY_NAME["around-chunk-gaps"], 1, 2, 128, 64, h0=True, l2=True)]
 CASE_IDS = [gdr_case_id(c) for c in CASES]
 PADDED = [i for i, c in enumerate(GDR_CASES) if c.packing.has_padding]
 assert PADDED, "GDR_CASES has no case with padding rows: the padding checks would test nothing"
@@ -430,6 +431,17 @@ def test_wide_state_blocks_triton(segments, monkeypatch, report_table):
                                                                     for n in ours))
     worse = {n: f"ours {ours[n]:.2e} > 1.1 x FLA {fla[n]:.2e}" for n in ours if ours[n] > 1.1 * fla[n]}
     assert not worse, worse
+
+
+def test_masked_dstate_block_triton(monkeypatch):
+    """K = 128, V = 64 in bf16 (case MASKED): the dS pass runs a 128-row block with its rows 64-127 masked
+    (configs.bwd_configs: the 64-row block at 4 warps spilled there), 8 warps: o, state and every gradient
+    within the budgets, padding rows exactly 0 (run_in_segments, unsegmented)."""
+    from gdn_packed.triton.configs import bwd_configs
+    c = CASES[MASKED]
+    cfg = bwd_configs(c.K, c.V, torch.bfloat16)["dstate"]
+    assert (cfg["BV"], cfg["num_warps"]) == (128, 8), cfg
+    run_in_segments(MASKED, torch.bfloat16, 1, monkeypatch)
 
 
 @pytest.mark.parametrize("segments", [1, 3])

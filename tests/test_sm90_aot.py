@@ -32,6 +32,7 @@ HOT = (2, 128, 16, 32)          # N, L, H, HV: head counts only change index con
 LONG = (1, 4096, 2, 4)          # few long sequences: the segmented state passes (configs.state_segments)
 SQUARE = (16, 64, 256)                   # K = V, default and all-on variants (128: every variant)
 MIXED = [(16, 256), (256, 16), (64, 128)]  # K != V, all-on variant
+MASKED = [(128, 64)]                       # the dS pass's 128-row block with rows 64-127 masked, bf16
 ODD_K = [(192, 64)]                        # K > 128 not a power of two (masked state columns), fp32, all-on
 
 
@@ -53,6 +54,7 @@ def cases(full=None):
     out += [(dt, K, K, fl) for dt in DTYPES for K in SQUARE for fl in (plain_on if full else plain_on[1:])]
     out += [(dt, K, V, (True,) * 4) for dt in (DTYPES if full else ("bf16",)) for K, V in MIXED]
     out += [("fp32", K, V, (True,) * 4) for K, V in ODD_K]
+    out += [("bf16", K, V, fl) for K, V in MASKED for fl in plain_on]
     return out + SLICED
 
 

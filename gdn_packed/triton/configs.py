@@ -58,7 +58,7 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     spills; what is left: tests/test_sm90_aot.py's known_spills, the history in bench/NOTES.md).
     2 stages (the next chunk's tiles copied while this one computes) when two fit in shared memory,
     else 1; one stage holds q, k [C, BK], v [C, BV] and Ts, M [C, C] in the input dtype.
-    V >= 128 (bf16/fp16, K <= 128): BV = 128 at 8 warps, each warpgroup one 64-row half of S^T (the same
+    V >= 128 (bf16/fp16, K <= 128), and V = 64 with K = 128 (its upper rows masked): BV = 128 at 8 warps, each warpgroup one 64-row half of S^T (the same
     registers per thread as BV = 64 at 4 warps), so q, k, Ts and M are read once per value head and
     segment instead of once per 64-row V-block (1 CTA of 8 warps per SM: the warps per SM of two 4-warp
     CTAs), at 3 stages where they fit, every variant: the next chunk's tile loads take their addresses
@@ -69,7 +69,9 @@ def state_config(K, V, dtype, smem=227, store_states=False):
     narrow = dtype == torch.float32 or BK > 128
     BV = 8 if dtype == torch.float32 and BK > 128 else max(16, min(16 if narrow else 64, pow2(V)))
     esize = torch.finfo(dtype).bits // 8
-    wide = BV == 64 and pow2(V) >= 128         # two warpgroups, one 64-row half of S^T each
+    # two warpgroups, one 64-row half of S^T each; at BK = 128 also for V = 64 (rows 64-127 masked: the
+    # 64-row block at 4 warps spilled 8 B there)
+    wide = BV == 64 and (pow2(V) >= 128 or BK == 128)
     if wide:
         BV = 128
     stage_kb = _stage_kb(BK, BV, esize)
@@ -86,7 +88,8 @@ def bwd_configs(K, V, dtype, smem=227):
       warpgroup one 64-row half of dS^T, the register A operand of its wgmma: q, k, dO, M, Ts read once
       per value head and segment; at 1 x 32768, HV = 32, V = 128: 32 programs per segment, S = 3) and
       3 pipeline stages where they fit in smem (KB; as state_config's 128-row passes), else 1;
-      BV = 64 at 4 warps and 1 stage when V = 64, smaller when V is; fp32 inputs or K > 128 (as the forward's
+      also when V = 64 with K = 128 (rows 64-127 masked: BV = 64 at 4 warps spilled 8-16 B there), BV = 64
+      at 4 warps and 1 stage when V = 64 at smaller K, smaller when V is; fp32 inputs or K > 128 (as the forward's
       state pass): BV = 16 at 8 warps; fp32 with K > 128: BV = 8 (16 spills).
     - dq, dk (chunk_bwd_dq_kernel, chunk_bwd_dk_kernel; per K-block, qk head and chunk, the C x C part
       and the state products of one gradient): 8 warps, the widest blocks without register spills on
@@ -99,6 +102,8 @@ def bwd_configs(K, V, dtype, smem=227):
     fp32 = dtype == torch.float32
     narrow = fp32 or pow2(K) > 128
     BV = min(8 if fp32 and pow2(K) > 128 else 16 if narrow else 128, pow2(V))
+    if not narrow and pow2(K) == 128 and BV == 64:
+        BV = 128        # a 64-row block at 4 warps spills at BK = 128 (255 registers): 128 rows, masked
     wide = not narrow and BV == 128
     stages = 3 if wide and 3 * _stage_kb(pow2(K), BV, torch.finfo(dtype).bits // 8) + 16 <= smem else 1
     return dict(
