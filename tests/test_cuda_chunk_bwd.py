@@ -234,7 +234,7 @@ def assert_dstate_close(a, b, used, pad, tol):
 @pytest.mark.parametrize("pi", [2, 3, 4, 6], ids=[IDS[i] for i in (2, 3, 4, 6)])
 def test_mirror_matches_the_triton_pass_it_replaces(pi):
     """The mirror and gdn_packed.triton.chunk.chunk_bwd_dstate (under the interpreter; fp16: the
-    interpreter's bf16 arithmetic is wrong, ../shared/ENVIRONMENT.md) on the same Triton prep: the same
+    interpreter's bf16 arithmetic is not that of compiled code) on the same Triton prep: the same
     products rounded at the same points, so within 1e-4; both write the same padding rows and nothing
     else of dq, dk, dg, dbeta. (tests/test_cuda_chunk_gpu.py runs the device kernel against both.)"""
     from gdn_packed.ops._common import triton_usable

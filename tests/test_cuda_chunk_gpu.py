@@ -109,8 +109,8 @@ def test_long_sequences_match_triton_and_rerun_bit_identical(packing):
 
 def test_raw_gates_and_autograd_through_the_triton_backward():
     """With A_log, dt_bias the kernel forms the gates itself (no gate launch): o within the bf16 budget of
-    backend="triton"'s; the gradients of every input for the same cotangents bit-identical to triton's
-    (the same backward on the same saved inputs)."""
+    backend="triton"'s; the gradients of every input for the same cotangents within the bf16 gradient
+    budget of triton's (the same backward on the same saved inputs, but for the sm_90a dS pass)."""
     x, cu, cu_pad, _ = inputs(PACKINGS[2], torch.bfloat16, 3)
     dev = "cuda"
     got = {}
@@ -126,7 +126,7 @@ def test_raw_gates_and_autograd_through_the_triton_backward():
         got[backend] = (o.detach().cpu(), grads)
     assert rel_err(got["cuda"][0], got["triton"][0].double()) <= BUDGETS[torch.bfloat16]["o"]
     for a, b in zip(got["cuda"][1], got["triton"][1]):
-        assert torch.equal(a, b)
+        assert rel_err(a.cpu(), b.cpu().double()) <= BUDGETS[torch.bfloat16]["grad"]
 
 
 

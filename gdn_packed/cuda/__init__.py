@@ -7,16 +7,17 @@
     recurrent.py    the recurrent gated delta rule forward and its state-pool slot roles
                     (csrc/recurrent_gdr.cu)
     chunk_table.py  the chunk table (csrc/chunk_table.cu)
-    chunk.py        the chunked gated delta rule forward on sm_90a (csrc/chunk_gdr_fwd_sm90.cu) and
-                    refusal(), why backend="cuda" does not take given inputs
+    chunk.py        the chunked gated delta rule on sm_90a: the forward (csrc/chunk_gdr_fwd_sm90.cu),
+                    the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) and the backward that
+                    runs it inside the Triton one; refusal(), why backend="cuda" does not take given inputs
 
 gdn_packed/ops/ registers the custom ops, their fake kernels and autograd, and dispatches here for
 backend="cuda". Every function takes host=True to run the host mirror on CPU tensors (tests).
 """
-from gdn_packed.cuda.chunk import chunk_gdr_fwd_cuda, refusal
+from gdn_packed.cuda.chunk import chunk_bwd_dstate_cuda, chunk_gdr_bwd_cuda, chunk_gdr_fwd_cuda, refusal
 from gdn_packed.cuda.chunk_table import chunk_table_cuda
 from gdn_packed.cuda.conv1d import BWD_TILE_ROWS, FWD_TILE_ROWS, conv1d_bwd_cuda, conv1d_fwd_cuda
 from gdn_packed.cuda.recurrent import SLOT_LAST_WRITER, SLOT_OWN, SLOT_READ_ONLY, recurrent_fwd_cuda, slot_roles
 
-__all__ = ["chunk_gdr_fwd_cuda", "refusal", "chunk_table_cuda", "conv1d_fwd_cuda", "conv1d_bwd_cuda", "FWD_TILE_ROWS", "BWD_TILE_ROWS",
+__all__ = ["chunk_gdr_fwd_cuda", "chunk_gdr_bwd_cuda", "chunk_bwd_dstate_cuda", "refusal", "chunk_table_cuda", "conv1d_fwd_cuda", "conv1d_bwd_cuda", "FWD_TILE_ROWS", "BWD_TILE_ROWS",
            "recurrent_fwd_cuda", "slot_roles", "SLOT_OWN", "SLOT_READ_ONLY", "SLOT_LAST_WRITER"]

@@ -2,7 +2,8 @@
 bf16 / fp16), warp-specialised CTAs over the device chunk table. host=True runs the kernel's host mirror
 (the same tile program with plain loops, CPU tensors; it also takes float32, which the device kernel
 does not). The backward of a cuda forward is the Triton one (gdn_packed.triton.chunk.chunk_gdr_bwd_triton,
-ops/_dispatch.py): the op saves only its inputs, which is all that backward needs.
+ops/_dispatch.py) with its reverse dS pass on csrc/chunk_gdr_bwd_sm90.cu (chunk_gdr_bwd_cuda): the op
+saves only its inputs, which is all that backward needs.
 
     refusal(q, v, device)   None when backend="cuda" of the chunked op takes these inputs on `device`,
                             else the exception saying why (resolve_backend's `refuse`)
@@ -10,6 +11,7 @@ ops/_dispatch.py): the op saves only its inputs, which is all that backward need
     chunk_bwd_dstate_cuda(...)  the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) in place of
                             the Triton one (gdn_packed.triton.chunk.chunk_bwd_dstate): the same inputs
                             (Triton prep's outputs) and outputs
+    chunk_gdr_bwd_cuda(...) the dispatch table's "bwd": the Triton backward with that dS pass
 """
 import torch
 
@@ -135,3 +137,16 @@ def chunk_bwd_dstate_cuda(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, d
            K=K, V=Vd, NC=NC, chunk_size=CHUNK, dtype=q.dtype, gate_dtype=dg.dtype)
     if out is not dv:
         dv.copy_(out)
+
+
+def _dstate_as_triton(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, cfg):
+    """chunk_bwd_dstate_cuda with gdn_packed.triton.chunk.chunk_bwd_dstate's arguments (the Triton
+    backward's `dstate`): rows and cfg are the Triton kernel's (q, k with other row strides are copied)."""
+    chunk_bwd_dstate_cuda(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta)
+
+
+def chunk_gdr_bwd_cuda(*args, **kw):
+    """Backward of backend="cuda": gdn_packed.triton.chunk.chunk_gdr_bwd_triton (its arguments) with the
+    reverse dS pass of csrc/chunk_gdr_bwd_sm90.cu in place of the Triton one."""
+    from gdn_packed.triton.chunk import chunk_gdr_bwd_triton
+    chunk_gdr_bwd_triton(*args, **kw, dstate=_dstate_as_triton)

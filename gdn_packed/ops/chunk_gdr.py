@@ -249,7 +249,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
             (TRITON_INTERPRET=1 set before triton is imported); they compute in float32 at most, so
             float64 inputs are a TypeError there ("auto" runs float64 on "torch", exactly).
             "cuda": the sm_90a CUDA forward (csrc/chunk_gdr_fwd_sm90.cu; H100 / H200, K = V = 128,
-            bfloat16 / float16; other inputs are an error naming why) with the Triton backward;
+            bfloat16 / float16; other inputs are an error naming why) with the Triton backward, its
+            reverse dS pass on csrc/chunk_gdr_bwd_sm90.cu;
             opt-in only: "auto" never picks it yet.
         validate: also check the values of cu_seqlens (and cu_seqlens_padded): starting at 0,
             non-decreasing, within the rows. That reads them back to the host, so it is off by

@@ -252,7 +252,7 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 
 
 def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
-                         do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None):
+                         do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None, dstate=None):
     """Backward of backend="triton" on flattened rows: writes every row of dq, dk [T, H, K], dv [T, HV, V],
     dg, dbeta [T, HV] (0 on padding rows) and dh0 [N, HV, K, V] fp32. The op saves the inputs and
     `kept` (kept_shape: the states entering the forward's segments and prep's outputs), so the forward's
@@ -270,7 +270,10 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     1 / P of the scratch: T = 1M, 16 / 32 heads, K = V = 128 bf16 takes 4 slices of 16.5 GB (8 of
     10.4 GB with l2norm) instead of 66 (83) GB. The heads of a GVA group share no sum, so every slice
     computes its gradients exactly as the whole backward does (each slice runs its own prep and segments:
-    the forward keeps nothing then)."""
+    the forward keeps nothing then).
+
+    dstate: a replacement of chunk_bwd_dstate (its arguments; backend="cuda": the sm_90a dS pass,
+    gdn_packed.cuda.chunk), used when the backward runs in one slice (its outputs are then contiguous)."""
     _check_chunk(C)
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -290,7 +293,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     P = bwd_head_slices(T, N, H, HV, K, V, q.dtype, bool(use_l2norm), sms=num_sms(q.device))
     if P == 1:
         _bwd_heads(q, k, v, g, beta, do, h0, dht, *work, dh0, table, cu_chunks, scale, use_l2norm, rows,
-                   entering, prep)
+                   entering, prep, dstate)
     else:           # each slice's views of the inputs and outputs (rows as before), its states contiguous
         Hs, HVs = H // P, HV // P
         for p in range(P):
@@ -308,7 +311,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 
 
 def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table, cu_chunks, scale, use_l2norm,
-               rows, entering, prep):
+               rows, entering, prep, dstate=None):
     """The backward of the H qk heads of q [T, H, K] (all, or a slice: views whose rows are `rows` apart)
     and their HV value heads: prep (unless given), the recompute, the dS pass, the dq / dk kernels and
     finalize, with scratch for these heads only."""
@@ -328,8 +331,8 @@ def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table,
     dxp = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
     if HV > 0:
         chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, st=st, ut=ut, entering=entering)
-        chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta,
-                         cfg["dstate"])
+        (dstate or chunk_bwd_dstate)(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, dh0, dq, dk, dg,
+                                     dbeta, cfg["dstate"])
     if NC > 0 and HV > 0:
         cq, ck = cfg["dq"], cfg["dk"]
         nq, nk = triton.cdiv(K, cq["BK"]), triton.cdiv(K, ck["BK"])
