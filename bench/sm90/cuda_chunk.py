@@ -372,23 +372,21 @@ def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
     meta_inputs and op_body it takes) on meta tensors into `rec` (an active launches.Recorder). fwd:
     chunk_gdr_fwd's torch operators, then a CudaLaunch for the forward kernel, which is stubbed. bwd:
     chunk_gdr_bwd (the Triton backward from the saved inputs: the cuda forward keeps nothing) with its
-    reverse dS pass (gdn_packed.triton.chunk.chunk_bwd_dstate: pass A, combine, pass) taken by the sm_90a
-    dS kernel, a CudaLaunch: what the backward of backend="cuda" launches once the dS pass is wired in
-    (H-cuda-bwd2's report: the wiring is a patch to gdn_packed/triton/chunk.py, not yet in ops)."""
+    reverse dS pass on the sm_90a dS kernel (gdn_packed.cuda.chunk.chunk_bwd_dstate_cuda, stubbed), a
+    CudaLaunch: what the backward of backend="cuda" launches."""
     import torch
 
     from gdn_packed.cuda import chunk as cuda_chunk
     from gdn_packed.ops import _dispatch
-    from gdn_packed.triton import chunk as triton_chunk
     N, L, H, HV, K, V = dims
     q, k, v, g, beta = meta_inputs(dims, getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[dtype]))
     cu = torch.empty(N + 1, dtype=torch.int32, device="meta")
     common = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, cu_seqlens=cu, cu_seqlens_padded=None,
                   scale=K ** -0.5, use_qk_l2norm=False, backend="cuda")
     rec.lengths = (L,) * N
-    real_fwd, real_dstate = cuda_chunk.chunk_gdr_fwd_cuda, triton_chunk.chunk_bwd_dstate
+    real_fwd, real_dstate = cuda_chunk.chunk_gdr_fwd_cuda, cuda_chunk.chunk_bwd_dstate_cuda
     cuda_chunk.chunk_gdr_fwd_cuda = lambda *a, **kw: None      # the kernels: modelled, not run
-    triton_chunk.chunk_bwd_dstate = lambda *a, **kw: rec.launches.append(CudaLaunch(BWD_KERNEL, "bwd"))
+    cuda_chunk.chunk_bwd_dstate_cuda = lambda *a, **kw: rec.launches.append(CudaLaunch(BWD_KERNEL, "bwd"))
     _dispatch.kernel.cache_clear()
     try:
         if "fwd" in modes:
@@ -399,7 +397,7 @@ def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
             rec.phase = "bwd"
             op_body("chunk_gdr_bwd")(**common, do=torch.empty_like(v), dht=None, kept=None)
     finally:
-        cuda_chunk.chunk_gdr_fwd_cuda, triton_chunk.chunk_bwd_dstate = real_fwd, real_dstate
+        cuda_chunk.chunk_gdr_fwd_cuda, cuda_chunk.chunk_bwd_dstate_cuda = real_fwd, real_dstate
         _dispatch.kernel.cache_clear()
 
 
