@@ -22,8 +22,10 @@ so time an early step leaves is given to the later ones and the whole run ends i
              torch.cuda.set_sync_debug_mode("error"), replay against eager on new data
   bench      python -m bench on the GPU suite's headline cases (one invocation each, merged);
              ours against fla-core where importable; dry run: a tiny CPU case
+  profile    each kernel's device time (torch.profiler) at the sm_90 model's three shapes, ours-triton,
+             ours-cuda and fla, forward and backward: what `python -m bench kernels` estimates per kernel
 Files in --out (at most 8, one folder): summary.csv, summary.json, gpu_check.log (every step's
-output), tests.csv (one row per test), bench.csv, bench.json. Exit status 0 when no step failed or
+output), tests.csv (one row per test), bench.csv, bench.json, kernels.csv (one row per kernel). Exit status 0 when no step failed or
 ran out of time (a step that cannot run here is 'skipped' with the reason).
 """
 import argparse
@@ -47,8 +49,8 @@ WHEELS = os.path.join(ROOT, ".whl")
 
 # (name, budget on the GPU, budget in a dry run), seconds; the GPU budgets add up to 9 minutes
 # (a dry run needs ~45 s of CPU; its budgets leave room for a CPU shared with other jobs)
-STEPS = [("env", 20, 30), ("wheels", 20, 10), ("build", 110, 30), ("tests", 190, 120),
-         ("sanitizer", 80, 40), ("graph", 30, 40), ("bench", 90, 60)]
+STEPS = [("env", 15, 30), ("wheels", 15, 10), ("build", 100, 30), ("tests", 170, 120),
+         ("sanitizer", 70, 40), ("graph", 25, 40), ("bench", 90, 60), ("profile", 50, 60)]
 
 # bench step: (scenario, modes), most important first (the anchor shape)
 BENCH_JOBS = [("B1_T32768_H16x32_K128_V128", "fwd,fwdbwd"),
@@ -58,7 +60,7 @@ BENCH_JOBS = [("B1_T32768_H16x32_K128_V128", "fwd,fwdbwd"),
               ("B1_T32768_H16x32_K128_V128_D8192", "fwd,fwdbwd")]
 DRY_BENCH_JOBS = [("TINY_PACK_L128_MB1_DOC40_H1x2_K32_V32", "fwd")]
 GRACE_S = 3          # a process over its budget gets SIGINT this long before its deadline, then SIGKILL
-OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench.csv", "bench.json")
+OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench.csv", "bench.json", "kernels.csv")
 
 
 # ---------------------------------------------------------------------------------------- run steps
@@ -231,7 +233,8 @@ def step_tests(r):
     else:
         args[-1:] = ["--autotune-first-config", "tests"]
         if _has_module("xdist"):
-            args += ["-n", "4", "--dist", "loadfile"]   # one GPU, several processes: compile in parallel
+            workers = str(max(1, min(8, (os.cpu_count() or 2) // 2)))
+            args += ["-n", workers, "--dist", "loadfile"]   # one GPU, several processes: compile in parallel
     rc, out = r.py(*args)
     rows = _read_csv(csv_path)
     counts = {}
@@ -332,6 +335,19 @@ def step_bench(r):
     status = "timeout" if any(st == "out of time" for _, st in done) else (
         "fail" if bad or failed_rows or not rows else "ok")
     return status, "; ".join(notes), {"jobs": done, "headline": headline}
+
+
+def step_profile(r):
+    res = os.path.join(r.tmp, "profile.json")
+    rc, out = r.py(os.path.abspath(__file__), "case", "profile", "--json", res, "--csv",
+                   os.path.join(r.out, "kernels.csv"))
+    d = _read_json(res)
+    ran = len(re.findall(r"^PROFILE \S+ \S+ \S+:", out, re.MULTILINE))
+    if rc is None:
+        return "timeout", f"out of time after {ran} (shape, provider, mode) profiled (kernels.csv keeps them)", d
+    if rc != 0:
+        return "fail", d.get("note") or _last_lines(out), d
+    return d.get("status", "fail"), d.get("note", ""), d
 
 
 def _bench_headline(rows):
@@ -485,6 +501,93 @@ def _case_cuda_dstate(q, k, v, g, beta, cu, cu_pad):
     return f"cuda dS pass (sm_90a) vs Triton's (dv {errs['dv']:.1e}, dh0 {errs['dh0']:.1e})"
 
 
+PROFILE_SHAPES = [("1x32768", [32768]), ("4x8192", [8192] * 4), ("32x1024", [1024] * 32)]
+
+
+def case_profile(csv_path=None):
+    """Each kernel's device time, per call of the chunked op, at the sm_90 model's three shapes (bf16,
+    16/32 heads, K = V = 128): ours-triton, ours-cuda and fla, forward (no grad) and backward (the
+    autograd backward alone, from a kept graph), under torch.profiler: 2 warm-up calls, 3 profiled,
+    each kernel's time / 3. Rows go to csv_path as each (shape, provider, mode) finishes (an out-of-time
+    stop keeps what ran); a '(all kernels)' row per (shape, provider, mode) holds their sum and the
+    call's wall time between CUDA events (its gaps are launch and host time). Dry run: ours-torch on a
+    tiny shape, CPU self times."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench import gdr
+    from bench.common import grad_fn
+    dev = _device()
+    gpu = dev.type == "cuda"
+    if gpu:
+        os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"   # FLA's own kernels, not FlashQLA's
+        shapes, providers, (H, HV, K) = PROFILE_SHAPES, ["ours-triton", "ours-cuda", "fla"], (16, 32, 128)
+        dtype, activity, kind = torch.bfloat16, ProfilerActivity.CUDA, torch.autograd.DeviceType.CUDA
+    else:
+        shapes, providers, (H, HV, K) = [("1x96", [96])], ["ours-torch"], (1, 2, 32)
+        dtype, activity, kind = torch.float32, ProfilerActivity.CPU, torch.autograd.DeviceType.CPU
+    calls = {"ours-triton": gdr.ours("triton"), "ours-cuda": gdr.ours("cuda"), "fla": gdr.fla,
+             "ours-torch": gdr.ours("torch")}
+    fields = ["shape", "provider", "mode", "kernel", "calls", "us"]
+    f = open(csv_path or os.devnull, "w", newline="")
+    w = csv.DictWriter(f, fieldnames=fields)
+    w.writeheader()
+    done, failed = [], []
+    for shape, lengths in shapes:
+        for name in providers:
+            try:
+                xs, cu = gdr.make_inputs(H, HV, K, K, lengths, dtype, dev, requires_grad=True)
+                call = calls[name]
+
+                def fwd():
+                    with torch.no_grad():
+                        return call(*xs, cu)
+                bwd, _ = grad_fn(lambda: call(*xs, cu), xs)
+                for mode, fn in (("fwd", fwd), ("bwd", bwd)):
+                    for _ in range(2):
+                        fn()
+                    if gpu:
+                        torch.cuda.synchronize()
+                        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                    t0 = time.perf_counter()
+                    with profile(activities=[activity]) as prof:
+                        if gpu:
+                            ev[0].record()
+                        for _ in range(3):
+                            fn()
+                        if gpu:
+                            ev[1].record()
+                            torch.cuda.synchronize()
+                    wall_us = (ev[0].elapsed_time(ev[1]) * 1e3 if gpu else (time.perf_counter() - t0) * 1e6) / 3
+                    rows = []
+                    for e in prof.key_averages():
+                        us = getattr(e, "self_device_time_total", None) if gpu else e.self_cpu_time_total
+                        if us is None:
+                            us = getattr(e, "self_cuda_time_total", 0)
+                        if e.device_type == kind and us > 0:
+                            rows.append(dict(shape=shape, provider=name, mode=mode, kernel=e.key,
+                                             calls=round(e.count / 3, 2), us=round(us / 3, 1)))
+                    rows.sort(key=lambda x: -x["us"])
+                    total = sum(x["us"] for x in rows)
+                    w.writerows(rows + [dict(shape=shape, provider=name, mode=mode, kernel="(all kernels)",
+                                             calls=round(sum(x["calls"] for x in rows), 2), us=round(total, 1)),
+                                        dict(shape=shape, provider=name, mode=mode, kernel="(wall, CUDA events)",
+                                             calls=1, us=round(wall_us, 1))])
+                    f.flush()
+                    done.append(f"{shape} {name} {mode} {total / 1e3:.3f} ms")
+                    print(f"PROFILE {shape} {name} {mode}: kernels {total / 1e3:.3f} ms, wall {wall_us / 1e3:.3f} ms",
+                          flush=True)
+                del xs, cu
+            except Exception as e:  # noqa: BLE001  (one provider's failure must not hide the others)
+                failed.append(f"{shape} {name}: {type(e).__name__}: {str(e)[:120]}")
+                print("PROFILE FAILED " + failed[-1], flush=True)
+            if gpu:
+                torch.cuda.empty_cache()
+    f.close()
+    return {"status": "fail" if failed or not done else "ok", "ran": done, "failed": failed,
+            "note": f"{len(done)} (shape, provider, mode) profiled" + ("; FAILED: " + "; ".join(failed) if failed else "")}
+
+
 def case_graph():
     """Capture the chunked op's forward+backward over a packing in a CUDA graph; replay it on new data
     and compare with eager; syncs are errors throughout (torch.cuda.set_sync_debug_mode)."""
@@ -556,12 +659,12 @@ def _sync_errors(torch):
         torch.cuda.set_sync_debug_mode("default")
 
 
-CASES = {"sanitize": case_sanitize, "graph": case_graph}
+CASES = {"sanitize": case_sanitize, "graph": case_graph, "profile": case_profile}
 
 
-def run_case(name, json_path):
+def run_case(name, json_path, csv_path=None):
     try:
-        res = CASES[name]()
+        res = CASES[name](**({"csv_path": csv_path} if name == "profile" else {}))
         rc = 0 if res.get("status") in ("ok", "skipped") else 1
     except Exception as e:  # noqa: BLE001  (the message goes to the step's note)
         res, rc = {"status": "fail", "note": f"{type(e).__name__}: {e}"}, 1
@@ -633,8 +736,9 @@ def main(argv=None):
         cp = argparse.ArgumentParser(prog="gpu_check.py case")
         cp.add_argument("name", choices=sorted(CASES))
         cp.add_argument("--json", default=None)
+        cp.add_argument("--csv", default=None, help="profile: the per-kernel rows")
         a = cp.parse_args(argv[1:])
-        return run_case(a.name, a.json)
+        return run_case(a.name, a.json, a.csv)
     args = ap.parse_args(argv)
     names = [s for s, *_ in STEPS]
     only = names if args.only is None else [s for s in args.only.split(",") if s]
@@ -657,7 +761,8 @@ def main(argv=None):
         if os.path.exists(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
     fns = {"env": step_env, "wheels": step_wheels, "build": step_build, "tests": step_tests,
-           "sanitizer": step_sanitizer, "graph": step_graph, "bench": step_bench}
+           "sanitizer": step_sanitizer, "graph": step_graph, "bench": step_bench,
+           "profile": step_profile}
     print(f"gpu_check: {'DRY RUN, ' if args.dry_run else ''}steps {', '.join(budgets)}; total budget "
           f"{sum(budgets.values()):.0f} s; results in {out}", flush=True)
     with open(os.path.join(out, "gpu_check.log"), "w") as log, tempfile.TemporaryDirectory() as tmp:
