@@ -6,7 +6,7 @@ import warnings
 import torch
 
 from bench import model, timing
-from bench.common import DTYPES, Skip, sync
+from bench.common import DTYPES, FLA_REFUSES, Skip, sync
 from bench.output import row
 from bench.providers import PROVIDERS
 from bench.registry import SCENARIOS
@@ -155,6 +155,8 @@ def _gate(p, device, dtype, grads):
     except NotImplementedError as e:
         return "skipped", None, f"not implemented: {e}"
     except Exception as e:  # noqa: BLE001 - a crashing provider is a failing one
+        if FLA_REFUSES in str(e):
+            return "skipped", None, f"fla refuses here: {_first_line(e)}"
         return "failed", None, f"gate raised {type(e).__name__}: {_first_line(e)}"
     worst = max(errs.values()) if errs else None
     return ("ok" if ok else "failed"), worst, detail
@@ -188,6 +190,8 @@ def _measure(p, op, s, layout, mode, dtype, opt, env, base):
     except torch.cuda.OutOfMemoryError as e:
         return [r(metric="status", status="failed", note=f"out of memory: {_first_line(e)}")]
     except Exception as e:  # noqa: BLE001
+        if FLA_REFUSES in str(e):
+            return [r(metric="status", status="skipped", note=f"fla refuses here: {_first_line(e)}")]
         traceback.print_exc()
         return [r(metric="status", status="failed", note=f"{type(e).__name__}: {_first_line(e)}")]
     note = "; ".join(x for x in (case.note, f"{n} of {opt.repeats} timed runs (--budget-s)"

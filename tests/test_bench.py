@@ -205,6 +205,30 @@ def test_a_misspelled_subcommand_lists_the_valid_ones(capsys):
     assert all(name in err[0] for name in ("run", "list", "plot", "kernels")), err
 
 
+def test_fla_refusing_to_run_is_a_skip_with_its_reason(tmp_path):
+    """fla-core raises RuntimeError('... produces incorrect results ...') for its gated backward on Hopper
+    with Triton 3.4-3.7.0 (an H200 with Triton 3.6.0, 2026-12-04): that row is skipped with FLA's words,
+    not failed; a provider's other errors still fail."""
+    def refuses(q, k, v, g, beta, cu):
+        raise RuntimeError("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for gated "
+                           "chunk_bwd_dqkwg (see #640).")
+
+    def breaks(q, k, v, g, beta, cu):
+        raise RuntimeError("an ordinary bug")
+    ps = [providers.register(Provider(n, gdr.FAMILY, f)) for n, f in (("refuses", refuses), ("breaks", breaks))]
+    try:
+        rc = main(["--scenarios", "TINY_N3_T201_H2x4_K32_V32", "--providers", "refuses,breaks,ours-torch",
+                   "--modes", "fwd", "--out", str(tmp_path), "--no-memory", *FAST])
+    finally:
+        for p in ps:
+            providers.unregister(p)
+    assert rc == 0
+    rows = output.load(glob.glob(str(tmp_path / "*.json"))[0])
+    status = {r["provider"]: r for r in rows if r["metric"] == "status"}
+    assert status["refuses"]["status"] == "skipped" and "fla refuses here" in status["refuses"]["note"]
+    assert status["breaks"]["status"] == "failed"
+
+
 def test_gate_rejects_a_wrong_provider_and_does_not_time_it(tmp_path, capsys):
     right = providers.PROVIDERS["gdr"]["ours-torch"].call
 

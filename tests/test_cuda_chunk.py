@@ -142,6 +142,20 @@ def test_cuda_backend_refuses_what_its_kernel_does_not_take():
         gdn_packed.chunk_gated_delta_rule(**x, backend="cuda")
 
 
+def test_device_launch_refused_until_a_gpu_run_passes_it(monkeypatch):
+    """The forward hung on an H200 (2026-12-04): on an sm_90 device backend='cuda' is refused, naming the
+    hang and backend='triton', unless GDN_PACKED_EXPERIMENTAL_CUDA_CHUNK=1; the host mirror (CPU) is not."""
+    from gdn_packed.cuda import chunk
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    q, v = torch.zeros(4, 1, 128, dtype=torch.bfloat16), torch.zeros(4, 2, 128, dtype=torch.bfloat16)
+    monkeypatch.delenv(chunk.EXPERIMENTAL_ENV, raising=False)
+    err = chunk.refusal(q, v, torch.device("cuda"), N=1)
+    assert isinstance(err, RuntimeError) and "hung" in str(err) and "backend='triton'" in str(err), err
+    assert chunk.refusal(q, v, torch.device("cpu"), N=1) is None
+    monkeypatch.setenv(chunk.EXPERIMENTAL_ENV, "1")
+    assert chunk.refusal(q, v, torch.device("cuda"), N=1) is None
+
+
 def test_auto_never_picks_cuda_yet(monkeypatch):
     """Opt-in until tools/gpu_check.py has passed it on an H200: with the cuda backend usable and triton
     not, 'auto' on CUDA tensors takes torch, not cuda; the dispatch table lists cuda after triton."""

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
-STEPS = ["env", "wheels", "build", "tests", "sanitizer", "graph", "bench"]
+STEPS = ["env", "wheels", "build", "tests", "sanitizer", "graph", "bench", "profile"]
 
 
 def _env(**extra):
@@ -50,7 +50,12 @@ def test_make_gpu_check_dry_run_passes_and_prints_the_summary_last(tmp_path):
     assert lines[-1].startswith("total"), "the summary table is printed last"
     # what comes back from the GPU machine: at most 8 plain files in one folder
     files = sorted(os.listdir(out))
-    assert set(files) == {"summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench.csv", "bench.json"}
+    assert set(files) == {"summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench.csv", "bench.json",
+                          "kernels.csv"}
+    with open(out / "kernels.csv", newline="") as f:      # the profile step: per-kernel rows and totals
+        krows = list(csv.DictReader(f))
+    assert {r["mode"] for r in krows} == {"fwd", "bwd"} and any(r["kernel"] == "(all kernels)" for r in krows)
+    assert all(float(r["us"]) > 0 for r in krows), krows
     summary = json.loads((out / "summary.json").read_text())
     assert [s["step"] for s in summary["steps"]] == STEPS
     assert summary["total_s"] <= summary["budget_s"] < wall + 400

@@ -437,9 +437,10 @@ def case_sanitize():
 
 
 def _case_cuda_chunk(dev, skipped):
-    """The sm_90a chunked forward (backend="cuda": K = V = 128, bf16) on a small packing with zero-length,
-    single-token and partial chunks and gaps, then the Triton backward through it: finite, o within
-    the bf16 budget of the Triton forward's."""
+    """On a small packing with zero-length, single-token and partial chunks and gaps (K = V = 128, bf16):
+    the backward's sm_90a dS pass (on Triton prep), then, where refusal() lets it run (device launches
+    need GDN_PACKED_EXPERIMENTAL_CUDA_CHUNK=1 since the forward hung on an H200), the sm_90a chunked
+    forward (backend="cuda") and the backward through it: finite, o within the bf16 budget of Triton's."""
     import torch
 
     import gdn_packed
@@ -447,10 +448,14 @@ def _case_cuda_chunk(dev, skipped):
     from gdn_packed.testing import rel_err
     (q, k, v, g, beta, h0), cu, cu_pad, _ = _packed_inputs(dev, torch.bfloat16, [1, 63, 130, 0, 65], [2, 0, 5, 1, 0],
                                                            1, 2, 128, 128, 3, True)
+    from gdn_packed import _cext
+    ran = []
+    if hasattr(_cext.get_C(), "chunk_gdr_bwd_sm90"):     # the dS pass runs on Triton prep: not on the forward
+        ran.append(_case_cuda_dstate(q, k, v, g, beta, cu, cu_pad))
     why = refusal(q, v, dev)
     if why is not None:
         skipped.append(f"cuda chunked forward: {why}")
-        return []
+        return ran
     outs = {}
     for backend in ("cuda", "triton"):
         o, ht = gdn_packed.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
@@ -461,11 +466,7 @@ def _case_cuda_chunk(dev, skipped):
         outs[backend] = o.detach()
     err = rel_err(outs["cuda"], outs["triton"].double())
     assert err <= 2e-2, f"cuda chunked forward {err:.2e} from the Triton forward"
-    ran = [f"cuda chunk fwd (sm_90a) + Triton bwd (o {err:.1e} from triton)"]
-    from gdn_packed import _cext
-    if hasattr(_cext.get_C(), "chunk_gdr_bwd_sm90"):
-        ran.append(_case_cuda_dstate(q, k, v, g, beta, cu, cu_pad))
-    return ran
+    return ran + [f"cuda chunk fwd (sm_90a) + Triton bwd (o {err:.1e} from triton)"]
 
 
 def _case_cuda_dstate(q, k, v, g, beta, cu, cu_pad):
@@ -504,7 +505,7 @@ def _case_cuda_dstate(q, k, v, g, beta, cu, cu_pad):
 PROFILE_SHAPES = [("1x32768", [32768]), ("4x8192", [8192] * 4), ("32x1024", [1024] * 32)]
 
 
-def case_profile(csv_path=None):
+def case_profile(csv_path=None, providers=None, shapes=None):
     """Each kernel's device time, per call of the chunked op, at the sm_90 model's three shapes (bf16,
     16/32 heads, K = V = 128): ours-triton, ours-cuda and fla, forward (no grad) and backward (the
     autograd backward alone, from a kept graph), under torch.profiler: 2 warm-up calls, 3 profiled,
@@ -516,12 +517,13 @@ def case_profile(csv_path=None):
     from torch.profiler import ProfilerActivity, profile
 
     from bench import gdr
-    from bench.common import grad_fn
+    from bench.common import Skip, grad_fn
     dev = _device()
     gpu = dev.type == "cuda"
     if gpu:
         os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"   # FLA's own kernels, not FlashQLA's
-        shapes, providers, (H, HV, K) = PROFILE_SHAPES, ["ours-triton", "ours-cuda", "fla"], (16, 32, 128)
+        shapes = [x for x in PROFILE_SHAPES if shapes is None or x[0] in shapes.split(",")]
+        providers, (H, HV, K) = (providers or "ours-triton,ours-cuda,fla").split(","), (16, 32, 128)
         dtype, activity, kind = torch.bfloat16, ProfilerActivity.CUDA, torch.autograd.DeviceType.CUDA
     else:
         shapes, providers, (H, HV, K) = [("1x96", [96])], ["ours-torch"], (1, 2, 32)
@@ -532,7 +534,7 @@ def case_profile(csv_path=None):
     f = open(csv_path or os.devnull, "w", newline="")
     w = csv.DictWriter(f, fieldnames=fields)
     w.writeheader()
-    done, failed = [], []
+    done, failed, skipped = [], [], []
     for shape, lengths in shapes:
         for name in providers:
             try:
@@ -578,14 +580,20 @@ def case_profile(csv_path=None):
                     print(f"PROFILE {shape} {name} {mode}: kernels {total / 1e3:.3f} ms, wall {wall_us / 1e3:.3f} ms",
                           flush=True)
                 del xs, cu
+            except Skip as e:
+                skipped.append(f"{shape} {name}: {e}")
+                print("PROFILE SKIPPED " + skipped[-1], flush=True)
             except Exception as e:  # noqa: BLE001  (one provider's failure must not hide the others)
                 failed.append(f"{shape} {name}: {type(e).__name__}: {str(e)[:120]}")
                 print("PROFILE FAILED " + failed[-1], flush=True)
             if gpu:
                 torch.cuda.empty_cache()
     f.close()
-    return {"status": "fail" if failed or not done else "ok", "ran": done, "failed": failed,
-            "note": f"{len(done)} (shape, provider, mode) profiled" + ("; FAILED: " + "; ".join(failed) if failed else "")}
+    note = f"{len(done)} (shape, provider, mode) profiled" + ("; FAILED: " + "; ".join(failed) if failed else "")
+    if skipped:
+        note += "; skipped: " + "; ".join(skipped)
+    return {"status": "fail" if failed or not done else "ok", "ran": done, "failed": failed, "skipped": skipped,
+            "note": note}
 
 
 def case_graph():
@@ -662,9 +670,9 @@ def _sync_errors(torch):
 CASES = {"sanitize": case_sanitize, "graph": case_graph, "profile": case_profile}
 
 
-def run_case(name, json_path, csv_path=None):
+def run_case(name, json_path, **profile_args):
     try:
-        res = CASES[name](**({"csv_path": csv_path} if name == "profile" else {}))
+        res = CASES[name](**(profile_args if name == "profile" else {}))
         rc = 0 if res.get("status") in ("ok", "skipped") else 1
     except Exception as e:  # noqa: BLE001  (the message goes to the step's note)
         res, rc = {"status": "fail", "note": f"{type(e).__name__}: {e}"}, 1
@@ -737,8 +745,10 @@ def main(argv=None):
         cp.add_argument("name", choices=sorted(CASES))
         cp.add_argument("--json", default=None)
         cp.add_argument("--csv", default=None, help="profile: the per-kernel rows")
+        cp.add_argument("--providers", default=None, help="profile: comma-separated (default: all three)")
+        cp.add_argument("--shapes", default=None, help="profile: comma-separated, e.g. 1x32768,4x8192")
         a = cp.parse_args(argv[1:])
-        return run_case(a.name, a.json, a.csv)
+        return run_case(a.name, a.json, csv_path=a.csv, providers=a.providers, shapes=a.shapes)
     args = ap.parse_args(argv)
     names = [s for s, *_ in STEPS]
     only = names if args.only is None else [s for s in args.only.split(",") if s]

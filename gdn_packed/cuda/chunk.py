@@ -13,6 +13,8 @@ saves only its inputs, which is all that backward needs.
                             (Triton prep's outputs) and outputs
     chunk_gdr_bwd_cuda(...) the dispatch table's "bwd": the Triton backward with that dS pass
 """
+import os
+
 import torch
 
 from gdn_packed.cuda.launch import check_tensors, launch
@@ -20,6 +22,10 @@ from gdn_packed.cuda.launch import check_tensors, launch
 HEAD_DIM = 128          # the kernel's only K and V
 CHUNK = 64
 MAX_SEQUENCES = 65535   # the grid's y dimension
+# The forward kernel hung on the first GPU it met (an H200, tools/gpu_check.py, 2026-12-04: one 64-token
+# sequence did not finish in 20 s; bench/NOTES.md "First GPU run"). Until a GPU run passes it, a device
+# launch is refused unless this variable is 1 (for whoever debugs it); the host mirror is not affected.
+EXPERIMENTAL_ENV = "GDN_PACKED_EXPERIMENTAL_CUDA_CHUNK"
 
 
 def refusal(q, v, device, N=None):
@@ -43,6 +49,10 @@ def refusal(q, v, device, N=None):
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
         return RuntimeError("backend='cuda' of chunk_gated_delta_rule needs an sm_90 GPU (H100 / H200), got "
                             f"{torch.cuda.get_device_name(device)}; use backend='triton'")
+    if device.type == "cuda" and os.environ.get(EXPERIMENTAL_ENV, "0") != "1":
+        return RuntimeError("backend='cuda' of chunk_gated_delta_rule is disabled: its sm_90a forward kernel "
+                            "hung on an H200 (2026-12-04, one 64-token sequence) and has not passed a GPU run "
+                            f"since; use backend='triton' ({EXPERIMENTAL_ENV}=1 runs it, to debug it)")
     return None
 
 

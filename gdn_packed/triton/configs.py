@@ -95,8 +95,9 @@ def bwd_configs(K, V, dtype, smem=227):
       and the state products of one gradient): 8 warps, the widest blocks without register spills on
       sm_90 (tests/test_sm90_aot.py, every variant; which wider ones spill: bench/NOTES.md): dq K-blocks
       of 128 and V-blocks of 16; dk K-blocks of 128 and V-blocks of 32, K-blocks of 32 and V-blocks of
-      16 when V < 32, V-blocks of 16 when K <= 64; fp32 inputs: K-blocks of 64 and V-blocks of 8
-      (tf32's inner dimension) for both. Every K-block reads the V-blocks again (dO, U, dX', S^T,
+      16 when V < 32, V-blocks of 16 when K <= 64; fp32 inputs: K-blocks of 64 and V-blocks of 16 for
+      both (the V-block is the inner dimension of dO U^T: triton 3.6.0 refuses a tf32 dot with an inner
+      dimension of 8, which 3.9 takes; it failed to compile on an H200 with 3.6.0, 2026-12-04). Every K-block reads the V-blocks again (dO, U, dX', S^T,
       dSn^T).
     - finalize: K-blocks of 64 (the l2norm backward's row dot, then its rows), 4 warps (no dots)."""
     fp32 = dtype == torch.float32
@@ -108,10 +109,10 @@ def bwd_configs(K, V, dtype, smem=227):
     stages = 3 if wide and 3 * _stage_kb(pow2(K), BV, torch.finfo(dtype).bits // 8) + 16 <= smem else 1
     return dict(
         dstate=dict(BK=pow2(K), BV=BV, num_warps=8 if narrow or wide else 4, num_stages=stages),
-        dq=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=8 if fp32 else 16, PREC=dot_precision(dtype),
+        dq=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=16, PREC=dot_precision(dtype),
                 num_warps=8, num_stages=1),
         dk=dict(BK=min(64 if fp32 else 128 if pow2(V) >= 32 else 32, pow2(K)),
-                BV=8 if fp32 else 32 if pow2(K) >= 128 and pow2(V) >= 32 else 16, PREC=dot_precision(dtype),
+                BV=32 if not fp32 and pow2(K) >= 128 and pow2(V) >= 32 else 16, PREC=dot_precision(dtype),
                 num_warps=8, num_stages=1),
         finalize=dict(BK=min(64, pow2(K)), num_warps=4, num_stages=1),
     )
