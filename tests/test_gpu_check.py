@@ -13,7 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOLS = os.path.join(ROOT, "tools")
-STEPS = ["env", "wheels", "build", "tests", "sanitizer", "graph", "bench", "profile"]
+STEPS = ["env", "wheels", "build", "tests", "sanitizer", "graph", "bench", "profile", "ncu"]
 
 
 def _env(**extra):

@@ -19,6 +19,7 @@ K = V = 128 path; and the fp32 kernels' dots use the input precision that the la
 import functools
 import itertools
 import json
+import re
 import os
 import subprocess
 import sys
@@ -87,7 +88,8 @@ def _compile_all():
     for case, lc in recorded:
         c = toolchain.compile_launch(lc, seq_chunks=2)
         print(json.dumps(dict(case=case, kernel=lc.kernel, phase=lc.phase, config=lc.config_text(),
-                              regs=c.regs, smem=c.smem, spill=c.spill, hgmma=c.hgmma, error=c.error,
+                              regs=c.regs, smem=c.smem, spill=c.spill, hgmma=c.hgmma, narrow=c.narrow,
+                              error=c.error,
                               dots=sorted(set(map(tuple, c.dots))))), flush=True)
 
 
@@ -126,6 +128,15 @@ def compiled():
 
 
 TITLE = "AOT sm_90: every launch of every variant (triton.compile + cuobjdump)"
+# the kernels that move [rows, K / V] and [C, C] tiles: their global accesses must be vectorised (triton
+# 3.6.0 made every access through a reshaped arange 2-byte wide, which cost 7-12x on an H200; the gate
+# kernels read one column of [T, HV] per head, element-wise by nature)
+TILE_KERNELS = ("chunk_fwd_prep_kernel", "chunk_fwd_state_kernel", "chunk_combine_kernel", "chunk_bwd_dstate_kernel",
+                "chunk_bwd_dq_kernel", "chunk_bwd_dk_kernel")
+# checked at K = V = 128 in one head slice, the shape measured on the H200; still element-wise in places
+# with triton 3.9.0 (listed in the table, bench/NOTES.md "First GPU run"): K = 16 (dq, dk: 1-2 accesses)
+# and the bounded backward's head slices (prep 64, state 16, dS pass 32)
+VECTORISED = re.compile(r"-K128-V128-(?!.*head-slices)")
 
 
 def known_spills(dt, K, V, flags, sliced=False):
@@ -155,11 +166,14 @@ def test_variant_compiles_for_sm90_without_spills(case, report_table, sm90_toolc
             bad.append(f"{r['kernel']}: {r['error']}")
             continue
         report_table(TITLE, f"{name} regs {r['regs']:3d}  smem {r['smem'] / 1024:6.1f} KB  spill {r['spill']:5d} B  "
-                            f"HGMMA {r['hgmma']:3d}")
+                            f"HGMMA {r['hgmma']:3d}  narrow {r['narrow']:3d}")
         if r["smem"] > SMEM_LIMIT:
             bad.append(f"{r['kernel']} {r['config']}: shared memory {r['smem']} B > {SMEM_LIMIT}")
         if r["spill"]:
             bad.append(f"{r['kernel']} {r['config']}: {r['spill']} B of register spills")
+        if r["narrow"] and r["kernel"] in TILE_KERNELS and VECTORISED.search(r["case"]):
+            bad.append(f"{r['kernel']} {r['config']}: {r['narrow']} element-wise (1-2 byte) global loads / "
+                       "stores in the SASS: a tile access the compiler did not vectorise")
         # warpgroup MMA needs 64-row tiles: the K = V = 128 path (BV = 64) must use it; smaller V and
         # K > 128 (BV = 16, see gdn_packed/triton/configs.py) run on mma.sync
         low = any(a in ("bf16", "f16") for a, _, _ in r["dots"])

@@ -24,8 +24,11 @@ so time an early step leaves is given to the later ones and the whole run ends i
              ours against fla-core where importable; dry run: a tiny CPU case
   profile    each kernel's device time (torch.profiler) at the sm_90 model's three shapes, ours-triton,
              ours-cuda and fla, forward and backward: what `python -m bench kernels` estimates per kernel
+  ncu        Nsight Compute on one launch of each of our chunk-parallel kernels and the state pass at
+             the anchor (memory throughput, stall reasons, occupancy); dry run: skipped
 Files in --out (at most 8, one folder): summary.csv, summary.json, gpu_check.log (every step's
-output), tests.csv (one row per test), bench.csv, bench.json, kernels.csv (one row per kernel). Exit status 0 when no step failed or
+output), tests.csv (one row per test), bench.csv, bench.json, kernels.csv (one row per kernel),
+ncu.csv. Exit status 0 when no step failed or
 ran out of time (a step that cannot run here is 'skipped' with the reason).
 """
 import argparse
@@ -49,8 +52,8 @@ WHEELS = os.path.join(ROOT, ".whl")
 
 # (name, budget on the GPU, budget in a dry run), seconds; the GPU budgets add up to 9 minutes
 # (a dry run needs ~45 s of CPU; its budgets leave room for a CPU shared with other jobs)
-STEPS = [("env", 15, 30), ("wheels", 15, 10), ("build", 100, 30), ("tests", 170, 120),
-         ("sanitizer", 70, 40), ("graph", 25, 40), ("bench", 90, 60), ("profile", 50, 60)]
+STEPS = [("env", 15, 30), ("wheels", 15, 10), ("build", 100, 30), ("tests", 150, 120),
+         ("sanitizer", 60, 40), ("graph", 25, 40), ("bench", 80, 60), ("profile", 50, 60), ("ncu", 45, 30)]
 
 # bench step: (scenario, modes), most important first (the anchor shape)
 BENCH_JOBS = [("B1_T32768_H16x32_K128_V128", "fwd,fwdbwd"),
@@ -60,7 +63,13 @@ BENCH_JOBS = [("B1_T32768_H16x32_K128_V128", "fwd,fwdbwd"),
               ("B1_T32768_H16x32_K128_V128_D8192", "fwd,fwdbwd")]
 DRY_BENCH_JOBS = [("TINY_PACK_L128_MB1_DOC40_H1x2_K32_V32", "fwd")]
 GRACE_S = 3          # a process over its budget gets SIGINT this long before its deadline, then SIGKILL
-OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench.csv", "bench.json", "kernels.csv")
+OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench.csv", "bench.json", "kernels.csv",
+             "ncu.csv")
+# the ncu step: our chunk-parallel kernels, which took 7-12x the model's estimates on the H200 (2026-12-04),
+# and the sequential state pass for contrast; one launch of each in one forward+backward at the anchor
+NCU_KERNELS = "chunk_fwd_prep_kernel|chunk_fwd_state_kernel|chunk_bwd_dq_kernel|chunk_bwd_dk_kernel|chunk_bwd_finalize_kernel"
+NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "LaunchStats", "Occupancy",
+                "SchedulerStats")
 
 
 # ---------------------------------------------------------------------------------------- run steps
@@ -335,6 +344,30 @@ def step_bench(r):
     status = "timeout" if any(st == "out of time" for _, st in done) else (
         "fail" if bad or failed_rows or not rows else "ok")
     return status, "; ".join(notes), {"jobs": done, "headline": headline}
+
+
+def step_ncu(r):
+    """Nsight Compute on one launch of each of NCU_KERNELS (ours-triton, the anchor, forward+backward):
+    DRAM / L2 throughput and bytes, warp stall reasons, occupancy, as ncu's CSV (ncu.csv). ncu reads
+    the counters on the Firecracker machines (--clock-control none: the clocks are left alone)."""
+    if r.dry:
+        return "skipped", "dry run: no ncu (nothing to profile on a CPU)", {}
+    ncu = shutil.which("ncu") or shutil.which("ncu", path="/usr/local/cuda/bin")
+    if not ncu:
+        return "skipped", "ncu not found", {}
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{NCU_KERNELS}", "--launch-count", "7",
+           "--csv", "--page", "details"]
+    for sec in NCU_SECTIONS:
+        cmd += ["--section", sec]
+    rc, out = r.sh(cmd + [sys.executable, os.path.abspath(__file__), "case", "ncu"])
+    rows = [line for line in out.splitlines() if line.startswith('"')]
+    with open(os.path.join(r.out, "ncu.csv"), "w") as f:
+        f.write("\n".join(rows) + "\n")
+    kernels = sorted({m.group(1) for m in re.finditer(r'"(chunk_\w+_kernel)', "\n".join(rows))})
+    note = f"{len(rows)} ncu rows: {', '.join(kernels) or 'no kernel profiled'}"
+    if rc is None:
+        return "timeout", note, {}
+    return ("ok" if rc == 0 and rows else "fail"), note + ("" if rc == 0 else f"; exit {rc}: {_last_lines(out)}"), {}
 
 
 def step_profile(r):
@@ -667,7 +700,19 @@ def _sync_errors(torch):
         torch.cuda.set_sync_debug_mode("default")
 
 
-CASES = {"sanitize": case_sanitize, "graph": case_graph, "profile": case_profile}
+def case_ncu():
+    """One ours-triton forward+backward at the anchor (bf16, 16/32 heads, K = V = 128) for ncu."""
+    import torch
+
+    from bench import gdr
+    xs, cu = gdr.make_inputs(16, 32, 128, 128, [32768], torch.bfloat16, _device(), requires_grad=True)
+    o = gdr.ours("triton")(*xs, cu)
+    torch.autograd.grad(o, xs, torch.randn_like(o))
+    torch.cuda.synchronize()
+    return {"status": "ok"}
+
+
+CASES = {"sanitize": case_sanitize, "graph": case_graph, "profile": case_profile, "ncu": case_ncu}
 
 
 def run_case(name, json_path, **profile_args):
@@ -772,7 +817,7 @@ def main(argv=None):
             os.remove(os.path.join(out, name))
     fns = {"env": step_env, "wheels": step_wheels, "build": step_build, "tests": step_tests,
            "sanitizer": step_sanitizer, "graph": step_graph, "bench": step_bench,
-           "profile": step_profile}
+           "profile": step_profile, "ncu": step_ncu}
     print(f"gpu_check: {'DRY RUN, ' if args.dry_run else ''}steps {', '.join(budgets)}; total budget "
           f"{sum(budgets.values()):.0f} s; results in {out}", flush=True)
     with open(os.path.join(out, "gpu_check.log"), "w") as log, tempfile.TemporaryDirectory() as tmp:

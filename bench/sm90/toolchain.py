@@ -30,6 +30,8 @@ class Compiled:
     loop: dict = dataclasses.field(default_factory=dict)   # per-iteration SASS counts of the HGMMA loop
     hgmma: int = 0                  # whole-kernel SASS counts
     hmma: int = 0
+    narrow: int = 0                 # global loads / stores of 1 or 2 bytes (LDG/STG .U8/.S8/.U16/.S16):
+    #                                 element-wise tile access, the compiler did not vectorise it
     error: str = ""
     chunks: int = 0                 # the chunks per sequence this was read at (seq_chunks)
     prog: list = dataclasses.field(default_factory=list, repr=False)     # sass.program of the SASS
@@ -57,6 +59,9 @@ def toolchain_missing():
 
 
 _BUILDS, _READS, _PROGS = {}, {}, {}
+# 1- and 2-byte global accesses: triton 3.6.0 compiled every tile access through a reshaped arange this
+# way (2-byte STG / LDG), 7-12x the model on an H200 (bench/NOTES.md, "First GPU run")
+NARROW_GLOBAL = re.compile(r"(?:LDG|STG)\.E(?:\.\w+)*?\.(?:U8|S8|U16|S16)(?:\.\w+)*$")
 
 
 def _build_key(launch):
@@ -144,6 +149,7 @@ def compile_launch(launch, seq_chunks):
     ins = sass_instructions(b["sass"])
     out.hgmma = sum(op.startswith("HGMMA") for _, op, _ in ins)
     out.hmma = sum(op.startswith("HMMA") for _, op, _ in ins)
+    out.narrow = sum(bool(NARROW_GLOBAL.match(op)) for _, op, _ in ins)
     out.loop = sass_loop(ins)
     return out
 

@@ -119,7 +119,9 @@ def chunk_gate_sums(g, rows, length, S_G, hv, C: tl.constexpr):
 
 @triton.jit
 def block_offsets(M: tl.constexpr, N: tl.constexpr):
-    """Offsets [M, N] of a contiguous row-major M x N block, from one arange: every element's offset is a
-    thread's base plus a constant, so the compiler keeps no per-element offset registers (a row x column
-    offset tile costs a register an element on sm_90)."""
-    return tl.reshape(tl.arange(0, M * N), [M, N])
+    """Offsets [M, N] of a contiguous row-major M x N block, as rows x N + columns: the form Triton's
+    axis analysis reads (N contiguous, 16-byte aligned runs), so loads and stores through it are
+    vectorised. (It was tl.reshape(tl.arange(0, M * N), [M, N]) to save offset registers; the analysis
+    does not see through the reshape, so every access was element-wise: 2-byte STG / LDG in the SASS of
+    prep, the recompute, dq and dk, which the H200 measured at 7-12x the model, bench/NOTES.md.)"""
+    return tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :]
