@@ -12,7 +12,7 @@
 //        fp32 (or 0)
 // Grid (V-blocks 2, HV, N) in clusters of 2: the two V-block CTAs of a (value head, sequence). CTA
 // (384 threads, 1 per SM, 225 KB shared memory):
-//   warpgroup 0, producer (40 registers): one warp. Per chunk: the table row (one int4, the next one a
+//   warpgroup 0, producer (32 registers): one warp. Per chunk: the table row (one int4, the next one a
 //        chunk ahead), g and beta of the rows for the chunks this CTA preps (plain loads: 4-byte strided
 //        columns, below TMA's 16-byte granule; with raw_gates formed from a, b here), then, once both
 //        CTAs have released the stage of the 3-stage ring, the TMA loads: the CTA's K-half of k and of q

@@ -13,8 +13,15 @@ constexpr int kThreads = 384;              // producer, prep, state warpgroups
 constexpr int kStages = 3;                 // the TMA ring of (k, q, v) tiles: chunk j in stage j % 3
 constexpr int kPrepBufs = 4;               // Ts, M, gates of chunk j in buffer j % 4 (both CTAs)
 constexpr uint32_t kStageBytes = 5 * kBlock;                            // k, q: 2 blocks each; v: 1
-constexpr int kRegsProducer = 40, kRegsPrep = 232, kRegsState = 240;   // 40 + 232 + 240 = 512
-static_assert(kRegsProducer + kRegsPrep + kRegsState <= 65536 / 128, "register file");
+// setmaxnreg moves registers only within the CTA's pool, the launch allocation: kThreads x 168 (65536 /
+// 384 = 170, allocated in 8s), i.e. 3 x 168 = 504 a thread across the three warpgroups - not 65536 / 128
+// = 512. 40 + 232 + 240 = 512 left one warp of prep or state retrying setmaxnreg.inc forever: the hang on
+// the H200 (2026-12-04; bench/NOTES.md "The hang of the sm_90a forward").
+constexpr int kRegsLaunch = (65536 / kThreads) / 8 * 8;
+constexpr int kRegsProducer = 32, kRegsPrep = 232, kRegsState = 240;   // 32 + 232 + 240 = 504
+static_assert(kRegsProducer + kRegsPrep + kRegsState <= (kThreads / 128) * kRegsLaunch, "setmaxnreg pool");
+static_assert(kRegsProducer < kRegsLaunch && kRegsPrep > kRegsLaunch && kRegsState > kRegsLaunch,
+              "set_regs decreases the producer's registers and increases the consumers'");
 
 struct alignas(16) GatesBuf : Gates {};    // a bulk copy's size and addresses are multiples of 16
 
@@ -90,7 +97,7 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
   cluster_sync();                                 // both CTAs' barriers initialised before any arrival
 
   if (wg == 0) {                                  // ---- producer: warp 0 (the TMA from its lane 0)
-    set_regs<kRegsProducer>();
+    set_regs<kRegsProducer, kRegsLaunch>();
     if (wtid < 32) {
       const GateFn gate = gate_fn(a, hv);
       const int4* table = reinterpret_cast<const int4*>(a.table) + c0;   // rows (seq, idx, start, length)
@@ -136,7 +143,7 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
       }
     }
   } else if (wg == 1) {                           // ---- prep of this CTA's chunks, for both CTAs
-    set_regs<kRegsPrep>();
+    set_regs<kRegsPrep, kRegsLaunch>();
     P p{1};
     const typename P::Smem at{smem_u32(sm.at), 0, true}, dt{smem_u32(sm.dt), 0, true};
     // a sequence's last chunk (the only one that can be partial: kLast) apart, so the loop of the others
@@ -172,7 +179,7 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
     for (; it + 1 < nchunks; it += kVBlocks) prep_one(it, std::false_type{});
     if (it == nchunks - 1) prep_one(it, std::true_type{});
   } else {                                        // ---- state: S^T of the CTA's 64 value columns in registers
-    set_regs<kRegsState>();
+    set_regs<kRegsState, kRegsLaunch>();
     P p{2};
     typename P::template Frag<kK> S;
     const float* h0 = a.h0 ? a.h0 + (n * HV + hv) * kK * kV : nullptr;

@@ -84,9 +84,12 @@ __device__ __forceinline__ void fence_async_smem() {        // generic-proxy sme
 __device__ __forceinline__ void named_sync(int id) {
   asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
 }
-template <int R>
+// setmaxnreg to R registers from the launch count `From`: an increase above it, a decrease below it (the
+// sum over the CTA's warpgroups must fit the launch allocation; the caller static_asserts that)
+template <int R, int From>
 __device__ __forceinline__ void set_regs() {
-  if constexpr (R > 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
+  static_assert(R != From && R % 8 == 0 && R >= 24 && R <= 256, "setmaxnreg: a multiple of 8 in [24, 256]");
+  if constexpr (R > From) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(R));
   else asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(R));
 }
 

@@ -110,7 +110,7 @@ def test_csrc_compiles_without_spills(ptxas_report, report_table):
 @needs_nvcc
 def test_sm90_chunk_kernel_resources(ptxas_report, report_table):
     """The warp-specialised chunked forward (384 threads: 65536 / 384 -> 168 registers at launch, which
-    setmaxnreg redistributes 40 / 232 / 240 to the producer, prep and state warpgroups) and the backward's
+    setmaxnreg redistributes 32 / 232 / 240 to the producer, prep and state warpgroups) and the backward's
     reverse dS pass (256 threads: at most 255 registers, one CTA per SM as its shared memory allows): no
     local memory in either instantiation (bf16, fp16) of either; ptxas checks every setmaxnreg region
     against its count; no wait that ptxas had to inject before a use of a wgmma's registers (C7517: a
@@ -171,6 +171,28 @@ def test_sm90_chunk_loops_run_the_tile_program_on_the_tensor_cores(ptxas_report,
         report_table("sm_90a chunked kernel, HGMMA per chunk loop (cuobjdump)",
                      f"{name[-60:]}: " + "; ".join(f"{dict(c)} in {w} waits" for c, w in got))
         assert sorted(got, key=lambda x: sorted(x[0].items())) == want, (name, got)
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="no cuobjdump (CUDA toolkit or triton's copy): SASS not read")
+def test_sm90_setmaxnreg_fits_the_launch_allocation(ptxas_report, report_table):
+    """setmaxnreg only moves registers within the CTA's pool (the launch count x the threads): in the
+    forward's SASS, the producer's decrease plus the prep and state warpgroups' increases (one warpgroup
+    each, 128 threads) must not exceed 3 x the launch registers, or a warp retries USETMAXREG.TRY_ALLOC
+    forever. 40 + 232 + 240 = 512 > 3 x 168 = 504 did that: the forward hung on an H200 (2026-12-04)."""
+    sass = SASS.get("chunk_gdr_fwd_sm90.cu")
+    assert sass, "no SASS of chunk_gdr_fwd_sm90.cu"
+    launch = {r["registers"] for src, _, p in ptxas_report if os.path.basename(src) == "chunk_gdr_fwd_sm90.cu"
+              for r in parse_ptxas(p.stdout + "\n" + p.stderr)}
+    assert launch == {168}, launch
+    for body in re.split(r"\n\s*Function : ", sass)[1:]:
+        name = body.split("\n", 1)[0].strip()
+        dec = [int(x, 16) for x in re.findall(r"USETMAXREG\.DEALLOC\S*\s+(0x[0-9a-f]+)", body)]
+        inc = sorted({int(x, 16) for x in re.findall(r"USETMAXREG\.TRY_ALLOC\S*\s+\w+,\s*(0x[0-9a-f]+)", body)})
+        report_table("sm_90a chunked forward, setmaxnreg (cuobjdump)",
+                     f"{name[-50:]}: producer {dec}, consumers {inc}, sum {sum(dec) + sum(inc)} <= 3 x 168 = 504")
+        assert len(dec) == 1 and len(inc) == 2, (name, dec, inc)
+        assert sum(dec) + sum(inc) <= 3 * 168, (name, dec, inc)
 
 
 @needs_nvcc
