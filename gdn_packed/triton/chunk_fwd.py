@@ -293,7 +293,7 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
         if STORE_STATES:    # U^T and the state entering the chunk as the dots used it (input dtype), stored
             # after the step's last dot: a store still in flight is waited for by the fence before a wgmma
             tl.store(ut + p_slot * (V * C) + (o_v[:, None] * C + o_c[None, :]), b_utr, mask=m_v[:, None])
-            if K == BK:     # the block's rows are contiguous: offsets from one arange (fewer registers)
+            if K == BK:     # the block's rows are contiguous: one [BV, K] block from its base
                 o_st = i_v * (BV * K) + block_offsets(BV, BK)
             else:
                 o_st = o_v[:, None] * K + o_k[None, :]
