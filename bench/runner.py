@@ -155,11 +155,16 @@ def _gate(p, device, dtype, grads):
     except NotImplementedError as e:
         return "skipped", None, f"not implemented: {e}"
     except Exception as e:  # noqa: BLE001 - a crashing provider is a failing one
-        if FLA_REFUSES in str(e):
-            return "skipped", None, f"fla refuses here: {_first_line(e)}"
+        if _fla_refuses(e):
+            return "skipped", None, _fla_refuses(e)
         return "failed", None, f"gate raised {type(e).__name__}: {_first_line(e)}"
     worst = max(errs.values()) if errs else None
     return ("ok" if ok else "failed"), worst, detail
+
+
+def _fla_refuses(e):
+    """The skip note when e is fla-core refusing to run here (bench.common.FLA_REFUSES), else ''."""
+    return f"fla refuses here: {_first_line(e)}" if FLA_REFUSES in str(e) else ""
 
 
 def _first_line(e):
@@ -190,8 +195,8 @@ def _measure(p, op, s, layout, mode, dtype, opt, env, base):
     except torch.cuda.OutOfMemoryError as e:
         return [r(metric="status", status="failed", note=f"out of memory: {_first_line(e)}")]
     except Exception as e:  # noqa: BLE001
-        if FLA_REFUSES in str(e):
-            return [r(metric="status", status="skipped", note=f"fla refuses here: {_first_line(e)}")]
+        if _fla_refuses(e):
+            return [r(metric="status", status="skipped", note=_fla_refuses(e))]
         traceback.print_exc()
         return [r(metric="status", status="failed", note=f"{type(e).__name__}: {_first_line(e)}")]
     note = "; ".join(x for x in (case.note, f"{n} of {opt.repeats} timed runs (--budget-s)"

@@ -15,8 +15,8 @@ constexpr int kPrepBufs = 4;               // Ts, M, gates of chunk j in buffer 
 constexpr uint32_t kStageBytes = 5 * kBlock;                            // k, q: 2 blocks each; v: 1
 // setmaxnreg moves registers only within the CTA's pool, the launch allocation: kThreads x 168 (65536 /
 // 384 = 170, allocated in 8s), i.e. 3 x 168 = 504 a thread across the three warpgroups - not 65536 / 128
-// = 512. 40 + 232 + 240 = 512 left one warp of prep or state retrying setmaxnreg.inc forever: the hang on
-// the H200 (2026-12-04; bench/NOTES.md "The hang of the sm_90a forward").
+// = 512. 40 + 232 + 240 = 512 leaves one warp of prep or state retrying setmaxnreg.inc forever: the likely
+// cause of the hang on the H200 (2026-12-04; bench/NOTES.md "The hang of the sm_90a forward").
 constexpr int kRegsLaunch = (65536 / kThreads) / 8 * 8;
 constexpr int kRegsProducer = 32, kRegsPrep = 232, kRegsState = 240;   // 32 + 232 + 240 = 504
 static_assert(kRegsProducer + kRegsPrep + kRegsState <= (kThreads / 128) * kRegsLaunch, "setmaxnreg pool");

@@ -179,7 +179,8 @@ def test_sm90_setmaxnreg_fits_the_launch_allocation(ptxas_report, report_table):
     """setmaxnreg only moves registers within the CTA's pool (the launch count x the threads): in the
     forward's SASS, the producer's decrease plus the prep and state warpgroups' increases (one warpgroup
     each, 128 threads) must not exceed 3 x the launch registers, or a warp retries USETMAXREG.TRY_ALLOC
-    forever. 40 + 232 + 240 = 512 > 3 x 168 = 504 did that: the forward hung on an H200 (2026-12-04)."""
+    forever. 40 + 232 + 240 = 512 > 3 x 168 = 504 was the split when the forward hung on an H200
+    (2026-12-04), its likely cause."""
     sass = SASS.get("chunk_gdr_fwd_sm90.cu")
     assert sass, "no SASS of chunk_gdr_fwd_sm90.cu"
     launch = {r["registers"] for src, _, p in ptxas_report if os.path.basename(src) == "chunk_gdr_fwd_sm90.cu"

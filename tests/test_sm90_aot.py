@@ -15,12 +15,13 @@ two: masked state columns), and the backward in head slices (SLICED): every bloc
 dispatcher picks for head sizes 16 to 256, about 250 distinct kernels (~10 minutes cold on 2 cores). `make test` runs a subset that
 still reaches every config (see cases()). Asserted per case: every kernel compiles,
 shared memory <= 227 KB, no register spills, warpgroup MMA (HGMMA) in the bf16/fp16 kernels of the
-K = V = 128 path; and the fp32 kernels' dots use the input precision that the launcher declares."""
+K = V = 128 path, no 1-2 byte global load / store in a tile kernel at K = V = 128 (one head slice); and
+the fp32 kernels' dots use the input precision that the launcher declares."""
 import functools
 import itertools
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 
@@ -129,8 +130,8 @@ def compiled():
 
 TITLE = "AOT sm_90: every launch of every variant (triton.compile + cuobjdump)"
 # the kernels that move [rows, K / V] and [C, C] tiles: their global accesses must be vectorised (triton
-# 3.6.0 made every access through a reshaped arange 2-byte wide, which cost 7-12x on an H200; the gate
-# kernels read one column of [T, HV] per head, element-wise by nature)
+# 3.6.0 made every access through a reshaped arange 2-byte wide, in the kernels an H200 ran at 7-12x the
+# model; the gate kernels read one column of [T, HV] per head, element-wise by nature)
 TILE_KERNELS = ("chunk_fwd_prep_kernel", "chunk_fwd_state_kernel", "chunk_combine_kernel", "chunk_bwd_dstate_kernel",
                 "chunk_bwd_dq_kernel", "chunk_bwd_dk_kernel")
 # checked at K = V = 128 in one head slice, the shape measured on the H200; still element-wise in places

@@ -60,7 +60,7 @@ def toolchain_missing():
 
 _BUILDS, _READS, _PROGS = {}, {}, {}
 # 1- and 2-byte global accesses: triton 3.6.0 compiled every tile access through a reshaped arange this
-# way (2-byte STG / LDG), 7-12x the model on an H200 (bench/NOTES.md, "First GPU run")
+# way (2-byte STG / LDG) in the kernels an H200 ran at 7-12x the model (bench/NOTES.md, "First GPU run")
 NARROW_GLOBAL = re.compile(r"(?:LDG|STG)\.E(?:\.\w+)*?\.(?:U8|S8|U16|S16)(?:\.\w+)*$")
 
 

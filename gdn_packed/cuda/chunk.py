@@ -31,7 +31,7 @@ EXPERIMENTAL_ENV = "GDN_PACKED_EXPERIMENTAL_CUDA_CHUNK"
 def refusal(q, v, device, N=None):
     """None when the cuda chunked forward takes q [.., H, K], v [.., HV, V] (and N sequences) on
     `device`; else the exception naming why: TypeError (dtype), ValueError (shape), RuntimeError (no
-    sm_90a kernel in gdn_packed._C, no sm_90 GPU)."""
+    sm_90a kernel in gdn_packed._C, no sm_90 GPU, a device launch while EXPERIMENTAL_ENV is not 1)."""
     from gdn_packed import _cext
     C = _cext.get_C()
     if C is not None and getattr(C, "chunk_gdr_fwd_sm90_missing", ""):

@@ -123,5 +123,6 @@ def block_offsets(M: tl.constexpr, N: tl.constexpr):
     axis analysis reads (N contiguous, 16-byte aligned runs), so loads and stores through it are
     vectorised. (It was tl.reshape(tl.arange(0, M * N), [M, N]) to save offset registers; the analysis
     does not see through the reshape, so every access was element-wise: 2-byte STG / LDG in the SASS of
-    prep, the recompute, dq and dk, which the H200 measured at 7-12x the model, bench/NOTES.md.)"""
+    prep, the recompute, dq and dk, the kernels the H200 ran at 7-12x the model; how much of that this
+    was is not measured yet, bench/NOTES.md.)"""
     return tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :]

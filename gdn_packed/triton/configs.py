@@ -97,8 +97,8 @@ def bwd_configs(K, V, dtype, smem=227):
       of 128 and V-blocks of 16; dk K-blocks of 128 and V-blocks of 32, K-blocks of 32 and V-blocks of
       16 when V < 32, V-blocks of 16 when K <= 64; fp32 inputs: K-blocks of 64 and V-blocks of 16 for
       both (the V-block is the inner dimension of dO U^T: triton 3.6.0 refuses a tf32 dot with an inner
-      dimension of 8, which 3.9 takes; it failed to compile on an H200 with 3.6.0, 2026-12-04). Every K-block reads the V-blocks again (dO, U, dX', S^T,
-      dSn^T).
+      dimension of 8, which 3.9 takes; it failed to compile on an H200 with 3.6.0, 2026-12-04). Every
+      K-block reads the V-blocks again (dO, U, dX', S^T, dSn^T).
     - finalize: K-blocks of 64 (the l2norm backward's row dot, then its rows), 4 warps (no dots)."""
     fp32 = dtype == torch.float32
     narrow = fp32 or pow2(K) > 128
