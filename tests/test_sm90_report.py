@@ -266,7 +266,7 @@ def test_loop_runs_its_trips():
     per_trip = [_sim(body, trips=lambda k, loop, n=n: n)["cycles"] for n in (1, 5, 10)]
     assert per_trip[2] - per_trip[1] == 5 * (per_trip[1] - per_trip[0]) / 4
     assert per_trip[1] - per_trip[0] == 4 * (2 * lat.alu + 1)     # IADD3 -> ISETP -> BRA, each waiting
-    assert S.loops_in_order(S.program(_stub(body))) == [(0, 2, False)]
+    assert S.loops_in_order(S.program(_stub(body))) == [(0, 2, False, 0)]
 
 
 def test_sass_loops_take_the_ttir_trip_counts():
@@ -276,8 +276,62 @@ def test_sass_loops_take_the_ttir_trip_counts():
     ttir_loops = [dict(trips=7, dot=True, seq=True, const=False), dict(trips=2, dot=False, seq=False, const=True),
                   dict(trips=3, dot=False, seq=False, const=False)]
     table, seq_at = M.loop_trips(prog, ttir_loops)
-    # the constant 2-trip loop is unrolled away; the MMA loop is the chunk loop, the other takes 3
+    # one SASS loop without an MMA for two TTIR loops without a dot: the constant 2-trip one is taken
+    # as unrolled; the MMA loop is the chunk loop, the other takes 3
     assert seq_at == 0 and [t["trips"] for t in table] == [7, 3]
+
+
+def test_kept_constant_loops_run_their_trips():
+    """dq's shape: a constant 2-trip loop (the group's value heads) around a constant 8-trip loop (the
+    V-blocks), both kept as SASS loops by the compiler, run 2 and 8 trips (the model once ran each
+    once, taking every constant loop of <= 8 trips as unrolled)."""
+    sass = _stub(["MOV R1, RZ", "FADD R3, R3, R3", "HGMMA.64x32x16.F32.BF16 R24, gdesc[UR8], RZ, gsb0",
+                  "@P0 BRA 0x20", "FADD R2, R2, R2", "@P1 BRA 0x10", "EXIT"])
+    prog = S.program(sass)
+    assert [lp[3] for lp in S.loops_in_order(prog)] == [0, 1]
+    ttir_loops = [dict(trips=2, dot=True, seq=False, const=True, depth=0),
+                  dict(trips=8, dot=True, seq=False, const=True, depth=1)]
+    table, seq_at = M.loop_trips(prog, ttir_loops)
+    assert seq_at is None and [t["trips"] for t in table] == [2, 8]
+    one = S.simulate(prog, lambda k, _l: 1, S.Latencies())
+    both = S.simulate(prog, lambda k, _l: table[k]["trips"], S.Latencies())
+    assert both["mma_cycles"] == 16 * one["mma_cycles"]
+
+
+def test_narrow_global_accesses_bound_a_kernel_at_their_per_sm_cost():
+    """Element-wise (2-byte) stores in a loop: simulate counts them with the loop's trips, and estimate
+    charges const.narrow SM cycles for each warp's one over the busiest SM - the bound the H200 showed
+    (bench/NOTES.md, "The model after the H200"); the same loop of 16-byte stores is not narrow-bound."""
+    body = ["STG.E.U16 desc[UR4][R2.64], R5", "IADD3 R1, R1, 0x1, RZ", "ISETP.GE.AND P0, PT, R1, R6, PT",
+            "@!P0 BRA 0x0", "EXIT"]
+    assert _sim(body, trips=lambda k, loop: 64)["narrow"] == 64
+    k = _Kernel(body)
+    k.ttir_loops = [dict(trips=64, dot=False, seq=False, const=True, depth=0)]
+    e = M.estimate(k, 132 * 4, 4, (), 0, M.CONSTANTS)
+    assert e["narrow"] == 132 * 4 * 4 * 64 and e["bound"] == "narrow"
+    assert abs(e["t_narrow"] - 4 * 4 * 64 * M.CONSTANTS.narrow / M.CLOCK_HZ) < 1e-15
+    wide = _Kernel(["STG.E.128 desc[UR4][R2.64], R8"] + body[1:])
+    wide.ttir_loops = k.ttir_loops
+    w = M.estimate(wide, 132 * 4, 4, (), 0, M.CONSTANTS)
+    assert w["narrow"] == 0 and w["bound"] != "narrow"
+
+
+def test_measured_rows_join_the_model_per_kernel(tmp_path):
+    """--measured: a profile CSV's device times beside the report's rows, per kernel, launches summed."""
+    from bench.sm90 import measured
+    path = tmp_path / "kernels.csv"
+    path.write_text("shape,provider,mode,kernel,calls,us\n1x32768,ours-triton,fwd,prep,1.0,300.0\n"
+                    "1x32768,ours-triton,fwd,state,2.0,100.0\n1x32768,ours-triton,fwd,elementwise,3.0,8.0\n"
+                    "1x32768,hf-torch,fwd,prep,1.0,9.0\n")
+    rows = [dict(shape="anchor", impl="ours", mode="fwd", kernel="prep", est_us=100.0, bound="latency"),
+            dict(shape="anchor", impl="ours", mode="fwd", kernel="state", est_us=30.0, bound="bytes"),
+            dict(shape="anchor", impl="ours", mode="fwd", kernel="state", est_us=20.0, bound="latency"),
+            dict(shape="anchor", impl="ours", mode="fwd", kernel="torch ops (2 launches)", est_us=5.0, bound="bytes")]
+    joined = measured.join(rows, [("anchor", (1, 32768, 16, 32, 128, 128))], measured.read([path]))
+    assert [(j["kernel"], j["measured_us"], j["model_us"], j["bound"], j["ratio"]) for j in joined] == [
+        ("prep", 300.0, 100.0, "latency", 3.0), ("state", 100.0, 50.0, "bytes+latency", 2.0)]
+    text = measured.format_join(joined)
+    assert "(the kernels above)" in text and "from 2.00 to 3.00" in text
 
 
 class _Kernel:

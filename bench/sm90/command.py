@@ -31,6 +31,8 @@ def parser():
                                                              # a subset of ours: only those kernels compile
   python -m bench kernels --shape anchor --shape 4x8192 --dtype bf16 --modes bwd   # ours and FLA's backward
   python -m bench kernels --check-only                       # the model check alone (seconds)
+  python -m bench kernels --shape anchor --dtype bf16 --modes fwd,bwd \
+      --measured bench/results/h200_2026-12-04/kernels_anchor.csv   # the model beside an H200's times
 Every est us is a model estimate naming its bound (latency, bytes, FLOPs); compiles are cached on disk
 ($GDN_PACKED_SM90_CACHE, default ~/.cache/gdn_packed/sm90), so a rerun compiles only changed kernels.""")
     ap.add_argument("--shape", action="append", help="anchor, 4x8192, 32x1024 or N,L,H,HV,K,V (repeatable; "
@@ -51,6 +53,10 @@ Every est us is a model estimate naming its bound (latency, bytes, FLOPs); compi
     ap.add_argument("--collect", action="store_true", help="record FLA at every published row again and compile "
                     "its kernels at the reference heads, writing the facts file (minutes; with --fit, at the "
                     "fitted constants)")
+    ap.add_argument("--measured", action="append", metavar="CSV", help="device times measured on a GPU (tools/"
+                    "gpu_check.py's profile CSV: shape, provider, mode, kernel, calls, us; repeatable): printed "
+                    "beside the model per kernel (bench/sm90/measured.py)")
+    ap.add_argument("--measured-csv", metavar="PATH", help="with --measured: write the joined rows here")
     ap.add_argument("--json", help="write the rows as JSON here")
     ap.add_argument("--csv", help="write the rows as CSV here (with --check-only: the check's rows)")
     ap.add_argument("--txt", help="write the table here (with --check-only: the check's text)")
@@ -65,6 +71,11 @@ def parse(argv):
         if bad:
             raise ValueError(f"unknown {what} {', '.join(map(repr, bad))}; valid: {', '.join(valid)}")
     args.shapes = [parse_shape(s) for s in (args.shape or DEFAULT_SHAPES)]
+    for path in args.measured or ():
+        if not os.path.isfile(path):
+            raise ValueError(f"--measured {path!r}: no such file")
+    if args.measured_csv and not args.measured:
+        raise ValueError("--measured-csv needs --measured")
     if args.kernels:
         try:
             re.compile(args.kernels)
@@ -121,6 +132,12 @@ def run(args):
     meta.update(triton=triton.__version__, shapes={n: d for n, d in args.shapes}, modes=list(args.modes),
                 dtypes=list(args.dtype), install="triton-only" if args.triton_only else "built")
     text = format_table(rows, totals, meta)
+    if args.measured:
+        from bench.sm90 import measured
+        joined = measured.join(rows, args.shapes, measured.read(args.measured))
+        text += "\n\n" + measured.format_join(joined)
+        if args.measured_csv:
+            measured.write(joined, args.measured_csv)
     if not args.no_check:
         text += "\n\n" + check(args, log)
     print(text)

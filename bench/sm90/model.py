@@ -17,9 +17,13 @@ Per launch of P programs of w warps, from the compile's facts (kernel_facts):
              HBM's: re-read tiles cost more than streamed ones, see bench/NOTES.md); no more than SM_BPS
              for each busy SM.
     FLOPs    2MNK of every dot / the tensor-core rate (bf16 790 TFLOP/s, tf32 395)
-    est      max(latency, bytes, FLOPs) + launch; the bound is the largest term.
-The constants (Constants: the latencies of sass.Latencies, l2_bps, launch_s) are global: none is per
-kernel. FIT names the ones fitted on FLA's published rows (validate.py); the others are fixed."""
+    narrow   the 1-2 byte global accesses (LDG / STG .U16 ...: an element-wise tile access) of the busiest SM,
+             `narrow` cycles each: what the H200 showed (5-12x the model in the kernels with them) and
+             the terms above do not see
+    est      max(latency, bytes, FLOPs, narrow) + launch; the bound is the largest term.
+The constants (Constants: the latencies of sass.Latencies, l2_bps, launch_s, narrow) are global: none is
+per kernel. FIT names the ones fitted on FLA's published rows (validate.py); narrow is fitted on the
+H200's per-kernel times of ours (bench/results/h200_2026-12-04); the others are fixed."""
 import dataclasses
 import heapq
 import math
@@ -32,8 +36,12 @@ from bench.sm90.hopper import (CLOCK_HZ, HBM_BPS, MAX_CTAS_PER_SM, MAX_WARPS_PER
 @dataclasses.dataclass(frozen=True)
 class Constants:
     lat: sass.Latencies = sass.Latencies()
-    l2_bps: float = 2.795e12    # tiles read again (fitted)
+    l2_bps: float = 2.804e12    # tiles read again (fitted)
     launch_s: float = 2.5e-6
+    # SM cycles of one warp's 1-2 byte global access: fitted on the H200's per-kernel times of the four
+    # kernels that had them (bench/NOTES.md, "The model after the H200": the geometric mean of 151, 115-131,
+    # 104, 78; each kernel within -28% / +40% of it, held out -35% / +56%)
+    narrow: float = 109.0
 
     def get(self, name):
         return getattr(self.lat, name) if name in sass.Latencies.__dataclass_fields__ else getattr(self, name)
@@ -42,7 +50,7 @@ class Constants:
         return ", ".join(f"{n} {self.get(n):.4g}" for n in FIT)
 
     def as_dict(self):
-        return dict(dataclasses.asdict(self.lat), l2_bps=self.l2_bps, launch_s=self.launch_s)
+        return dict(dataclasses.asdict(self.lat), l2_bps=self.l2_bps, launch_s=self.launch_s, narrow=self.narrow)
 
     @classmethod
     def from_dict(cls, d):
@@ -73,21 +81,42 @@ def ctas_per_sm(regs, smem, warps):
 
 
 def loop_trips(prog, ttir_loops):
-    """trips(k, loop) for sass.simulate: the SASS loops (in program order) matched to the TTIR loops
-    that can stay loops (bounds not compile-time constants, or more than 8 trips), those holding an MMA
-    to those holding a dot and the others to the others, in order. Returns (trips function, index of the
-    chunk loop among the SASS loops or None); `n` chunks for the chunk loop."""
+    """trips(k, loop) for sass.simulate: the SASS loops (in program order) aligned with the TTIR loops
+    (in program order), a SASS loop matching a TTIR loop only if both hold an MMA / a dot or neither
+    does; the alignment keeps the most pairs, then prefers pairs at the same depth and leaves out
+    (as unrolled by ptxas) TTIR loops of constant bounds and few trips before the others. Triton keeps
+    a constant loop of 2 or 8 trips as a SASS loop as often as not (our prep, dq and dk keep every
+    one; some of FLA's kernels lose theirs), so no loop is taken as unrolled from its trip count
+    alone. An unmatched SASS loop runs once. Returns (table of the TTIR loop dicts, one per SASS loop,
+    index of the chunk loop among the SASS loops or None); `n` chunks for the chunk loop."""
     sl = sass.loops_in_order(prog)
-    keep = [t for t in ttir_loops if not t["const"] or t["trips"] > 8]
-    mma = [t for t in keep if t["dot"]]
-    other = [t for t in keep if not t["dot"]]
-    table, seq_at = [], None
-    for i, (_, _, has_mma) in enumerate(sl):
-        pool = mma if has_mma else other
-        t = pool.pop(0) if pool else dict(trips=1, seq=False)
-        table.append(t)
-        if t.get("seq") and seq_at is None:
-            seq_at = i
+    tl_ = list(ttir_loops)
+    n, m = len(sl), len(tl_)
+
+    def pair_score(i, j):
+        s, t = sl[i], tl_[j]
+        if s[2] != bool(t["dot"]):
+            return None
+        few = t["const"] and t["trips"] <= 8
+        return 4 + (s[3] == t.get("depth", s[3])) + (not few)
+
+    best = [[0] * (m + 1) for _ in range(n + 1)]       # best[i][j]: SASS loops i.., TTIR loops j..
+    for i in range(n - 1, -1, -1):
+        for j in range(m - 1, -1, -1):
+            ps = pair_score(i, j)
+            best[i][j] = max(best[i + 1][j], best[i][j + 1], ps + best[i + 1][j + 1] if ps is not None else 0)
+    table, i, j = [], 0, 0
+    while i < n:
+        ps = pair_score(i, j) if j < m else None
+        if ps is not None and best[i][j] == ps + best[i + 1][j + 1]:
+            table.append(tl_[j])
+            i, j = i + 1, j + 1
+        elif j < m and best[i][j] == best[i][j + 1]:
+            j += 1
+        else:
+            table.append(dict(trips=1, seq=False))
+            i += 1
+    seq_at = next((k for k, t in enumerate(table) if t.get("seq")), None)
     return table, seq_at
 
 
@@ -113,7 +142,7 @@ def _per_cta_linear(c, const):
             return sass.simulate(c.prog, lambda k, _l: (n if k == seq_at else table[k]["trips"])
                                  if k < len(table) else 1, const.lat)
         r4, r8 = run(4), run(8)
-        terms = ("cycles", "instr", "mma_cycles")
+        terms = ("cycles", "instr", "mma_cycles", "narrow")
         _LINEAR[key] = dict(a={k: r4[k] - (r8[k] - r4[k]) for k in terms}, b={k: (r8[k] - r4[k]) / 4 for k in terms},
                             seq_at=seq_at, seq_trips=table[seq_at]["trips"] if seq_at is not None else 0,
                             stalls={k: (r8["stalls"].get(k, 0.0) - r4["stalls"].get(k, 0.0)) / 4 for k in r8["stalls"]})
@@ -171,6 +200,11 @@ def estimate(c, programs, warps, seq_lens, tensor_bytes, const):
     else:
         durations = [dur(n) for n in chunks for _ in range(P // len(lens))]
     t_lat = _schedule(durations, slots) / CLOCK_HZ
+    # 1-2 byte global accesses: const.narrow cycles of an SM each (its load/store path), per busy SM
+    na, nb = a.get("narrow", 0.0), b.get("narrow", 0.0)
+    narrow = w * (P * na + nb * (sum(chunks) * (P // len(lens)) if seq_at is not None and not P % len(lens)
+                                 else P * (max(chunks) if seq_at is not None else 0)))
+    t_narrow = narrow / max(1, min(P, NUM_SMS)) * const.narrow / CLOCK_HZ
     tiles = P * (c.bytes_ld + c.bytes_st)
     hbm = min(tiles, tensor_bytes)
     busy = min(P, slots) / ctas
@@ -178,9 +212,10 @@ def estimate(c, programs, warps, seq_lens, tensor_bytes, const):
     flops = P * c.flops
     rate = TC_FLOPS["f32"] if any(a == "f32" for a, _, _ in c.dots) else TC_FLOPS["bf16"]
     t_tc = flops / rate
-    parts = {"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc}
+    parts = {"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc, "narrow": t_narrow}
     bound = max(parts, key=parts.get)
     return dict(ctas_per_sm=ctas, waves=math.ceil(P / slots) if P else 0, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc,
+                t_narrow=t_narrow, narrow=narrow,
                 hbm_bytes=tiles, flops=flops, bound=bound, est_s=(parts[bound] + const.launch_s) if P else 0.0)
 
 

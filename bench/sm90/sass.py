@@ -54,7 +54,7 @@ class Latencies:
     alu: float = 4.0        # integer / fp32 pipes, dependent issue
     xu: float = 12.0        # conversions (F2F, I2F, F2I, FRND) and MUFU (EX2, RCP, ...)
     smem: float = 30.0      # LDS / LDSM / SHFL: a shared-memory round trip (Luo et al. table IV: 29.0)
-    ldg: float = 509.9      # a global load (LDG, cp.async, TMA) from issue to data (fitted; Luo et al. table IV: 478.8)
+    ldg: float = 507.2      # a global load (LDG, cp.async, TMA) from issue to data (fitted; Luo et al. table IV: 478.8)
     # a warpgroup-MMA group's completion after the tensor pipe is done with it (hgmma_cycles): not fitted.
     # The published wgmma latencies (Luo et al. table VIII, m64n256k16: 128 cycles; Jarmusch and
     # Chandrasekaran, arXiv 2512.02189, H200: m64n64k16 32, m64n128k16 64, m64n256k16 128) are chains of
@@ -65,7 +65,7 @@ class Latencies:
     # cycles): 29 + 20 ~ 50. How ours / FLA moves with it: bench/NOTES.md, "wgmma latency".
     hgmma: float = 50.0
     hmma: float = 32.0      # mma.sync
-    bar: float = 65.04      # a CTA barrier (BAR.SYNC) once every warp has arrived (fitted)
+    bar: float = 64.22      # a CTA barrier (BAR.SYNC) once every warp has arrived (fitted)
 
 
 _FULL = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
@@ -186,6 +186,10 @@ def hgmma_cycles(op, rest=""):
 
 
 _MEMORY = ("LDG", "LD.", "STG", "ST.", "ATOM", "RED", "LDS", "STS")
+# 1- and 2-byte global accesses (LDG / STG .U8 / .S8 / .U16 / .S16): an element-wise tile access the compiler
+# did not vectorise (triton 3.6.0 compiled every tile access through a reshaped arange this way in the
+# kernels an H200 ran at 5-12x the model; bench/NOTES.md, "First GPU run")
+NARROW_GLOBAL = re.compile(r"(?:LDG|STG)\.E(?:\.\w+)*?\.(?:U8|S8|U16|S16)(?:\.\w+)*$")
 _SHARED = ("LDS", "STS", "ATOMS")
 
 
@@ -202,10 +206,11 @@ def simulate(prog, trips, lat, cap=3):
     warp's loads and stores in flight (shared: smem, global: ldg cycles after issue; not cp.async or
     TMA, which complete through their own waits). A loop runs at most `cap`
     iterations; the rest are charged at the last simulated iteration's cycles and instructions. "stalls":
-    the cycles the warp waited, by what it waited for (wgmma, global, shared, barrier, alu, xu, mma)."""
+    the cycles the warp waited, by what it waited for (wgmma, global, shared, barrier, alu, xu, mma);
+    "narrow": the warp's 1-2 byte global accesses (NARROW_GLOBAL), loops counted like instructions."""
     tree = loop_tree(prog)
     st = dict(t=0.0, extra=0.0, instr=0.0, extra_instr=0.0, mma=0.0, extra_mma=0.0, pipe=0.0, cp_open=0.0,
-              wg_open=0.0, mem=0.0)
+              wg_open=0.0, mem=0.0, narrow=0.0, extra_narrow=0.0)
     ready, cp_groups, wg_groups, tma, stalls = {}, [], [], [], {}
     loop_no = [0]
 
@@ -267,6 +272,8 @@ def simulate(prog, trips, lat, cap=3):
         st["t"] = t
         if not op.startswith("NOP"):
             st["instr"] += 1.0
+        if NARROW_GLOBAL.match(op):
+            st["narrow"] += 1.0
 
     def run(nodes):
         for node in nodes:
@@ -280,7 +287,7 @@ def simulate(prog, trips, lat, cap=3):
             before = None
             for _ in range(min(n, cap)):
                 before = (st["t"] + st["extra"], st["instr"] + st["extra_instr"], st["mma"] + st["extra_mma"],
-                          dict(stalls))
+                          dict(stalls), st["narrow"] + st["extra_narrow"])
                 mark = loop_no[0]
                 loop_no[0] = k + 1
                 run(inner)
@@ -289,6 +296,7 @@ def simulate(prog, trips, lat, cap=3):
                 st["extra"] += (n - cap) * (st["t"] + st["extra"] - before[0])
                 st["extra_instr"] += (n - cap) * (st["instr"] + st["extra_instr"] - before[1])
                 st["extra_mma"] += (n - cap) * (st["mma"] + st["extra_mma"] - before[2])
+                st["extra_narrow"] += (n - cap) * (st["narrow"] + st["extra_narrow"] - before[4])
                 for k, v in list(stalls.items()):
                     stalls[k] = v + (n - cap) * (v - before[3].get(k, 0.0))
             if n == 0:
@@ -297,7 +305,7 @@ def simulate(prog, trips, lat, cap=3):
     run(tree)
     end = max([st["t"]] + cp_groups + wg_groups)
     return dict(cycles=end + st["extra"], instr=st["instr"] + st["extra_instr"], mma_cycles=st["mma"] + st["extra_mma"],
-                stalls=stalls)
+                narrow=st["narrow"] + st["extra_narrow"], stalls=stalls)
 
 
 def _count_loops(nodes):
@@ -305,13 +313,15 @@ def _count_loops(nodes):
 
 
 def loops_in_order(prog):
-    """[(first, last, holds an MMA)] of every loop of loop_tree(prog), in the order simulate numbers them."""
+    """[(first, last, holds an MMA, depth)] of every loop of loop_tree(prog), in the order simulate
+    numbers them; depth: the loops around it."""
     out = []
 
-    def walk(nodes):
+    def walk(nodes, depth):
         for n in nodes:
             if not isinstance(n, int):
-                out.append((n[0], n[1], any(prog[i].op.startswith(("HGMMA", "HMMA")) for i in range(n[0], n[1] + 1))))
-                walk(n[2])
-    walk(loop_tree(prog))
+                out.append((n[0], n[1], any(prog[i].op.startswith(("HGMMA", "HMMA")) for i in range(n[0], n[1] + 1)),
+                            depth))
+                walk(n[2], depth + 1)
+    walk(loop_tree(prog), 0)
     return out

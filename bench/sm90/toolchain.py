@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 
 from bench.sm90.hopper import SM90_TARGET
-from bench.sm90.sass import program, sass_instructions, sass_loop
+from bench.sm90.sass import NARROW_GLOBAL, program, sass_instructions, sass_loop
 from bench.sm90.ttir import read_ttir
 
 
@@ -59,9 +59,6 @@ def toolchain_missing():
 
 
 _BUILDS, _READS, _PROGS = {}, {}, {}
-# 1- and 2-byte global accesses: triton 3.6.0 compiled every tile access through a reshaped arange this
-# way (2-byte STG / LDG) in the kernels an H200 ran at 7-12x the model (bench/NOTES.md, "First GPU run")
-NARROW_GLOBAL = re.compile(r"(?:LDG|STG)\.E(?:\.\w+)*?\.(?:U8|S8|U16|S16)(?:\.\w+)*$")
 
 
 def _build_key(launch):

@@ -69,15 +69,15 @@ def read_ttir(text, scalars, seq_chunks):
     a loop whose bounds are loaded from memory runs seq_chunks times if it holds a dot (the chunk loop)
     and 0 times if not (padding rows: the report's shapes have none); both branches of an if are counted.
     "loops": every scf.for in program order (outer before inner): its trips per entry, whether it holds a
-    dot, whether it is the sequential chunk loop (a dot, bounds not compile-time constants) and whether
-    its bounds are compile-time constants."""
+    dot, whether it is the sequential chunk loop (a dot, bounds not compile-time constants), whether
+    its bounds are compile-time constants and its depth (the scf.for loops around it)."""
     vals, consts = _int_values(text, scalars), _int_values(text, {})
     acc = dict(flops=0.0, ld=0.0, st=0.0, seq_loop=False, seq_trips=0, dots=[], loops=[])
 
     def has_dot(node):
         return any(has_dot(x) if isinstance(x, dict) else " tt.dot " in x for x in node["items"])
 
-    def walk(node, mult):
+    def walk(node, mult, depth=0):
         for x in node["items"]:
             if isinstance(x, dict):
                 m = re.search(r"scf\.for %[\w.-]+ = (%[\w.#-]+) to (%[\w.#-]+) step (%[\w.#-]+)", x["head"])
@@ -92,8 +92,8 @@ def read_ttir(text, scalars, seq_chunks):
                     if seq:
                         acc["seq_loop"], acc["seq_trips"] = True, max(acc["seq_trips"], trips)
                     acc["loops"].append(dict(trips=trips, dot=has_dot(x), seq=seq,
-                                             const=all(v in consts for v in m.groups())))
-                walk(x, mult * trips)
+                                             const=all(v in consts for v in m.groups()), depth=depth))
+                walk(x, mult * trips, depth + bool(m))
             elif " tt.dot " in x:
                 m = re.search(r": tensor<((?:\d+x)+)(\w+)> \* tensor<((?:\d+x)+)(\w+)>", x)
                 da, a, db, b = m.groups()       # [batch x] M x K and [batch x] K x N
