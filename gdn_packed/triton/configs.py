@@ -98,7 +98,10 @@ def bwd_configs(K, V, dtype, smem=227):
       16 when V < 32, V-blocks of 16 when K <= 64; fp32 inputs: K-blocks of 64 and V-blocks of 16 for
       both (the V-block is the inner dimension of dO U^T: triton 3.6.0 refuses a tf32 dot with an inner
       dimension of 8, which 3.9 takes; it failed to compile on an H200 with 3.6.0, 2026-12-04). Every
-      K-block reads the V-blocks again (dO, U, dX', S^T, dSn^T).
+      K-block reads the V-blocks again (dO, U, dX', S^T, dSn^T). dq pipelines its V-block loop over 3
+      stages (the next V-blocks' dO, U, S^T tiles in flight while this one's products run: the loop
+      is a chain of global-load waits at 1 stage, bench/NOTES.md), 2 with K = 128 < V (3 spill 16-24 B
+      at V = 64); dk at 2 or 3 stages spills 8 B, so it keeps 1.
     - finalize: K-blocks of 64 (the l2norm backward's row dot, then its rows), 4 warps (no dots)."""
     fp32 = dtype == torch.float32
     narrow = fp32 or pow2(K) > 128
@@ -110,7 +113,7 @@ def bwd_configs(K, V, dtype, smem=227):
     return dict(
         dstate=dict(BK=pow2(K), BV=BV, num_warps=8 if narrow or wide else 4, num_stages=stages),
         dq=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=16, PREC=dot_precision(dtype),
-                num_warps=8, num_stages=1),
+                num_warps=8, num_stages=3 if pow2(V) >= 128 or pow2(K) < 128 else 2),
         dk=dict(BK=min(64 if fp32 else 128 if pow2(V) >= 32 else 32, pow2(K)),
                 BV=32 if not fp32 and pow2(K) >= 128 and pow2(V) >= 32 else 16, PREC=dot_precision(dtype),
                 num_warps=8, num_stages=1),
