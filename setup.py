@@ -8,6 +8,9 @@ Environment knobs:
   GDN_PACKED_CUTLASS_INCLUDE=D  the CUTLASS / CuTe headers (default: those of the `nvidia-cutlass` wheel,
                                 a pinned build requirement); without them, or without 90a among the
                                 archs, the sm_90a chunked kernel is left out of _C (it says why)
+  GDN_PACKED_SM90_WATCHDOG=N    debug build: every mbarrier wait of the sm_90a chunked kernels prints who
+                                waits on what and traps after N failed try_waits (-DGDN_SM90_WATCHDOG=N;
+                                csrc/chunk_gdr_sm90_device.cuh); _C.sm90_watchdog says N (0: off)
   MAX_JOBS=N                    parallel compile jobs (default: number of CPUs)
   CUDACXX / CUDA_HOME           where to find nvcc (else PATH, else /usr/local/cuda/bin/nvcc)
 
@@ -66,6 +69,16 @@ def find_cutlass_include():
     return d, ""
 
 
+def sm90_watchdog():
+    """GDN_PACKED_SM90_WATCHDOG as the spin count of the sm_90a kernels' barrier watchdog ('' when off)."""
+    v = os.environ.get("GDN_PACKED_SM90_WATCHDOG", "").strip()
+    if v in ("", "0"):
+        return ""
+    if not v.isdigit() or int(v) < 1000:
+        raise RuntimeError(f"gdn_packed: GDN_PACKED_SM90_WATCHDOG={v!r}: a spin count >= 1000 (e.g. 2000000)")
+    return str(int(v))
+
+
 def find_cmake():
     try:  # the `cmake` PyPI package (a build requirement) ships a recent CMake
         import cmake
@@ -115,6 +128,7 @@ class CMakeBuild(build_ext):
         archs = os.environ.get("GDN_PACKED_CUDA_ARCHS", DEFAULT_ARCHS)
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 2)
         cutlass, why_not = find_cutlass_include()
+        watchdog = sm90_watchdog()
         if cutlass is None:
             banner(f"gdn_packed: building _C WITHOUT the sm_90a chunked kernel: {why_not}\n"
                    f"  (pip install {CUTLASS_PIN}; backend='cuda' of chunk_gated_delta_rule then says so)")
@@ -135,10 +149,13 @@ class CMakeBuild(build_ext):
             f"-DGDN_OUTPUT_DIR={extdir}",
             f"-DGDN_CUTLASS_INCLUDE={cutlass or ''}",
             f"-DGDN_NO_SM90_WHY={why_not}",
+            f"-DGDN_SM90_WATCHDOG={watchdog}",     # always passed: '' clears an earlier watchdog build's
         ]
         build = [cmake, "--build", build_dir, "--verbose", "-j", jobs]
         banner(f"gdn_packed: building CUDA extension {ext.name}\n  nvcc: {self._nvcc}\n"
-               f"  cmake: {cmake}\n  archs: {archs}\n  output: {fullpath}")
+               f"  cmake: {cmake}\n  archs: {archs}\n  output: {fullpath}"
+               + (f"\n  DEBUG: sm_90a barrier watchdog, trap after {watchdog} failed try_waits "
+                  "(GDN_PACKED_SM90_WATCHDOG)" if watchdog else ""))
         log_path = os.path.join(build_dir, "build.log")
         with open(log_path, "w") as log:
             if self._run(configure, log) != 0:

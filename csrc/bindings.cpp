@@ -22,6 +22,9 @@ namespace py = pybind11;
 #ifndef GDN_CUDA_ARCHS
 #define GDN_CUDA_ARCHS "unknown"
 #endif
+#ifndef GDN_SM90_WATCHDOG_SPINS   // CMakeLists.txt: the spin count of a watchdog build (GDN_PACKED_SM90_WATCHDOG)
+#define GDN_SM90_WATCHDOG_SPINS 0
+#endif
 
 namespace {
 
@@ -340,6 +343,8 @@ PYBIND11_MODULE(_C, m) {
              "Varlen causal conv1d backward (gdn_packed/cuda/conv1d.py).");
   def_kernel(m, "recurrent_gdr_fwd", recurrent_args(), &gdn::recurrent_gdr,
              "Recurrent gated delta rule forward (gdn_packed/cuda/recurrent.py).");
+  // the sm_90a kernels' barrier watchdog (a debug build: GDN_PACKED_SM90_WATCHDOG, setup.py): its spin count, 0 off
+  m.attr("sm90_watchdog") = static_cast<int64_t>(GDN_SM90_WATCHDOG_SPINS);
 #if defined(GDN_HAVE_SM90)
   m.attr("chunk_gdr_fwd_sm90_missing") = std::string();
   m.attr("chunk_gdr_fwd_sm90_smem_bytes") = gdn::chunk_gdr_fwd_sm90_smem_bytes();

@@ -90,7 +90,9 @@ chunk_gdr_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
           next = __ldg(table + j - 1);
           next_eg = __ldg(a.eg_last + (j - 1) * HV + hv);
         }
-        if (it >= kBwdStages) mbar_wait(&sm.empty[st], ((it / kBwdStages) + 1) & 1);
+        if (it >= kBwdStages)
+          mbar_wait(&sm.empty[st], ((it / kBwdStages) + 1) & 1,
+                    "bwd producer, empty[it % 3]: the stage released by both CTAs' dS", it);
         sm.rows[st][0] = start;
         sm.rows[st][1] = length;
         sm.eg_last[st] = eg;
@@ -120,7 +122,8 @@ chunk_gdr_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
       constexpr bool kFirst = decltype(first)::value;
       const int st = it % kBwdStages;
       const int64_t j = c1 - 1 - it, slot = j * HV + hv;
-      mbar_wait(&sm.full[st], (it / kBwdStages) & 1);
+      mbar_wait(&sm.full[st], (it / kBwdStages) & 1, "bwd dS, full[it % 3]: k/q/Ts/M/dO and the gate rows landed",
+                it);
       const int64_t start = sm.rows[st][0];
       const int length = sm.rows[st][1];
       if constexpr (kFirst) {

@@ -117,7 +117,9 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
           x[j] = live ? a.g[row * HV + hv] : 0.f;
           y[j] = live ? a.beta[row * HV + hv] : 0.f;
         }
-        if (it >= kStages) mbar_wait(&sm.empty[st], ((it / kStages) + 1) & 1);
+        if (it >= kStages)
+          mbar_wait(&sm.empty[st], ((it / kStages) + 1) & 1,
+                    "fwd producer, empty[it % 3]: the k/q/v stage released by both CTAs' state", it);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {              // the gates (from raw a, b with raw_gates), 0 on dead rows
           const int i = wtid + 32 * j;
@@ -151,8 +153,10 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
     auto prep_one = [&](int it, auto last) {
       constexpr bool kLast = decltype(last)::value;
       const int st = it % kStages, b = it % kPrepBufs;
-      mbar_wait(&sm.full[st], (it / kStages) & 1);
-      if (it >= kPrepBufs) mbar_wait(&sm.prepfree[b], ((it / kPrepBufs) + 1) & 1);
+      mbar_wait(&sm.full[st], (it / kStages) & 1, "fwd prep, full[it % 3]: the TMA of k/q/v landed", it);
+      if (it >= kPrepBufs)
+        mbar_wait(&sm.prepfree[b], ((it / kPrepBufs) + 1) & 1,
+                  "fwd prep, prepfree[it % 4]: the prep buffer read by both CTAs' state", it);
       const int length = sm.rows[st][1];
       if constexpr (kLast) {
         if (length < kC) {                        // (the Gram products read the zeroed rows: fenced)
@@ -200,8 +204,10 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
       const int st = it % kStages, b = it % kPrepBufs;
       const bool mine = it % kVBlocks == vb;      // prepped here (else by the peer)
       if (wtid == 0) release_held();
-      mbar_wait(&sm.full[st], (it / kStages) & 1);
-      mbar_wait(&sm.prepped[b], (it / kPrepBufs) & 1);   // (filled by the peer's bulk copy when !mine)
+      mbar_wait(&sm.full[st], (it / kStages) & 1, "fwd state, full[it % 3]: the TMA of k/q/v landed", it);
+      mbar_wait(&sm.prepped[b], (it / kPrepBufs) & 1,      // (filled by the peer's bulk copy when !mine)
+                mine ? "fwd state, prepped[it % 4]: Ts/M/gates from this CTA's prep"
+                     : "fwd state, prepped[it % 4]: Ts/M/gates by the peer prep's bulk copy", it);
       const int64_t start = sm.rows[st][0];
       const int length = sm.rows[st][1];
       if constexpr (kLast) {

@@ -13,6 +13,9 @@
 
 #include <string>
 #include <utility>
+#if defined(GDN_SM90_WATCHDOG)
+#include <cstdio>
+#endif
 
 #include "api.h"
 #include "chunk_gdr_sm90.cuh"
@@ -35,11 +38,56 @@ __device__ __forceinline__ uint32_t swz(uint32_t row, uint32_t chunk) {   // byt
 __device__ __forceinline__ void mbar_init(uint64_t* b, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");
 }
-__device__ __forceinline__ void mbar_wait(uint64_t* b, int phase) {
+#if defined(GDN_SM90_WATCHDOG)
+// The barrier watchdog, a debug build only (-DGDN_SM90_WATCHDOG=<spins>; setup.py passes it from
+// GDN_PACKED_SM90_WATCHDOG): a wait that has failed <spins> try_waits prints one line (the lowest waiting
+// lane of each warp) naming the CTA, its cluster rank, the thread and warp, the barrier's shared address,
+// the parity waited for, the call site's tag and chunk step, and how long it has waited; after as many
+// failed try_waits again it traps, so that every stuck warp has printed before the first trap ends the
+// grid. What one failed try_wait costs in time is the hardware's suspend limit (the line reports it).
+// What it changes (ptxas 13.0): printf is a call, so the wgmma are serialized (C7510) and values live
+// across the call spill on its cold path; the barrier protocol and the setmaxnreg split stay (the report
+// is inlined: as a __noinline__ function it made ptxas ignore setmaxnreg, C7507, in the producer's 32).
+static_assert(GDN_SM90_WATCHDOG >= 1000, "GDN_SM90_WATCHDOG=<spins>: a bare -DGDN_SM90_WATCHDOG defines 1");
+__device__ __forceinline__ void mbar_stuck(uint32_t addr, int phase, const char* tag, int it, uint64_t t0) {
+  const unsigned lanes = __activemask();
+  if ((threadIdx.x & 31) != static_cast<unsigned>(__ffs(lanes) - 1)) return;
+  uint32_t rank;
+  uint64_t t1;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1));
+  printf("GDN_SM90_WATCHDOG: %s, it %d: block (%d,%d,%d) cluster rank %u thread %d warp %d lanes 0x%08x: "
+         "mbarrier smem 0x%x parity %d not complete after %lld try_waits (%.3f ms)\n",
+         tag, it, static_cast<int>(blockIdx.x), static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z), rank,
+         static_cast<int>(threadIdx.x), static_cast<int>(threadIdx.x >> 5), lanes, addr, phase,
+         static_cast<long long>(GDN_SM90_WATCHDOG), static_cast<double>(t1 - t0) * 1e-6);
+}
+#endif
+// wait for the phase of parity `phase` of barrier b; tag and it (the waiter's chunk step) name the call
+// site in the watchdog build's report and are unused otherwise (the default build's code is the bare loop)
+__device__ __forceinline__ void mbar_wait(uint64_t* b, int phase, const char* tag = "mbarrier", int it = -1) {
+#if defined(GDN_SM90_WATCHDOG)
+  const uint32_t addr = smem_u32(b);
+  uint64_t t0;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  for (long long spins = 1;; ++spins) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(addr), "r"(phase) : "memory");
+    if (done) return;
+    if (spins == GDN_SM90_WATCHDOG) mbar_stuck(addr, phase, tag, it, t0);
+    if (spins == 2LL * GDN_SM90_WATCHDOG) __trap();
+  }
+#else
+  (void)tag;
+  (void)it;
   asm volatile(
       "{\n.reg .pred p;\nWAIT_%=:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
       "@!p bra WAIT_%=;\n}\n" ::"r"(smem_u32(b)), "r"(phase) : "memory");
+#endif
 }
 __device__ __forceinline__ void mbar_arrive(uint64_t* b, uint32_t count = 1) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(count) : "memory");

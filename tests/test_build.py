@@ -213,6 +213,56 @@ def test_sm90_dstate_loop_runs_its_step_on_the_tensor_cores(ptxas_report, report
         assert got == [(Counter({"64x64x16": 16, "64x128x16": 12}), 3)], (name, got)
 
 
+WATCHDOG_SPINS = 1000000
+
+
+def watchdog_command(src, obj):
+    """The sm_90a compile (cuda_chunk.nvcc_command) of the debug build with the barrier watchdog
+    (setup.py: GDN_PACKED_SM90_WATCHDOG)."""
+    return cuda_chunk.nvcc_command(src, obj) + [f"-DGDN_SM90_WATCHDOG={WATCHDOG_SPINS}"]
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="no cuobjdump (CUDA toolkit or triton's copy): SASS not read")
+def test_sm90_watchdog_build_traps_and_prints(ptxas_report, report_table):
+    """The debug build of both sm_90a chunked kernels with -DGDN_SM90_WATCHDOG (every mbarrier wait
+    prints the stuck barrier and traps after that many failed try_waits: csrc/chunk_gdr_sm90_device.cuh)
+    compiles; each instantiation's SASS has the trap (BPT.TRAP) and the printf (vprintf: the only
+    absolute call, an extern; the default build has neither, checked here too); the forward keeps its
+    setmaxnreg split (ptxas did not drop it for the call: C7507) so the debug build runs the default's
+    register budget. Registers and spills are reported, not bounded (printf is a call: values live across
+    it spill on its cold path, and ptxas serializes the wgmma, C7510). Compiled once each, in parallel,
+    cached with the report's compiles (bench/sm90/cuda_chunk.py)."""
+    keys = glob.glob(os.path.join(CSRC, "*.cu*")) + glob.glob(os.path.join(CSRC, "*.h"))
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        outs = dict(zip(SM90_ONLY, ex.map(
+            lambda f: cuda_chunk.nvcc_cached("cuda_chunk_watchdog", os.path.join(CSRC, f), watchdog_command, keys),
+            SM90_ONLY)))
+    for file, kernel in SM90_ONLY.items():
+        out = outs[file]
+        assert "error" not in out, f"{file} with -DGDN_SM90_WATCHDOG={WATCHDOG_SPINS}: {out.get('error')}"
+        default = SASS.get(file, "")
+        assert default and "BPT.TRAP" not in default and "CALL.ABS" not in default, \
+            f"the default build of {file} has a trap or an extern call"
+        recs = parse_ptxas(out["ptxas"])
+        assert len(recs) == 2, (file, recs)
+        for r in recs:
+            report_table(f"sm_90a chunked kernels, watchdog build (-DGDN_SM90_WATCHDOG={WATCHDOG_SPINS}), ptxas -v",
+                         f"{kernel} {r['name'][-40:]}: {r['registers']} registers, spill {r['spill']} B, "
+                         f"stack {r['stack']} B")
+        bodies = re.split(r"\n\s*Function : ", out["sass"])[1:]
+        assert len(bodies) == 2, (file, len(bodies))
+        for body in bodies:
+            name = body.split("\n", 1)[0].strip()
+            assert "BPT.TRAP" in body, f"{name}: no trap in the watchdog build"
+            assert "CALL.ABS" in body, f"{name}: no vprintf call in the watchdog build"
+            if "fwd" in kernel:
+                assert "C7507" not in out["ptxas"], [ln for ln in out["ptxas"].splitlines() if "C7507" in ln]
+                dec = [int(x, 16) for x in re.findall(r"USETMAXREG\.DEALLOC\S*\s+(0x[0-9a-f]+)", body)]
+                inc = sorted({int(x, 16) for x in re.findall(r"USETMAXREG\.TRY_ALLOC\S*\s+\w+,\s*(0x[0-9a-f]+)", body)})
+                assert (dec, inc) == ([32], [232, 240]), (name, dec, inc)
+
+
 def test_parse_ptxas_sample():
     sample = """ptxas info    : Compiling entry function '_Z1kPi' for 'sm_90a'
 ptxas info    : Function properties for _Z1kPi

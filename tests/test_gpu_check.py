@@ -97,6 +97,34 @@ def test_bad_arguments_name_the_valid_choices(tmp_path):
     assert p.returncode == 2 and "SECONDS must be a number" in p.stderr, p.stderr
 
 
+def test_a_hung_forward_probe_rebuilds_with_the_watchdog_and_names_the_barrier(monkeypatch):
+    """The sanitizer step's probe of the sm_90a forward, its processes faked: a timeout, then _C rebuilt
+    with GDN_PACKED_SM90_WATCHDOG and the probe rerun; the stuck waits' lines reach the note, and the
+    forward is left out of the later runs."""
+    monkeypatch.syspath_prepend(TOOLS)
+    import gpu_check
+
+    calls = []
+    line = ("GDN_SM90_WATCHDOG: fwd state, prepped[it % 4]: Ts/M/gates by the peer prep's bulk copy, it 1: "
+            "block (1,0,0) cluster rank 1 thread 256 warp 8 lanes 0xffffffff: mbarrier smem 0x37408 parity 0 "
+            "not complete after 200000 try_waits (31.2 ms)")
+
+    def py(*args, env=None, timeout=None):
+        calls.append((args, dict(env or r.env)))
+        if args[-1] == "--inplace":
+            return 0, "built"
+        return (None, "") if len(calls) == 1 else (1, line + "\nRuntimeError: CUDA error: unspecified launch failure")
+
+    r = gpu_check.Run("/nonexistent", False, {"sanitizer": 60}, open(os.devnull, "w"))
+    r.tmp, r.env = "/nonexistent", {gpu_check.EXPERIMENTAL_ENV: "1"}
+    monkeypatch.setattr(r, "py", py)
+    hung, note, d = gpu_check._forward_probe(r)
+    assert hung and "HUNG" in note and "1 stuck waits: fwd state, prepped[it % 4]" in note, note
+    assert d["watchdog_lines"] == [line]
+    assert calls[1][1]["GDN_PACKED_SM90_WATCHDOG"] == str(gpu_check.WATCHDOG_SPINS)
+    assert calls[2][1][gpu_check.EXPERIMENTAL_ENV] == "1" and gpu_check.EXPERIMENTAL_ENV not in r.env
+
+
 # ---- the plugin, on a small suite of its own -------------------------------------------------------------
 SUITE = {
     "test_devicey.py": """

@@ -17,7 +17,11 @@ so time an early step leaves is given to the later ones and the whole run ends i
   sanitizer  the CUDA kernels (chunk table, conv fwd+bwd, recurrent, the sm_90a chunked forward with
              the Triton backward, the sm_90a backward's dS pass against the Triton one) and one Triton
              chunked forward+backward, small packed cases, run
-             plainly, under compute-sanitizer memcheck and racecheck; dry run: plainly, on CPU
+             plainly, under compute-sanitizer memcheck and racecheck; dry run: plainly, on CPU. Where
+             the sm_90a forward may launch (GDN_PACKED_EXPERIMENTAL_CUDA_CHUNK=1) a probe runs it first
+             on one 64-token sequence with a timeout; if it hangs, _C is rebuilt with the barrier
+             watchdog (GDN_PACKED_SM90_WATCHDOG) and the probe rerun: the lines of its trap name the
+             stuck mbarrier waits; the later runs and steps then leave the forward out
   graph      CUDA-graph capture and replay of the chunked op's forward+backward over a packing, under
              torch.cuda.set_sync_debug_mode("error"), replay against eager on new data
   bench      python -m bench on the GPU suite's headline cases (one invocation each, merged);
@@ -63,6 +67,13 @@ BENCH_JOBS = [("B1_T32768_H16x32_K128_V128", "fwd,fwdbwd"),
               ("B1_T32768_H16x32_K128_V128_D8192", "fwd,fwdbwd")]
 DRY_BENCH_JOBS = [("TINY_PACK_L128_MB1_DOC40_H1x2_K32_V32", "fwd")]
 GRACE_S = 3          # a process over its budget gets SIGINT this long before its deadline, then SIGKILL
+# the sanitizer step's probe of the sm_90a forward (one 64-token sequence; it hung on an H200, 2026-12-04):
+# its timeout, and the spin count of the watchdog build made when it hangs (GDN_PACKED_SM90_WATCHDOG:
+# each stuck waiter prints at this many failed try_waits and traps at twice it; the probe's legitimate
+# waits are microseconds, and what one failed try_wait takes - the hardware's suspend limit - is not
+# known: a small count keeps the trap inside the rerun's timeout even at ~10 us a try_wait)
+EXPERIMENTAL_ENV = "GDN_PACKED_EXPERIMENTAL_CUDA_CHUNK"
+PROBE_S, WATCHDOG_SPINS = 25, 200000
 OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench.csv", "bench.json", "kernels.csv",
              "ncu.csv")
 # the ncu step: our chunk-parallel kernels, which took 7-12x the model's estimates on the H200 (2026-12-04),
@@ -264,15 +275,54 @@ def step_tests(r):
     return ("ok" if rc == 0 else "fail"), note, details
 
 
+def _forward_probe(r):
+    """The sm_90a forward on one 64-token sequence in a child, PROBE_S at most: (hung, note, details).
+    On a hang (the child timed out) _C is rebuilt with the barrier watchdog and the probe rerun: each
+    mbarrier wait stuck for WATCHDOG_SPINS failed try_waits prints a GDN_SM90_WATCHDOG line (the call site,
+    the chunk step, CTA, cluster rank, warp, barrier address, parity) and then traps; no line and a second
+    timeout means the stuck wait is not an mbarrier's (a named or cluster barrier, setmaxnreg). The
+    forward is then left out of the rest of the run (EXPERIMENTAL_ENV dropped: backend='cuda' refuses)."""
+    res = os.path.join(r.tmp, "probe.json")
+    rc, out = r.py(os.path.abspath(__file__), "case", "probe", "--json", res, timeout=PROBE_S)
+    if rc is not None:
+        d = _read_json(res)
+        return False, "forward probe: " + (d.get("note") or _last_lines(out)), d
+    d = {"hung": True}
+    note = f"forward probe HUNG (no finish in {PROBE_S} s)"
+    r.env.pop(EXPERIMENTAL_ENV, None)
+    env = dict(r.env, GDN_PACKED_SM90_WATCHDOG=str(WATCHDOG_SPINS),
+               GDN_PACKED_CUDA_ARCHS=os.environ.get("GDN_PACKED_CUDA_ARCHS", "80;90a"))
+    rc, out = r.py("setup.py", "build_ext", "--inplace", env=env)
+    if rc != 0:
+        d["watchdog_build"] = "out of time" if rc is None else _last_lines(out)
+        return True, note + "; watchdog build " + ("out of time" if rc is None else "FAILED: " + _last_lines(out)), d
+    rc, out = r.py(os.path.abspath(__file__), "case", "probe", "--json", res,
+                   env=dict(env, **{EXPERIMENTAL_ENV: "1"}), timeout=PROBE_S + 20)
+    lines = sorted(set(re.findall(r"^GDN_SM90_WATCHDOG: .*$", out, re.MULTILINE)))
+    d.update(watchdog_spins=WATCHDOG_SPINS, watchdog_rc=rc, watchdog_lines=lines[:64])
+    for line in lines[:24]:                         # to the output's tail; all are in gpu_check.log
+        print("  sanitizer: " + line, flush=True)
+    if lines:
+        sites = sorted({re.sub(r", it -?\d+:.*", "", x[len("GDN_SM90_WATCHDOG: "):]) for x in lines})
+        return True, note + f"; watchdog build: {len(lines)} stuck waits: " + " | ".join(sites), d
+    return True, note + ("; watchdog build hung too, no line: not an mbarrier wait (named / cluster barrier, "
+                         "setmaxnreg)" if rc is None else f"; watchdog build: exit {rc}, no line: "
+                         + _last_lines(out)), d
+
+
 def step_sanitizer(r):
     details, notes = {}, []
+    hung = False
+    if not r.dry and r.env.get(EXPERIMENTAL_ENV) == "1":
+        hung, note, details["probe"] = _forward_probe(r)
+        notes.append(note)
     res = os.path.join(r.tmp, "case.json")
     rc, out = r.py(os.path.abspath(__file__), "case", "sanitize", "--json", res)
     details["plain"] = _read_json(res)
     if rc is None:
-        return "timeout", "out of time in the plain run (before the sanitizer)", details
+        return "timeout", "; ".join(notes + ["out of time in the plain run (before the sanitizer)"]), details
     if rc != 0:
-        return "fail", "the cases fail without the sanitizer: " + _last_lines(out), details
+        return "fail", "; ".join(notes + ["the cases fail without the sanitizer: " + _last_lines(out)]), details
     notes.append("cases ran: " + ", ".join(details["plain"].get("ran", [])))
     skipped = details["plain"].get("skipped", [])
     if skipped:
@@ -281,7 +331,7 @@ def step_sanitizer(r):
     if r.dry or not san:
         notes.append("compute-sanitizer " + ("not used in a dry run" if r.dry else "not found"))
         return ("ok" if r.dry else "fail"), "; ".join(notes), details
-    status = "ok"
+    status = "fail" if hung else "ok"
     for tool, extra, env in (("memcheck", ["--leak-check", "no"], {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}),
                              ("racecheck", ["--racecheck-report", "hazard"], {})):
         cmd = [san, "--tool", tool, *extra, "--error-exitcode", "9", "--print-limit", "20",
@@ -629,6 +679,24 @@ def case_profile(csv_path=None, providers=None, shapes=None):
             "note": note}
 
 
+def case_probe():
+    """The sm_90a chunked forward (backend='cuda') on one 64-token sequence (1 head, K = V = 128, bf16,
+    no initial state): the launch that hung on an H200 (tests/test_cuda_chunk_gpu.py's probe)."""
+    import torch
+
+    import gdn_packed
+    from gdn_packed import _cext
+    from gdn_packed.testing import gdr_inputs
+    q, k, v, g, beta = (t.cuda() for t in gdr_inputs(64, 1, 1, 128, 128, torch.bfloat16, N=1, seed=0)[:5])
+    cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+    t0 = time.perf_counter()
+    gdn_packed.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend="cuda")
+    torch.cuda.synchronize()
+    spins = getattr(_cext.get_C(), "sm90_watchdog", 0)
+    return {"status": "ok", "note": f"finished in {time.perf_counter() - t0:.3f} s"
+                                    + (f" (watchdog build, {spins} spins)" if spins else "")}
+
+
 def case_graph():
     """Capture the chunked op's forward+backward over a packing in a CUDA graph; replay it on new data
     and compare with eager; syncs are errors throughout (torch.cuda.set_sync_debug_mode)."""
@@ -712,7 +780,7 @@ def case_ncu():
     return {"status": "ok"}
 
 
-CASES = {"sanitize": case_sanitize, "graph": case_graph, "profile": case_profile, "ncu": case_ncu}
+CASES = {"probe": case_probe, "sanitize": case_sanitize, "graph": case_graph, "profile": case_profile, "ncu": case_ncu}
 
 
 def run_case(name, json_path, **profile_args):
