@@ -153,6 +153,13 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
     auto prep_one = [&](int it, auto last) {
       constexpr bool kLast = decltype(last)::value;
       const int st = it % kStages, b = it % kPrepBufs;
+      // this prep sees every other chunk, so full[st]'s phase before chunk it's (chunk it - 3's, the peer
+      // prep's) was never waited here: a parity wait while that phase is still open would return at once.
+      // The producer's wait first (chunk it - 3 released by both CTAs' state, so its phase completed):
+      // full[st] is then in chunk it's phase or past it, where the parity wait is exact
+      if (it >= kStages)
+        mbar_wait(&sm.empty[st], ((it / kStages) + 1) & 1, "fwd prep, empty[it % 3]: chunk it - 3's stage released",
+                  it);
       mbar_wait(&sm.full[st], (it / kStages) & 1, "fwd prep, full[it % 3]: the TMA of k/q/v landed", it);
       if (it >= kPrepBufs)
         mbar_wait(&sm.prepfree[b], ((it / kPrepBufs) + 1) & 1,
