@@ -316,6 +316,25 @@ def test_narrow_global_accesses_bound_a_kernel_at_their_per_sm_cost():
     assert w["narrow"] == 0 and w["bound"] != "narrow"
 
 
+def test_latency_and_bytes_add_up_more_the_fewer_ctas_share_an_sm():
+    """est = (lat^p + bytes^p)^(1/p) + launch with p = overlap x CTAs per SM: one CTA an SM, equal
+    latency and bytes cost 2^(1/p) of either; 16 CTAs an SM, within a percent of the larger."""
+    chain = [f"MUFU.EX2 R{i + 1}, R{i}" for i in range(1, 200)] + ["EXIT"]
+    const = M.CONSTANTS
+    for smem, regs in ((120 * 1024, 32), (0, 32)):
+        k = _Kernel(chain, regs=regs, smem=smem)
+        probe = M.estimate(k, 132 * 16, 4, (), 0, const)
+        k.bytes_ld = probe["t_lat"] * M.HBM_BPS / (132 * 16)        # bytes time = latency time
+        e = M.estimate(k, 132 * 16, 4, (), 132 * 16 * k.bytes_ld, const)
+        assert abs(e["t_mem"] / e["t_lat"] - 1) < 1e-9
+        p = const.overlap * e["ctas_per_sm"]
+        assert abs(e["est_s"] - const.launch_s - 2 ** (1 / p) * e["t_lat"]) < 1e-12 * e["est_s"]
+        if e["ctas_per_sm"] == 1:
+            assert e["est_s"] - const.launch_s > 1.5 * e["t_lat"]
+        else:
+            assert e["ctas_per_sm"] == 16 and e["est_s"] - const.launch_s < 1.04 * e["t_lat"]
+
+
 def test_measured_rows_join_the_model_per_kernel(tmp_path):
     """--measured: a profile CSV's device times beside the report's rows, per kernel, launches summed."""
     from bench.sm90 import measured

@@ -149,8 +149,8 @@ def format_table(rows, totals, meta):
                "the package built (gdn_packed._C): our chunk table from csrc/chunk_table.cu, 2 launches")
     out = [f"static sm_90 report (no GPU): triton {meta.get('triton', '?')}; model constants: "
            f"{M.Constants.from_dict(meta['constants']).text()}.", f"Modelled as {install}.",
-           "est us is a MODEL ESTIMATE (bench/NOTES.md, 'sm_90 report'), not a measurement: max(lat, bytes, flop, "
-           "narrow) + launch, bound = the largest. HGM/inst/wt/bar: per iteration of the sequential chunk loop (SASS; HGM "
+           "est us is a MODEL ESTIMATE (bench/NOTES.md, 'sm_90 report'), not a measurement: max(lat (+) bytes, flop, "
+           "narrow) + launch, (+) = (lat^p + bytes^p)^(1/p), p = overlap x CTAs/SM; bound = the largest. HGM/inst/wt/bar: per iteration of the sequential chunk loop (SASS; HGM "
            "'Nh': N HMMA, no HGMMA); cyc: one warp's cycles per chunk step on its critical path.", ""]
     keys = list(dict.fromkeys((r["shape"], r["dtype"]) for r in rows))
     for shape, dt in keys:
