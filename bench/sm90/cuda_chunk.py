@@ -20,7 +20,9 @@ sm_90a CUDA chunked forward"), so the loops are simulated one by one and combine
 
 the CTAs to the 132 SMs (1 CTA per SM) in launch order (model._schedule), bytes and FLOPs as for the
 Triton kernels (tiles per CTA: the K-half of k and q it multicasts to both CTAs of its cluster, its v
-half and o per chunk, its half of h0 / ht; the footprint at HBM's rate, re-reads at L2's). A sequence's
+half and o per chunk, its half of h0 / ht; the footprint at HBM's rate, re-reads at L2's), latency and
+bytes combined as for them (model.bounded, at 1 CTA per SM: near their sum when they are close; the
+producer warp's TMA ring may hide more than a Triton kernel's own loads do, which only a GPU can say). A sequence's
 last chunk, the only one that can be partial (its dead rows zeroed, its rows stored one by one), runs
 outside the chunk loops, so the loops simulated are the common chunk's. The op's other launches (the
 chunk table) are recorded from the op body with backend="cuda" and the kernel launch itself stubbed
@@ -311,10 +313,9 @@ def estimate(f, dims, dtype, const):
     flops = ctas * n * (2 * V_BLOCK * (3 * C * K + 2 * C * C)       # state: S^T [K; Q]^T, X'^T Ts^T, U^T M^T, U^T K
                         + (4 * C * C * K + 4 * C ** 3) / 2)          # prep, every other chunk: 2 Grams, doubling
     t_tc = flops / TC_FLOPS["bf16"]
-    parts = {"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc}
-    top = max(parts, key=parts.get)
+    t, top = M.bounded({"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc}, 1, const)     # 1 CTA per SM
     return dict(ctas=ctas, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc, hbm_bytes=tiles, flops=flops, bound=top,
-                lat_bound=bound, est_s=parts[top] + const.launch_s)
+                lat_bound=bound, est_s=t + const.launch_s)
 
 
 def bwd_cta_cycles(f, n, const):
@@ -350,10 +351,9 @@ def bwd_estimate(f, dims, dtype, const):
     t_mem = max(hbm / HBM_BPS + (tiles - hbm) / const.l2_bps, tiles / (busy * SM_BPS))
     flops = ctas * n * 2 * V_BLOCK * (4 * C * K + 2 * C * C)    # dS^T K^T, dO^T M, dU^T Ts, the update (3 x K)
     t_tc = flops / TC_FLOPS["bf16"]
-    parts = {"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc}
-    top = max(parts, key=parts.get)
+    t, top = M.bounded({"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc}, 1, const)     # 1 CTA per SM
     return dict(ctas=ctas, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc, hbm_bytes=tiles, flops=flops, bound=top,
-                lat_bound=bound, est_s=parts[top] + const.launch_s)
+                lat_bound=bound, est_s=t + const.launch_s)
 
 
 @dataclasses.dataclass

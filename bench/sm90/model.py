@@ -220,16 +220,26 @@ def estimate(c, programs, warps, seq_lens, tensor_bytes, const):
     flops = P * c.flops
     rate = TC_FLOPS["f32"] if any(a == "f32" for a, _, _ in c.dots) else TC_FLOPS["bf16"]
     t_tc = flops / rate
-    parts = {"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc, "narrow": t_narrow}
-    bound = max(parts, key=parts.get)
-    p = const.overlap * ctas
-    both = max(t_lat, t_mem) * ((min(t_lat, t_mem) / max(t_lat, t_mem)) ** p + 1.0) ** (1.0 / p) if t_mem > 0 else t_lat
-    if bound in ("latency", "bytes") or both > parts[bound]:
-        bound = bound if bound in ("latency", "bytes") else max(("latency", "bytes"), key=parts.get)
-        parts = dict(parts, **{bound: both})
+    t, bound = bounded({"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc, "narrow": t_narrow}, ctas, const)
     return dict(ctas_per_sm=ctas, waves=math.ceil(P / slots) if P else 0, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc,
                 t_narrow=t_narrow, narrow=narrow,
-                hbm_bytes=tiles, flops=flops, bound=bound, est_s=(parts[bound] + const.launch_s) if P else 0.0)
+                hbm_bytes=tiles, flops=flops, bound=bound, est_s=(t + const.launch_s) if P else 0.0)
+
+
+def bounded(parts, ctas_per_sm, const):
+    """(time, bound) of a launch's terms {"latency", "bytes", and others (FLOPs, narrow)}: latency and
+    bytes combined as (L^p + B^p)^(1/p), p = const.overlap x CTAs per SM (named by the larger of the
+    two), the others max'd with that; the bound names the largest. Every estimate (Triton kernels here,
+    the CUDA kernels in cuda_chunk.py) ends here."""
+    lat, byt = parts["latency"], parts["bytes"]
+    hi, lo = max(lat, byt), min(lat, byt)
+    p = const.overlap * max(1, ctas_per_sm)
+    both = hi * ((lo / hi) ** p + 1.0) ** (1.0 / p) if lo > 0 else hi
+    rest = {k: v for k, v in parts.items() if k not in ("latency", "bytes")}
+    top = max(rest, key=rest.get, default=None)
+    if top is not None and rest[top] > both:
+        return rest[top], top
+    return both, ("latency" if lat >= byt else "bytes")
 
 
 def torch_estimate(nbytes, launches, const):
