@@ -46,8 +46,8 @@ class Constants:
     narrow: float = 109.0
     # latency and bytes of one launch combine as (lat^p + bytes^p)^(1/p), p = overlap x CTAs per SM: the
     # more co-resident CTAs, the more of one CTA's waits the others' memory traffic hides (p -> inf: max,
-    # p = 1: the sum). Fitted on the H200's sequential passes of ours (1 CTA per SM: p 1.1-1.37, bench/NOTES.md
-    # "The model after the H200"); FLA's published rows are checked with it, not fitted on it
+    # p = 1: the sum). Fitted on FLA's published rows (FIT); the H200's sequential passes of ours alone
+    # (1 CTA per SM) give 1.1-1.37 (bench/NOTES.md, "The model after the H200" item 5)
     overlap: float = 1.28
 
     def get(self, name):
