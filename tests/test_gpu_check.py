@@ -125,6 +125,32 @@ def test_a_hung_forward_probe_rebuilds_with_the_watchdog_and_names_the_barrier(m
     assert calls[2][1][gpu_check.EXPERIMENTAL_ENV] == "1" and gpu_check.EXPERIMENTAL_ENV not in r.env
 
 
+def test_profile_records_the_configs_flas_autotuner_chose(monkeypatch):
+    """autotuned_configs: every triton Autotuner in an fla.* module, its cache's chosen configs by kernel
+    (what the sm_90 model otherwise has to guess); modules outside the prefix are not read."""
+    triton = pytest.importorskip("triton")
+    import types
+
+    from triton.runtime.autotuner import Autotuner
+    monkeypatch.syspath_prepend(TOOLS)
+    import gpu_check
+
+    def kernel_h():
+        pass
+    at = Autotuner.__new__(Autotuner)
+    at.fn, at.base_fn = kernel_h, kernel_h
+    at.cache = {(16, 32, "bf16"): triton.Config({"BV": 64}, num_warps=4, num_stages=3),
+                (16, 32, "fp32"): triton.Config({"BV": 32}, num_warps=2, num_stages=2)}
+    mod, other = types.ModuleType("fla.fake_chunk"), types.ModuleType("notfla.fake")
+    mod.kernel_h, other.kernel_h = at, at
+    monkeypatch.setitem(sys.modules, "fla.fake_chunk", mod)
+    monkeypatch.setitem(sys.modules, "notfla.fake", other)
+    got = gpu_check.autotuned_configs("fla.fake")
+    assert list(got) == ["kernel_h"] and len(got["kernel_h"]) == 2
+    assert any("BV: 64" in c and "num_warps: 4" in c for c in got["kernel_h"]), got
+    assert gpu_check.autotuned_configs("notfla.") == got and gpu_check.autotuned_configs("nothing.") == {}
+
+
 # ---- the plugin, on a small suite of its own -------------------------------------------------------------
 SUITE = {
     "test_devicey.py": """

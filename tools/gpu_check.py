@@ -592,7 +592,7 @@ def case_profile(csv_path=None, providers=None, shapes=None):
     """Each kernel's device time, per call of the chunked op, at the sm_90 model's three shapes (bf16,
     16/32 heads, K = V = 128): ours-triton, ours-cuda and fla, forward (no grad) and backward (the
     autograd backward alone, from a kept graph), under torch.profiler: 2 warm-up calls, 3 profiled,
-    each kernel's time / 3. Rows go to csv_path as each (shape, provider, mode) finishes (an out-of-time
+    each kernel's time / 3; the configs FLA's autotuner chose (autotuned_configs) in the result. Rows go to csv_path as each (shape, provider, mode) finishes (an out-of-time
     stop keeps what ran); a '(all kernels)' row per (shape, provider, mode) holds their sum and the
     call's wall time between CUDA events (its gaps are launch and host time). Dry run: ours-torch on a
     tiny shape, CPU self times."""
@@ -672,11 +672,34 @@ def case_profile(csv_path=None, providers=None, shapes=None):
             if gpu:
                 torch.cuda.empty_cache()
     f.close()
+    fla_configs = autotuned_configs()
+    for kernel, cfgs in fla_configs.items():
+        print(f"PROFILE FLA CONFIG {kernel}: {' | '.join(cfgs)}", flush=True)
     note = f"{len(done)} (shape, provider, mode) profiled" + ("; FAILED: " + "; ".join(failed) if failed else "")
     if skipped:
         note += "; skipped: " + "; ".join(skipped)
     return {"status": "fail" if failed or not done else "ok", "ran": done, "failed": failed, "skipped": skipped,
-            "note": note}
+            "fla_configs": fla_configs, "note": note}
+
+
+def autotuned_configs(prefix="fla."):
+    """{kernel name: sorted [config text]} of every triton Autotuner found in the modules whose name starts
+    with `prefix`, from its cache (tuning key -> chosen Config): which configs FLA's autotuner ran, which
+    the sm_90 model has to choose blind (bench/NOTES.md, "The model after the H200")."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return {}
+    out = {}
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith(prefix) or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            if isinstance(obj, Autotuner) and getattr(obj, "cache", None):
+                fn = getattr(obj, "base_fn", None) or getattr(obj, "fn", None)
+                kernel = getattr(fn, "__name__", repr(fn))
+                out.setdefault(kernel, set()).update(str(c) for c in obj.cache.values())
+    return {k: sorted(v) for k, v in sorted(out.items())}
 
 
 def case_probe():
