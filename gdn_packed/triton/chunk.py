@@ -338,7 +338,9 @@ def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table,
         nq, nk = triton.cdiv(K, cq["BK"]), triton.cdiv(K, ck["BK"])
         # dg shares: one per K-block of the dq kernel (slots [0, nq)), then of the dk kernel; dbeta
         # shares: the dk kernel's only (slots [nq, nq + nk); the others are never written nor read)
-        part = torch.empty(2, nq + nk, T, HV, **f32)
+        # [2, slot, HV, T]: a program's 64 rows of one head contiguous (as [T, HV] columns each 4-byte
+        # access took a line of its own: finalize ran at 6.8x its estimate on the H200)
+        part = torch.empty(2, nq + nk, HV, T, **f32)
         pm = torch.empty(NC, H, C, C, **f32)        # sum over the group of Pm + diag(Pm), dq -> dk kernel
         # with l2norm the dq / dk kernels write dq, dk before the l2norm backward to pre [2, T, H, K] fp32
         pre = torch.empty(2, T, H, K, **f32) if l2 else None

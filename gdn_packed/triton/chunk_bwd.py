@@ -336,7 +336,7 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, 
         b_dgam += tl.sum(b_pq, 1) - tl.sum(b_pq, 0)
         b_pm += b_pmg
         b_pd += b_pdg
-        p_part = (i_k * T + rows) * HV + i_h
+        p_part = (i_k * HV + i_h).to(tl.int64) * T + rows             # [NK, HV, T]: 64 rows contiguous
         tl.store(dg_part + p_part, tl.cumsum(b_dgam, 0, reverse=True), mask=m_c)
     b_pm += tl.where(o_c[:, None] == o_c[None, :], b_pd[:, None], 0.)    # P: the diagonal back in
     b_dq += b_rq[:, None] * _dot_hl(b_pm * b_rk[None, :], b_k, None, None, None, PREC)     # P K^
@@ -412,7 +412,7 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ut, st, dsn, dxp, pm, dk, g
         b_dg = (tl.cumsum(b_dgam, 0, reverse=True) + (tl.cumsum(b_tau, 0) - b_tau)
                 + tl.load(eg_last + p_slot) * b_sds)
         b_db = b_rowA - gate_row(gates, p_slot, GATE_EGK, C) * b_kF1 + tl.where(i_k == 0, b_dxv, 0.)
-        p_part = ((slot0 + i_k) * T + rows) * HV + i_h
+        p_part = ((slot0 + i_k) * HV + i_h).to(tl.int64) * T + rows
         tl.store(dg_part + p_part, b_dg, mask=m_c)
         tl.store(dbeta_part + p_part, b_db, mask=m_c)
     b_q = tl.load(q + p_qk + o_qk, mask=m_qk, other=0.)               # raw q
@@ -463,9 +463,9 @@ def chunk_bwd_finalize_kernel(q, k, dq_pre, dk_pre, rn, dg_part, dbeta_part, dq,
         b_dg = tl.zeros([C], dtype=tl.float32)
         b_db = tl.zeros([C], dtype=tl.float32)
         for i_k in range(0, NK):
-            b_dg += tl.load(dg_part + (i_k * T + rows) * HV + i_h, mask=m_c, other=0.)
+            b_dg += tl.load(dg_part + (i_k * HV + i_h).to(tl.int64) * T + rows, mask=m_c, other=0.)
         for i_k in range(NQ, NK):
-            b_db += tl.load(dbeta_part + (i_k * T + rows) * HV + i_h, mask=m_c, other=0.)
+            b_db += tl.load(dbeta_part + (i_k * HV + i_h).to(tl.int64) * T + rows, mask=m_c, other=0.)
         tl.store(dg + rows * S_G + i_h, b_dg.to(dg.dtype.element_ty), mask=m_c)
         tl.store(dbeta + rows * S_G + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_c)
     if USE_L2:
