@@ -23,9 +23,9 @@ Per launch of P programs of w warps, from the compile's facts (kernel_facts):
     est      max((latency^p + bytes^p)^(1/p), FLOPs, narrow) + launch, p = overlap x c: latency and bytes
              overlap the better the more CTAs share an SM (1 CTA: near their sum; many: their max); the
              bound names the largest term (latency or bytes for the combined one).
-The constants (Constants: the latencies of sass.Latencies, l2_bps, launch_s, narrow) are global: none is
-per kernel. FIT names the ones fitted on FLA's published rows (validate.py); narrow is fitted on the
-H200's per-kernel times of ours (bench/results/h200_2026-12-04); the others are fixed."""
+The constants (Constants: the latencies of sass.Latencies, l2_bps, launch_s, narrow, overlap) are global:
+none is per kernel. FIT names the ones fitted on FLA's published rows (validate.py); narrow is fitted on
+the H200's per-kernel times of ours (bench/results/h200_2026-12-04); the others are fixed."""
 import dataclasses
 import heapq
 import math
@@ -42,7 +42,7 @@ class Constants:
     launch_s: float = 2.5e-6
     # SM cycles of one warp's 1-2 byte global access: fitted on the H200's per-kernel times of the four
     # kernels that had them (bench/NOTES.md, "The model after the H200": the geometric mean of 151, 115-131,
-    # 104, 78; each kernel within -28% / +40% of it, held out -35% / +56%)
+    # 104, 78; each kernel within -28% / +39% of it, a kernel held out of the mean -35% / +56%)
     narrow: float = 109.0
     # latency and bytes of one launch combine as (lat^p + bytes^p)^(1/p), p = overlap x CTAs per SM: the
     # more co-resident CTAs, the more of one CTA's waits the others' memory traffic hides (p -> inf: max,
@@ -187,7 +187,7 @@ def estimate(c, programs, warps, seq_lens, tensor_bytes, const):
     ctas = ctas_per_sm(c.regs, c.smem, w)
     if not ctas or c.error:
         return dict(ctas_per_sm=ctas, waves=0, est_s=math.inf, bound="nofit", t_lat=math.inf, t_mem=0.0,
-                    t_tc=0.0, hbm_bytes=0.0, flops=0.0)
+                    t_tc=0.0, t_narrow=0.0, narrow=0.0, hbm_bytes=0.0, flops=0.0)
     slots = ctas * NUM_SMS
     s = max(1.0, w * ctas / 4)
     lin = _per_cta_linear(c, const)
@@ -198,20 +198,20 @@ def estimate(c, programs, warps, seq_lens, tensor_bytes, const):
     per_chunk = lin["seq_trips"] / max(1, c.chunks) if seq_at is not None else 0.0
     chunks = [per_chunk * max(1, -(-n // CHUNK)) for n in lens]
 
+    # each CTA's chunk-loop trips: its sequence's (the CTAs split evenly over the sequences in order)
+    if seq_at is None:
+        trips = [0.0] * P
+    elif P % len(lens):
+        trips = [max(chunks)] * P
+    else:
+        trips = [n for n in chunks for _ in range(P // len(lens))]
+
     def dur(n):
         return max(a["cycles"] + b["cycles"] * n, (a["instr"] + b["instr"] * n) * s,
                    (a["mma_cycles"] + b["mma_cycles"] * n) * s)
-    if seq_at is None:
-        durations = [dur(0)] * P
-    elif P % len(lens):
-        durations = [dur(max(chunks))] * P
-    else:
-        durations = [dur(n) for n in chunks for _ in range(P // len(lens))]
-    t_lat = _schedule(durations, slots) / CLOCK_HZ
+    t_lat = _schedule([dur(n) for n in trips], slots) / CLOCK_HZ
     # 1-2 byte global accesses: const.narrow cycles of an SM each (its load/store path), per busy SM
-    na, nb = a.get("narrow", 0.0), b.get("narrow", 0.0)
-    narrow = w * (P * na + nb * (sum(chunks) * (P // len(lens)) if seq_at is not None and not P % len(lens)
-                                 else P * (max(chunks) if seq_at is not None else 0)))
+    narrow = w * sum(a.get("narrow", 0.0) + b.get("narrow", 0.0) * n for n in trips)
     t_narrow = narrow / max(1, min(P, NUM_SMS)) * const.narrow / CLOCK_HZ
     tiles = P * (c.bytes_ld + c.bytes_st)
     hbm = min(tiles, tensor_bytes)
