@@ -11,6 +11,7 @@ Packed layouts and cases
     GdrCase, GDR_CASES: the chunked op's cases (PACKINGS x heads, head sizes, initial state, l2norm).
     case_id(packing, *parts, flags=), gdr_case_id(case), DTYPE_ID: test ids.
     gdr_inputs(rows, H, HV, K, V, dtype, ...): random q, k, v, g, beta (and h0) in the packed layout.
+    cuda_forward_probe(): the sm_90a chunked forward's launch that hung on an H200, run once on the GPU.
 Backends
     op_backends(op, device): the backends of gdn_packed.ops.BACKENDS[op] that can run here.
     backend_params(op, device): one pytest parameter per backend of the op, a skip with the reason
@@ -208,6 +209,18 @@ def gdr_inputs(rows, H, HV, K, V, dtype=torch.float32, *, N=None, batch=1, seed=
     h0 = r(N if N is not None else batch, HV, K, V) * 0.1 if initial_state else None
     out = [x.to(dtype).to(device) for x in (q, k, v)] + [g.float().to(device), beta.float().to(device)]
     return out + [None if h0 is None else h0.to(device)]
+
+
+def cuda_forward_probe():
+    """backend='cuda' of the chunked forward on one 64-token sequence (1 head, K = V = 128, bf16, no
+    initial state), synchronized: the launch that hung on an H200 (2026-12-04). Run in a child process
+    with a timeout (tests/test_cuda_chunk_gpu.py, tools/gpu_check.py's sanitizer step): a hung kernel
+    holds the GPU until its process dies. Needs GDN_PACKED_EXPERIMENTAL_CUDA_CHUNK=1."""
+    from gdn_packed import chunk_gated_delta_rule
+    q, k, v, g, beta = (t.cuda() for t in gdr_inputs(64, 1, 1, 128, 128, torch.bfloat16, N=1, seed=0)[:5])
+    cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+    chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend="cuda")
+    torch.cuda.synchronize()
 
 
 def reference_gdr(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,

@@ -53,15 +53,7 @@ def inputs(packing, dtype, seed, poison=False):
     return x, cu, cu_pad, pad
 
 
-PROBE = """
-import torch, gdn_packed
-from gdn_packed.testing import gdr_inputs
-q, k, v, g, beta = (t.cuda() for t in gdr_inputs(64, 1, 1, 128, 128, torch.bfloat16, N=1, seed=0)[:5])
-cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
-gdn_packed.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend="cuda")
-torch.cuda.synchronize()
-print("FINISHED")
-"""
+PROBE = "from gdn_packed.testing import cuda_forward_probe\ncuda_forward_probe()\nprint('FINISHED')"
 
 
 @functools.lru_cache(maxsize=1)

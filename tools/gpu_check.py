@@ -703,18 +703,12 @@ def autotuned_configs(prefix="fla."):
 
 
 def case_probe():
-    """The sm_90a chunked forward (backend='cuda') on one 64-token sequence (1 head, K = V = 128, bf16,
-    no initial state): the launch that hung on an H200 (tests/test_cuda_chunk_gpu.py's probe)."""
-    import torch
-
-    import gdn_packed
+    """The sm_90a chunked forward's probe (gdn_packed.testing.cuda_forward_probe: the launch that hung
+    on an H200; tests/test_cuda_chunk_gpu.py runs the same)."""
     from gdn_packed import _cext
-    from gdn_packed.testing import gdr_inputs
-    q, k, v, g, beta = (t.cuda() for t in gdr_inputs(64, 1, 1, 128, 128, torch.bfloat16, N=1, seed=0)[:5])
-    cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+    from gdn_packed.testing import cuda_forward_probe
     t0 = time.perf_counter()
-    gdn_packed.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend="cuda")
-    torch.cuda.synchronize()
+    cuda_forward_probe()
     spins = getattr(_cext.get_C(), "sm90_watchdog", 0)
     return {"status": "ok", "note": f"finished in {time.perf_counter() - t0:.3f} s"
                                     + (f" (watchdog build, {spins} spins)" if spins else "")}
