@@ -242,6 +242,27 @@ def test_wgmma_pipe_cycles_by_shape_and_operand_source(op, operands, want):
     assert S.hgmma_cycles(op, operands) == want
 
 
+@pytest.mark.parametrize("op, want", [
+    ("LDS.128", 4), ("STS.128", 4), ("LDS.64", 2), ("LDS", 1), ("LDS.U16", 1), ("STS.U8", 1),   # 32 lanes x width
+    ("LDSM.16.M88.4", 4), ("LDSM.16.MT88.2", 2), ("STSM.16.M88.4", 4), ("LDSM.16.M88", 1),     # 8 x 8 matrices
+    ("LDGSTS.E.BYPASS.LTC128B.128", 4), ("ATOMS.ADD", 1), ("LDG.E.128", 0), ("FFMA", 0),
+])
+def test_shared_memory_wavefronts_by_width(op, want):
+    assert S.smem_wavefronts(op) == want
+
+
+def test_shared_memory_term_counts_every_warp_and_each_warpgroups_mma_once():
+    """simulate's smem / smem_mma through a loop; the estimate's smem term: w x wavefronts + w / 4 x the
+    MMA operand reads, per busy SM, at one wavefront a cycle."""
+    lines = ["LDS.128 R4, [R2]", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24", "ISETP.NE.AND P0, PT, R2, RZ, PT",
+             "@P0 BRA 0x0", "EXIT"]
+    r = _sim(lines, trips=lambda k, loop: 10)
+    assert r["smem"] == 40 and r["smem_mma"] == 10 * S.hgmma_smem_cycles("HGMMA.64x64x16.F32.BF16", "R24, gdesc[UR8], R24")
+    e = M.estimate(_Kernel(lines), 132, 8, (), 0, M.CONSTANTS)
+    per_sm = 8 * 4 + 2 * S.hgmma_smem_cycles("HGMMA.64x64x16.F32.BF16", "R24, gdesc[UR8], R24")   # the loop once
+    assert e["t_smem"] == pytest.approx(per_sm / M.CLOCK_HZ)
+
+
 def test_memory_fence_waits_for_the_warps_outstanding_memory():
     """MEMBAR (Triton's fence before a wgmma that reads what the threads stored) waits for the warp's
     loads and stores still in flight: a shared store for a shared-memory round trip, a global load or
@@ -341,13 +362,19 @@ def test_measured_rows_join_the_model_per_kernel(tmp_path):
     path = tmp_path / "kernels.csv"
     path.write_text("shape,provider,mode,kernel,calls,us\n1x32768,ours-triton,fwd,prep,1.0,300.0\n"
                     "1x32768,ours-triton,fwd,state,2.0,100.0\n1x32768,ours-triton,fwd,elementwise,3.0,8.0\n"
-                    "1x32768,hf-torch,fwd,prep,1.0,9.0\n")
+                    "1x32768,hf-torch,fwd,prep,1.0,9.0\n"
+                    '1x32768,ours-cuda,fwd,"void gdn::sm90::(anonymous namespace)::fwd_kernel<__nv_bfloat16>'
+                    '(CUtensorMap_st, gdn::sm90::Args)",1.0,40.0\n'
+                    '1x32768,ours-cuda,fwd,"void gdn::sm90::(anonymous namespace)::fwd_kernel<__half>(int)",1.0,2.0\n')
     rows = [dict(shape="anchor", impl="ours", mode="fwd", kernel="prep", est_us=100.0, bound="latency"),
+            dict(shape="anchor", impl="cuda", mode="fwd", kernel="fwd_kernel", est_us=21.0, bound="bytes"),
             dict(shape="anchor", impl="ours", mode="fwd", kernel="state", est_us=30.0, bound="bytes"),
             dict(shape="anchor", impl="ours", mode="fwd", kernel="state", est_us=20.0, bound="latency"),
             dict(shape="anchor", impl="ours", mode="fwd", kernel="torch ops (2 launches)", est_us=5.0, bound="bytes")]
     joined = measured.join(rows, [("anchor", (1, 32768, 16, 32, 128, 128))], measured.read([path]))
+    # a C++ kernel's demangled signatures join by its function's name, instantiations summed
     assert [(j["kernel"], j["measured_us"], j["model_us"], j["bound"], j["ratio"]) for j in joined] == [
+        ("fwd_kernel", 42.0, 21.0, "bytes", 2.0),
         ("prep", 300.0, 100.0, "latency", 3.0), ("state", 100.0, 50.0, "bytes+latency", 2.0)]
     text = measured.format_join(joined)
     assert "(the kernels above)" in text and "from 2.00 to 3.00" in text

@@ -258,7 +258,16 @@ def record_fla(rec, dims, dtype, modes, lengths=None, h0=False, dht=False):
     if "bwd" in modes:
         rec.phase = "bwd"
         outs = [o, ht] if dht else [o]
-        torch.autograd.backward(outs, [torch.empty_like(x) for x in outs])
+        # under Triton >= 3.4, < 3.7.1 (the H200 image's 3.6.0) FLA refuses its gated dq/dk kernel on Hopper
+        # (fla #640: wrong numbers from that compiler); a recording computes nothing, so the guard is lifted
+        # for it alone: the launches are the ones FLA makes under a Triton it accepts
+        from fla.ops.common import chunk_o
+        guard = chunk_o.TRITON_ABOVE_3_7_1
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        try:
+            torch.autograd.backward(outs, [torch.empty_like(x) for x in outs])
+        finally:
+            chunk_o.TRITON_ABOVE_3_7_1 = guard
 
 
 def fla_missing():

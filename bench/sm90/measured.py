@@ -4,6 +4,7 @@ kernel's launches) joined with the report's rows, per (shape, impl, direction, k
 `python -m bench kernels --measured CSV` prints (bench/NOTES.md, "The model after the H200")."""
 import csv
 import math
+import re
 
 PROVIDERS = {"ours-triton": "ours", "ours-cuda": "cuda", "fla": "fla"}
 
@@ -13,15 +14,25 @@ def shape_key(dims):
     return f"{dims[0]}x{dims[1]}"
 
 
+def kernel_name(name):
+    """The report's name of a profiled kernel: a Triton kernel's name as it is; a C++ kernel's demangled
+    signature ('void gdn::sm90::(anonymous namespace)::chunk_gdr_fwd_sm90_kernel<__nv_bfloat16>(...)')
+    cut to its function's name."""
+    m = re.search(r"([A-Za-z_]\w*)(?:<[^()]*>)?\(", name)
+    return m.group(1) if m else name
+
+
 def read(paths):
-    """{(shape, impl, mode, kernel): us} of the profile CSVs (the providers bench/sm90 models only)."""
+    """{(shape, impl, mode, kernel): us} of the profile CSVs (the providers bench/sm90 models only; the
+    instantiations of one C++ kernel summed)."""
     out = {}
     for path in paths:
         with open(path, newline="") as f:
             for r in csv.DictReader(f):
                 impl = PROVIDERS.get(r["provider"])
                 if impl:
-                    out[(r["shape"], impl, r["mode"], r["kernel"])] = float(r["us"])
+                    key = (r["shape"], impl, r["mode"], kernel_name(r["kernel"]))
+                    out[key] = out.get(key, 0.0) + float(r["us"])
     return out
 
 

@@ -20,7 +20,12 @@ Per launch of P programs of w warps, from the compile's facts (kernel_facts):
     narrow   the 1-2 byte global accesses (LDG / STG .U16 ...: an element-wise tile access) of the busiest SM,
              `narrow` cycles each: what the H200 showed (5-12x the model in the kernels with them) and
              the terms above do not see
-    est      max((latency^p + bytes^p)^(1/p), FLOPs, narrow) + launch, p = overlap x c: latency and bytes
+    smem     the shared-memory wavefronts of every warp (LDS / STS / LDSM / STSM / LDGSTS by width) and the
+             operand reads of every warpgroup MMA, per busy SM, at one 128-byte wavefront a cycle (bank
+             conflicts not counted: a floor). The H200's ncu L1/TEX busy time matches it on the
+             sequential passes (1.0-1.2x) and is 3.4-4.3x it on prep, dq and dk (bench/NOTES.md, "The
+             second H200 session")
+    est      max((latency^p + bytes^p)^(1/p), FLOPs, narrow, smem) + launch, p = overlap x c: latency and bytes
              overlap the better the more CTAs share an SM (1 CTA: near their sum; many: their max); the
              bound names the largest term (latency or bytes for the combined one).
 The constants (Constants: the latencies of sass.Latencies, l2_bps, launch_s, narrow, overlap) are global:
@@ -150,7 +155,7 @@ def _per_cta_linear(c, const):
             return sass.simulate(c.prog, lambda k, _l: (n if k == seq_at else table[k]["trips"])
                                  if k < len(table) else 1, const.lat)
         r4, r8 = run(4), run(8)
-        terms = ("cycles", "instr", "mma_cycles", "narrow")
+        terms = ("cycles", "instr", "mma_cycles", "narrow", "smem", "smem_mma")
         _LINEAR[key] = dict(a={k: r4[k] - (r8[k] - r4[k]) for k in terms}, b={k: (r8[k] - r4[k]) / 4 for k in terms},
                             seq_at=seq_at, seq_trips=table[seq_at]["trips"] if seq_at is not None else 0,
                             stalls={k: (r8["stalls"].get(k, 0.0) - r4["stalls"].get(k, 0.0)) / 4 for k in r8["stalls"]})
@@ -213,6 +218,10 @@ def estimate(c, programs, warps, seq_lens, tensor_bytes, const):
     # 1-2 byte global accesses: const.narrow cycles of an SM each (its load/store path), per busy SM
     narrow = w * sum(a.get("narrow", 0.0) + b.get("narrow", 0.0) * n for n in trips)
     t_narrow = narrow / max(1, min(P, NUM_SMS)) * const.narrow / CLOCK_HZ
+    # shared memory: every warp's wavefronts and every warpgroup's MMA operand reads, per busy SM
+    smem = sum(w * (a.get("smem", 0.0) + b.get("smem", 0.0) * n) + w / 4 * (a.get("smem_mma", 0.0) +
+               b.get("smem_mma", 0.0) * n) for n in trips)
+    t_smem = smem / max(1, min(P, NUM_SMS)) / CLOCK_HZ
     tiles = P * (c.bytes_ld + c.bytes_st)
     hbm = min(tiles, tensor_bytes)
     busy = min(P, slots) / ctas
@@ -220,9 +229,10 @@ def estimate(c, programs, warps, seq_lens, tensor_bytes, const):
     flops = P * c.flops
     rate = TC_FLOPS["f32"] if any(a == "f32" for a, _, _ in c.dots) else TC_FLOPS["bf16"]
     t_tc = flops / rate
-    t, bound = bounded({"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc, "narrow": t_narrow}, ctas, const)
+    t, bound = bounded({"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc, "narrow": t_narrow, "smem": t_smem}, ctas,
+                       const)
     return dict(ctas_per_sm=ctas, waves=math.ceil(P / slots) if P else 0, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc,
-                t_narrow=t_narrow, narrow=narrow,
+                t_narrow=t_narrow, narrow=narrow, t_smem=t_smem,
                 hbm_bytes=tiles, flops=flops, bound=bound, est_s=(t + const.launch_s) if P else 0.0)
 
 

@@ -71,7 +71,7 @@ def _rows_of(case, const):
             step_stalls={k: round(v) for k, v in step["stalls"].items()} if step else {},
             dots=dot_precision(c), hbm_gb=float(f"{est.get('hbm_bytes', 0) / 1e9:.4g}"),
             gflop=round(est.get("flops", 0) / 1e9, 2), lat_us=_us(est.get("t_lat")), bytes_us=_us(est.get("t_mem")),
-            flops_us=_us(est.get("t_tc")), bound=est.get("bound", ""),
+            flops_us=_us(est.get("t_tc")), smem_us=_us(est.get("t_smem")), bound=est.get("bound", ""),
             est_us=round(est["est_s"] * 1e6, 1) if c.error == "" else "", error=c.error))
     for phase, these in ops.items():
         est = M.torch_estimate(sum(op.bytes for op in these), len(these), const)

@@ -177,12 +177,19 @@ def hgmma_cycles(op, rest=""):
     descriptor, gdesc) rather than from registers (RS). SS and RS are equal from N = 64 and SS is slower
     below (16 + N / 4 cycles): what Luo et al. (arXiv 2501.12084, the extended version) measure, and
     the same arithmetic gives their sparse m64n256k32 (SS 144, RS 128 cycles)."""
+    m = re.match(r"HGMMA\.64x(\d+)x", op)
+    return max(int(m.group(1)) / 2, hgmma_smem_cycles(op, rest)) if m else 0.0
+
+
+def hgmma_smem_cycles(op, rest=""):
+    """Cycles of a warpgroup MMA's operand reads from shared memory at 128 B a cycle: B (N x K), and A
+    (64 x K) when it is a descriptor (SS) rather than registers (RS); 0 for other instructions."""
     m = re.match(r"HGMMA\.64x(\d+)x(\d+)\.\w+(?:\.(\w+))?", op)     # fp16 inputs carry no type suffix
     if not m:
         return 0.0
     n, k, esize = int(m.group(1)), int(m.group(2)), _ESIZE.get(m.group(3) or "F16", 2)
     ss = rest.split(",")[1].strip().startswith("gdesc") if rest.count(",") >= 1 else True
-    return max(n / 2, (n * k + (64 * k if ss else 0)) * esize / SMEM_BYTES_PER_CYCLE)
+    return (n * k + (64 * k if ss else 0)) * esize / SMEM_BYTES_PER_CYCLE
 
 
 _MEMORY = ("LDG", "LD.", "STG", "ST.", "ATOM", "RED", "LDS", "STS")
@@ -191,6 +198,21 @@ _MEMORY = ("LDG", "LD.", "STG", "ST.", "ATOM", "RED", "LDS", "STS")
 # kernels an H200 ran at 5-12x the model; bench/NOTES.md, "First GPU run")
 NARROW_GLOBAL = re.compile(r"(?:LDG|STG)\.E(?:\.\w+)*?\.(?:U8|S8|U16|S16)(?:\.\w+)*$")
 _SHARED = ("LDS", "STS", "ATOMS")
+_WIDTH = {"128": 16, "64": 8}
+
+
+def smem_wavefronts(op, rest=""):
+    """Shared-memory cycles of one warp's instruction at one 128-byte wavefront a cycle (the SM's shared
+    memory bandwidth, bank conflicts not counted): LDS / STS / ATOMS / LDGSTS by their width (32 lanes x 4,
+    8 or 16 bytes: 1, 2 or 4), LDSM / STSM by their matrices (.x1 / .x2 / .x4: one 128-byte 8 x 8 matrix
+    each); 0 for the others. A warpgroup MMA's operand reads are `hgmma_smem_cycles`."""
+    if op.startswith(("LDSM", "STSM")):
+        m = re.search(r"\.(\d)$", op)
+        return float(m.group(1)) if m else 1.0
+    if op.startswith(("LDS", "STS", "ATOMS", "LDGSTS")):
+        m = re.search(r"\.(128|64)(?:\.|$)", op)
+        return 32.0 * (_WIDTH[m.group(1)] if m else 4) / SMEM_BYTES_PER_CYCLE
+    return 0.0
 
 
 def simulate(prog, trips, lat, cap=3):
@@ -207,10 +229,14 @@ def simulate(prog, trips, lat, cap=3):
     TMA, which complete through their own waits). A loop runs at most `cap`
     iterations; the rest are charged at the last simulated iteration's cycles and instructions. "stalls":
     the cycles the warp waited, by what it waited for (wgmma, global, shared, barrier, alu, xu, mma);
-    "narrow": the warp's 1-2 byte global accesses (NARROW_GLOBAL), loops counted like instructions."""
+    "narrow": the warp's 1-2 byte global accesses (NARROW_GLOBAL), loops counted like instructions;
+    "smem": the warp's shared-memory wavefronts (smem_wavefronts) and "smem_mma" its warpgroup MMAs'
+    operand reads (hgmma_smem_cycles, once for the warpgroup), in cycles of the SM's shared memory."""
     tree = loop_tree(prog)
     st = dict(t=0.0, extra=0.0, instr=0.0, extra_instr=0.0, mma=0.0, extra_mma=0.0, pipe=0.0, cp_open=0.0,
-              wg_open=0.0, mem=0.0, narrow=0.0, extra_narrow=0.0)
+              wg_open=0.0, mem=0.0, narrow=0.0, extra_narrow=0.0, smem=0.0, extra_smem=0.0, smem_mma=0.0,
+              extra_smem_mma=0.0)
+    counted = ("narrow", "smem", "smem_mma")
     ready, cp_groups, wg_groups, tma, stalls = {}, [], [], [], {}
     loop_no = [0]
 
@@ -274,6 +300,8 @@ def simulate(prog, trips, lat, cap=3):
             st["instr"] += 1.0
         if NARROW_GLOBAL.match(op):
             st["narrow"] += 1.0
+        st["smem"] += smem_wavefronts(op, x.rest)
+        st["smem_mma"] += hgmma_smem_cycles(op, x.rest)
 
     def run(nodes):
         for node in nodes:
@@ -287,7 +315,7 @@ def simulate(prog, trips, lat, cap=3):
             before = None
             for _ in range(min(n, cap)):
                 before = (st["t"] + st["extra"], st["instr"] + st["extra_instr"], st["mma"] + st["extra_mma"],
-                          dict(stalls), st["narrow"] + st["extra_narrow"])
+                          dict(stalls), {c: st[c] + st["extra_" + c] for c in counted})
                 mark = loop_no[0]
                 loop_no[0] = k + 1
                 run(inner)
@@ -296,7 +324,8 @@ def simulate(prog, trips, lat, cap=3):
                 st["extra"] += (n - cap) * (st["t"] + st["extra"] - before[0])
                 st["extra_instr"] += (n - cap) * (st["instr"] + st["extra_instr"] - before[1])
                 st["extra_mma"] += (n - cap) * (st["mma"] + st["extra_mma"] - before[2])
-                st["extra_narrow"] += (n - cap) * (st["narrow"] + st["extra_narrow"] - before[4])
+                for c in counted:
+                    st["extra_" + c] += (n - cap) * (st[c] + st["extra_" + c] - before[4][c])
                 for k, v in list(stalls.items()):
                     stalls[k] = v + (n - cap) * (v - before[3].get(k, 0.0))
             if n == 0:
@@ -305,7 +334,7 @@ def simulate(prog, trips, lat, cap=3):
     run(tree)
     end = max([st["t"]] + cp_groups + wg_groups)
     return dict(cycles=end + st["extra"], instr=st["instr"] + st["extra_instr"], mma_cycles=st["mma"] + st["extra_mma"],
-                narrow=st["narrow"] + st["extra_narrow"], stalls=stalls)
+                stalls=stalls, **{c: st[c] + st["extra_" + c] for c in counted})
 
 
 def _count_loops(nodes):
