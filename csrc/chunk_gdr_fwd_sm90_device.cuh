@@ -13,18 +13,13 @@ constexpr int kThreads = 384;              // producer, prep, state warpgroups
 constexpr int kStages = 3;                 // the TMA ring of (k, q, v) tiles: chunk j in stage j % 3
 constexpr int kPrepBufs = 4;               // Ts, M, gates of chunk j in buffer j % 4 (both CTAs)
 constexpr uint32_t kStageBytes = 5 * kBlock;                            // k, q: 2 blocks each; v: 1
-// Barriers that publish generic stores (not TMA bytes) to another warpgroup take one arrival per writing
-// thread, each after its own stores. One elected arrival after a __syncwarp / named barrier orders them
-// too in PTX's memory model, but compute-sanitizer's racecheck does not follow that chain (H200,
-// 2026-12-04, bench/NOTES.md "The sm_90a forward on the H200": 25776 RAW hazards, on the producer's
-// gates and the prep's; the producer's went with its per-lane arrivals)
-// full[s]: every lane of the producer warp, after its stores of the stage's gates (lane 0's with the
-// stage's bytes)
+// full[s]'s arrivals: every lane of the producer warp, after its own stores of the stage's gates (lane 0's
+// with the stage's bytes). One arrival by lane 0 after a __syncwarp orders them too in PTX's memory model,
+// but compute-sanitizer's racecheck does not follow that chain: with it, RAW hazards on graw (H200,
+// 2026-12-04, bench/NOTES.md "The second H200 session"); with the per-lane arrivals, none. The prep's
+// gates (one arrival on prepped[b] after the warpgroup's named barrier) still show the same kind (24288);
+// every prep thread arriving is on the branch sm90-prep-arrivals until a GPU has run it
 constexpr int kFullArrivals = 32;
-// prepped[b] at the CTA that preps buffer b: every prep thread, after its stores of the gates (and of the
-// dead rows it zeroes); at the peer: one, the peer prep's, with its bulk copy's bytes
-constexpr int kPrepArrivals = 128;
-static_assert(kPrepBufs % kVBlocks == 0, "buffer b is prepped by CTA b % kVBlocks");
 // setmaxnreg moves registers only within the CTA's pool, the launch allocation: kThreads x 168 (65536 /
 // 384 = 170, allocated in 8s), i.e. 3 x 168 = 504 a thread across the three warpgroups - not 65536 / 128
 // = 512. 40 + 232 + 240 = 512 leaves one warp of prep or state retrying setmaxnreg.inc forever: the likely
@@ -69,15 +64,14 @@ __device__ __forceinline__ void zero_dead_rows(Shared& sm, int st, int length, i
 
 // grid (kVBlocks, HV, N) in clusters of the kVBlocks CTAs of a (value head, sequence): CTA rank vb owns
 // value columns vb * 64 .. vb * 64 + 63 and preps the chunks j with j % 2 == vb for both. Barriers (an
-// elected thread arrives for its warpgroup after the warpgroup's named barrier, except where a barrier
-// publishes generic stores: then every writer arrives):
+// elected thread arrives for its warpgroup after the warpgroup's named barrier; full's are the producer's lanes):
 //   full[s]      the TMA of chunk j landed in stage s = j % 3: k, q (one K-half multicast by each CTA's
 //                producer to both) and the CTA's v columns, and the producer's gates (32 arrivals, one
 //                per producer lane, + all the bytes)
 //   empty[s]     stage s read in both CTAs (the multicast writes both): by each CTA's state warpgroup,
 //                whose step j follows its own prep's reads of the stage (2: one local, one remote)
-//   prepped[b]   Ts, M, gates of chunk j in buffer b = j % 4: by this CTA's prep (its 128 threads), or
-//                by the peer's (1 arrival with the bytes of its bulk copy)
+//   prepped[b]   Ts, M, gates of chunk j in buffer b = j % 4: by this CTA's prep, or by the peer's
+//                (its arrival with the bytes of its bulk copy) (1)
 //   prepfree[b]  buffer b read by both state warpgroups (at the CTA that preps it; 2)
 template <typename T>
 __global__ void __cluster_dims__(kVBlocks, 1, 1) __launch_bounds__(kThreads, 1)
@@ -102,8 +96,8 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
       mbar_init(&sm.full[i], kFullArrivals);      // the producer warp's lanes
       mbar_init(&sm.empty[i], kVBlocks);          // the state warpgroups of both CTAs
     }
-    for (int i = 0; i < kPrepBufs; ++i) {        // buffer i is prepped by CTA i % 2 (chunk j: j % 4, j % 2)
-      mbar_init(&sm.prepped[i], i % kVBlocks == vb ? kPrepArrivals : 1);
+    for (int i = 0; i < kPrepBufs; ++i) {
+      mbar_init(&sm.prepped[i], 1);
       mbar_init(&sm.prepfree[i], 2);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -191,8 +185,8 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
       prep_chunk<P, T, TInv>(p, q_t, k_t, sm.scratch, sm.graw[st][0], sm.graw[st][1], length, a.scale, a.l2norm,
                              sm.gates[b], at, at, dt, dt, ts, m);
       p.sync();                                   // (its fence: Ts, M, gates visible to the async proxy)
-      mbar_arrive(&sm.prepped[b]);                // each thread releases its own stores (kPrepArrivals)
       if (wtid == 0) {
+        mbar_arrive(&sm.prepped[b]);
         const uint32_t bar = peer_addr(&sm.prepped[b], peer);
         mbar_expect_tx_at(bar, kPrepBytes);
         copy_to_peer(peer_addr(sm.ts[b], peer), sm.ts[b], kBlock, bar);
