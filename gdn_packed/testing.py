@@ -215,7 +215,7 @@ def cuda_forward_probe():
     """backend='cuda' of the chunked forward on one 64-token sequence (1 head, K = V = 128, bf16, no
     initial state), synchronized: the launch that hung on an H200 (2026-12-04). Run in a child process
     with a timeout (tests/test_cuda_chunk_gpu.py, tools/gpu_check.py's sanitizer step): a hung kernel
-    holds the GPU until its process dies. Needs GDN_PACKED_EXPERIMENTAL_CUDA_CHUNK=1."""
+    holds the GPU until its process dies."""
     from gdn_packed import chunk_gated_delta_rule
     q, k, v, g, beta = (t.cuda() for t in gdr_inputs(64, 1, 1, 128, 128, torch.bfloat16, N=1, seed=0)[:5])
     cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")

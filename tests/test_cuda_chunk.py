@@ -142,18 +142,18 @@ def test_cuda_backend_refuses_what_its_kernel_does_not_take():
         gdn_packed.chunk_gated_delta_rule(**x, backend="cuda")
 
 
-def test_device_launch_refused_until_a_gpu_run_passes_it(monkeypatch):
-    """The forward hung on an H200 (2026-12-04): on an sm_90 device backend='cuda' is refused, naming the
-    hang and backend='triton', unless GDN_PACKED_EXPERIMENTAL_CUDA_CHUNK=1; the host mirror (CPU) is not."""
+def test_device_launch_taken_on_sm90_refused_elsewhere(monkeypatch):
+    """An H200 ran the forward (2026-12-04, second session): on an sm_90 device backend='cuda' is taken
+    (no variable needed); on another GPU it is refused naming sm_90 and backend='triton'."""
     from gdn_packed.cuda import chunk
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     q, v = torch.zeros(4, 1, 128, dtype=torch.bfloat16), torch.zeros(4, 2, 128, dtype=torch.bfloat16)
-    monkeypatch.delenv(chunk.EXPERIMENTAL_ENV, raising=False)
-    err = chunk.refusal(q, v, torch.device("cuda"), N=1)
-    assert isinstance(err, RuntimeError) and "hung" in str(err) and "backend='triton'" in str(err), err
-    assert chunk.refusal(q, v, torch.device("cpu"), N=1) is None
-    monkeypatch.setenv(chunk.EXPERIMENTAL_ENV, "1")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert chunk.refusal(q, v, torch.device("cuda"), N=1) is None
+    assert chunk.refusal(q, v, torch.device("cpu"), N=1) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    err = chunk.refusal(q, v, torch.device("cuda"), N=1)
+    assert isinstance(err, RuntimeError) and "sm_90" in str(err) and "backend='triton'" in str(err), err
 
 
 def test_auto_never_picks_cuda_yet(monkeypatch):

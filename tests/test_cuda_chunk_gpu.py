@@ -14,7 +14,6 @@ The forward hung on its first GPU (an H200, 2026-12-04): test_forward_finishes r
 process with a timeout, and while that fails every forward test fails at once without a launch (a hung
 kernel would hold the GPU for the rest of the run). Without such a GPU every test here is a visible skip."""
 import functools
-import os
 import subprocess
 import sys
 
@@ -23,7 +22,6 @@ import torch
 
 import gdn_packed
 from gdn_packed import _cext
-from gdn_packed.cuda.chunk import EXPERIMENTAL_ENV
 from gdn_packed.testing import (BUDGETS, PACKINGS, Packing, case_id, gdr_inputs, poisoned_outputs, real_rows,
                                 reference_gdr, rel_err)
 
@@ -61,18 +59,11 @@ def forward_hangs():
     """'' when the forward finishes one 64-token sequence in a child process within 60 s, else why not.
     It hung on an H200 on 2026-12-04 (bench/NOTES.md "First GPU run"); a hung kernel holds the GPU until
     its process dies, so no test launches it in this process before the child has finished."""
-    env = dict(os.environ, **{EXPERIMENTAL_ENV: "1"})
     try:
-        r = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60)
+        r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
         return "the sm_90a forward did not finish one 64-token sequence within 60 s (a hang)"
     return "" if "FINISHED" in r.stdout else f"the probe failed: {r.stderr.strip()[-300:]}"
-
-
-@pytest.fixture(autouse=True)
-def _experimental(monkeypatch):
-    """backend='cuda' refuses device launches unless EXPERIMENTAL_ENV is 1 (gdn_packed.cuda.chunk)."""
-    monkeypatch.setenv(EXPERIMENTAL_ENV, "1")
 
 
 def test_forward_finishes():

@@ -116,13 +116,14 @@ def test_a_hung_forward_probe_rebuilds_with_the_watchdog_and_names_the_barrier(m
         return (None, "") if len(calls) == 1 else (1, line + "\nRuntimeError: CUDA error: unspecified launch failure")
 
     r = gpu_check.Run("/nonexistent", False, {"sanitizer": 60}, open(os.devnull, "w"))
-    r.tmp, r.env = "/nonexistent", {gpu_check.EXPERIMENTAL_ENV: "1"}
+    r.tmp, r.env = "/nonexistent", {}
     monkeypatch.setattr(r, "py", py)
     hung, note, d = gpu_check._forward_probe(r)
     assert hung and "HUNG" in note and "1 stuck waits: fwd state, prepped[it % 4]" in note, note
     assert d["watchdog_lines"] == [line]
     assert calls[1][1]["GDN_PACKED_SM90_WATCHDOG"] == str(gpu_check.WATCHDOG_SPINS)
-    assert calls[2][1][gpu_check.EXPERIMENTAL_ENV] == "1" and gpu_check.EXPERIMENTAL_ENV not in r.env
+    assert r.env[gpu_check.HUNG_ENV] == "1"                     # the later steps leave the forward out
+    assert gpu_check._gpu_providers(True) == "ours-triton,fla"
 
 
 def test_profile_records_the_configs_flas_autotuner_chose(monkeypatch):

@@ -17,11 +17,11 @@ so time an early step leaves is given to the later ones and the whole run ends i
   sanitizer  the CUDA kernels (chunk table, conv fwd+bwd, recurrent, the sm_90a chunked forward with
              the Triton backward, the sm_90a backward's dS pass against the Triton one) and one Triton
              chunked forward+backward, small packed cases, run
-             plainly, under compute-sanitizer memcheck and racecheck; dry run: plainly, on CPU. Where
-             the sm_90a forward may launch (GDN_PACKED_EXPERIMENTAL_CUDA_CHUNK=1) a probe runs it first
-             on one 64-token sequence with a timeout; if it hangs, _C is rebuilt with the barrier
-             watchdog (GDN_PACKED_SM90_WATCHDOG) and the probe rerun: the lines of its trap name the
-             stuck mbarrier waits; the later runs and steps then leave the forward out
+             plainly, under compute-sanitizer memcheck and racecheck; dry run: plainly, on CPU. On a
+             GPU a probe first runs the sm_90a forward on one 64-token sequence with a timeout; if it
+             hangs, _C is rebuilt with the barrier watchdog (GDN_PACKED_SM90_WATCHDOG) and the probe
+             rerun: the lines of its trap name the stuck mbarrier waits; the later runs and steps then
+             leave the forward out (HUNG_ENV)
   graph      CUDA-graph capture and replay of the chunked op's forward+backward over a packing, under
              torch.cuda.set_sync_debug_mode("error"), replay against eager on new data
   bench      python -m bench on the GPU suite's headline cases (one invocation each, merged);
@@ -71,8 +71,9 @@ GRACE_S = 3          # a process over its budget gets SIGINT this long before it
 # its timeout, and the spin count of the watchdog build made when it hangs (GDN_PACKED_SM90_WATCHDOG:
 # each stuck waiter prints at this many failed try_waits and traps at twice it; the probe's legitimate
 # waits are microseconds, and what one failed try_wait takes - the hardware's suspend limit - is not
-# known: a small count keeps the trap inside the rerun's timeout even at ~10 us a try_wait)
-EXPERIMENTAL_ENV = "GDN_PACKED_EXPERIMENTAL_CUDA_CHUNK"
+# known: a small count keeps the trap inside the rerun's timeout even at ~10 us a try_wait); HUNG_ENV=1 in
+# the steps' environment after a hung probe: the cases and the bench step leave the sm_90a forward out
+HUNG_ENV = "GDN_GPU_CHECK_CUDA_FORWARD_HUNG"
 PROBE_S, WATCHDOG_SPINS = 25, 200000
 OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench.csv", "bench.json", "kernels.csv",
              "ncu.csv")
@@ -81,6 +82,20 @@ OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench
 NCU_KERNELS = "chunk_fwd_prep_kernel|chunk_fwd_state_kernel|chunk_bwd_dq_kernel|chunk_bwd_dk_kernel|chunk_bwd_finalize_kernel"
 NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "LaunchStats", "Occupancy",
                 "SchedulerStats")
+# what the sections above do not break down (the second H200 session: prep, dq and dk had L1/TEX 50-77%
+# busy, 3.4-4.3x the conflict-free shared-memory wavefronts the model counts): the shared wavefronts and
+# bank conflicts by loads / stores, the instructions that made them, the global traffic through L1, and
+# each stall reason per issued instruction
+NCU_METRICS = tuple(
+    [f"l1tex__data_pipe_lsu_wavefronts_mem_shared_op_{o}.sum" for o in ("ld", "st")]
+    + [f"l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_{o}.sum" for o in ("ld", "st")]
+    + [f"smsp__sass_inst_executed_op_shared_{o}.sum" for o in ("ld", "st")]
+    + ["smsp__sass_inst_executed_op_ldsm.sum", "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
+       "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum", "l1tex__t_sectors_pipe_lsu_mem_global_op_st.sum"]
+    + [f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in (
+        "barrier", "long_scoreboard", "short_scoreboard", "mio_throttle", "lg_throttle", "math_pipe_throttle",
+        "wait", "membar", "not_selected", "dispatch_stall", "no_instruction", "branch_resolving", "sleeping",
+        "tex_throttle", "drain", "misc", "selected")])
 
 
 # ---------------------------------------------------------------------------------------- run steps
@@ -165,6 +180,10 @@ def _first_line(text, pattern):
     return m.group(1).strip() if m else ""
 
 
+def _compute_sanitizer():
+    return shutil.which("compute-sanitizer") or shutil.which("compute-sanitizer", path="/usr/local/cuda/bin") or ""
+
+
 def step_env(r):
     info = {"date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
             "host_python": sys.version.split()[0], "dry_run": r.dry}
@@ -191,8 +210,8 @@ def step_env(r):
     if nvcc:
         _, out = r.sh([nvcc, "--version"], timeout=20)
         info["nvcc"] = _first_line(out, r"release ([^,\n]+)")
-    san = shutil.which("compute-sanitizer") or shutil.which("compute-sanitizer", path="/usr/local/cuda/bin")
-    info["compute_sanitizer"] = san or ""
+    san = _compute_sanitizer()
+    info["compute_sanitizer"] = san
     if san:
         _, out = r.sh([san, "--version"], timeout=20)
         info["compute_sanitizer_version"] = _first_line(out, r"Version ([^\n]+)")
@@ -228,7 +247,8 @@ def step_build(r):
     check = ("from gdn_packed import _cext\n"
              "C = _cext.get_C() if _cext.built() else None\n"
              "print('BUILT', _cext.built(), getattr(C, 'cuda_archs', None), '|', _cext.cuda_available(), '|',"
-             " _cext.cuda_unavailable_reason() or 'ok')\n")
+             " _cext.cuda_unavailable_reason() or 'ok', '|',"
+             " 'sm_90a chunked kernels missing: ' + (getattr(C, 'chunk_gdr_fwd_sm90_missing', '') or 'none'))\n")
     if r.dry:
         rc, out = r.py("-c", check, timeout=60)
         line = _first_line(out, r"^BUILT (.*)$")
@@ -239,7 +259,9 @@ def step_build(r):
         return ("timeout" if rc is None else "fail"), "setup.py build_ext failed: " + out.strip()[-200:], {}
     rc, out = r.py("-c", check, timeout=60)
     line = _first_line(out, r"^BUILT (.*)$")
-    ok = rc == 0 and line.startswith("True") and "| True |" in line
+    # without the CUTLASS headers (the nvidia-cutlass wheel: the wheels step) the sm_90a kernels are left out
+    # and every check of them would skip: a failed build for this check
+    ok = rc == 0 and line.startswith("True") and "| True |" in line and line.endswith("missing: none")
     return ("ok" if ok else "fail"), "built for " + env["GDN_PACKED_CUDA_ARCHS"] + ": " + line, {"C": line}
 
 
@@ -281,7 +303,7 @@ def _forward_probe(r):
     mbarrier wait stuck for WATCHDOG_SPINS failed try_waits prints a GDN_SM90_WATCHDOG line (the call site,
     the chunk step, CTA, cluster rank, warp, barrier address, parity) and then traps; no line and a second
     timeout means the stuck wait is not an mbarrier's (a named or cluster barrier, setmaxnreg). The
-    forward is then left out of the rest of the run (EXPERIMENTAL_ENV dropped: backend='cuda' refuses)."""
+    forward is then left out of the rest of the run (HUNG_ENV=1 in the steps' environment)."""
     res = os.path.join(r.tmp, "probe.json")
     rc, out = r.py(os.path.abspath(__file__), "case", "probe", "--json", res, timeout=PROBE_S)
     if rc is not None:
@@ -289,7 +311,7 @@ def _forward_probe(r):
         return False, "forward probe: " + (d.get("note") or _last_lines(out)), d
     d = {"hung": True}
     note = f"forward probe HUNG (no finish in {PROBE_S} s)"
-    r.env.pop(EXPERIMENTAL_ENV, None)
+    r.env[HUNG_ENV] = "1"
     env = dict(r.env, GDN_PACKED_SM90_WATCHDOG=str(WATCHDOG_SPINS),
                GDN_PACKED_CUDA_ARCHS=os.environ.get("GDN_PACKED_CUDA_ARCHS", "80;90a"))
     rc, out = r.py("setup.py", "build_ext", "--inplace", env=env)
@@ -297,7 +319,7 @@ def _forward_probe(r):
         d["watchdog_build"] = "out of time" if rc is None else _last_lines(out)
         return True, note + "; watchdog build " + ("out of time" if rc is None else "FAILED: " + _last_lines(out)), d
     rc, out = r.py(os.path.abspath(__file__), "case", "probe", "--json", res,
-                   env=dict(env, **{EXPERIMENTAL_ENV: "1"}), timeout=PROBE_S + 20)
+                   env=env, timeout=PROBE_S + 20)
     lines = sorted(set(re.findall(r"^GDN_SM90_WATCHDOG: .*$", out, re.MULTILINE)))
     d.update(watchdog_spins=WATCHDOG_SPINS, watchdog_rc=rc, watchdog_lines=lines[:64])
     for line in lines[:24]:                         # to the output's tail; all are in gpu_check.log
@@ -313,7 +335,7 @@ def _forward_probe(r):
 def step_sanitizer(r):
     details, notes = {}, []
     hung = False
-    if not r.dry and r.env.get(EXPERIMENTAL_ENV) == "1":
+    if not r.dry:
         hung, note, details["probe"] = _forward_probe(r)
         notes.append(note)
     res = os.path.join(r.tmp, "case.json")
@@ -327,7 +349,7 @@ def step_sanitizer(r):
     skipped = details["plain"].get("skipped", [])
     if skipped:
         notes.append("not run: " + "; ".join(skipped))
-    san = r.info.get("compute_sanitizer")
+    san = r.info.get("compute_sanitizer") or _compute_sanitizer()     # (found here too when --only leaves env out)
     if r.dry or not san:
         notes.append("compute-sanitizer " + ("not used in a dry run" if r.dry else "not found"))
         return ("ok" if r.dry else "fail"), "; ".join(notes), details
@@ -358,11 +380,16 @@ def step_graph(r):
     return d.get("status", "fail"), d.get("note", ""), d
 
 
+def _gpu_providers(hung):
+    """The providers timed on a GPU: ours-cuda left out after a hung probe of its forward."""
+    return "ours-triton,fla" if hung else "ours-triton,ours-cuda,fla"
+
+
 def step_bench(r):
     tmp = os.path.join(r.tmp, "bench")
     jobs = DRY_BENCH_JOBS if r.dry else BENCH_JOBS
     extra = (["--device", "cpu", "--repeats", "3", "--warmup", "0", "--budget-s", "1", "--providers", "ours-torch",
-              "--no-memory"] if r.dry else ["--providers", "ours-triton,ours-cuda,fla"])
+              "--no-memory"] if r.dry else ["--providers", _gpu_providers(r.env.get(HUNG_ENV) == "1")])
     done, notes = [], []
     for scenario, modes in jobs:
         rc, out = r.py("-m", "bench", "--scenarios", scenario, "--modes", modes, "--out",
@@ -409,12 +436,18 @@ def step_ncu(r):
            "--csv", "--page", "details"]
     for sec in NCU_SECTIONS:
         cmd += ["--section", sec]
-    rc, out = r.sh(cmd + [sys.executable, os.path.abspath(__file__), "case", "ncu"])
+    case = [sys.executable, os.path.abspath(__file__), "case", "ncu"]
+    rc, out = r.sh(cmd + ["--metrics", ",".join(NCU_METRICS)] + case)
+    dropped = rc not in (0, None) and re.search(r"metric", out, re.IGNORECASE)
+    if dropped:     # a metric name this ncu does not know fails the whole run: again with the sections only
+        rc, out = r.sh(cmd + case)
     rows = [line for line in out.splitlines() if line.startswith('"')]
     with open(os.path.join(r.out, "ncu.csv"), "w") as f:
         f.write("\n".join(rows) + "\n")
     kernels = sorted({m.group(1) for m in re.finditer(r'"(chunk_\w+_kernel)', "\n".join(rows))})
     note = f"{len(rows)} ncu rows: {', '.join(kernels) or 'no kernel profiled'}"
+    if dropped:
+        note += "; NCU_METRICS refused (sections only)"
     if rc is None:
         return "timeout", note, {}
     return ("ok" if rc == 0 and rows else "fail"), note + ("" if rc == 0 else f"; exit {rc}: {_last_lines(out)}"), {}
@@ -521,9 +554,9 @@ def case_sanitize():
 
 def _case_cuda_chunk(dev, skipped):
     """On a small packing with zero-length, single-token and partial chunks and gaps (K = V = 128, bf16):
-    the backward's sm_90a dS pass (on Triton prep), then, where refusal() lets it run (device launches
-    need GDN_PACKED_EXPERIMENTAL_CUDA_CHUNK=1 since the forward hung on an H200), the sm_90a chunked
-    forward (backend="cuda") and the backward through it: finite, o within the bf16 budget of Triton's."""
+    the backward's sm_90a dS pass (on Triton prep), then, where refusal() lets it run and this run's probe
+    did not hang (HUNG_ENV), the sm_90a chunked forward (backend="cuda") and the backward through it:
+    finite, o within the bf16 budget of Triton's."""
     import torch
 
     import gdn_packed
@@ -535,7 +568,7 @@ def _case_cuda_chunk(dev, skipped):
     ran = []
     if hasattr(_cext.get_C(), "chunk_gdr_bwd_sm90"):     # the dS pass runs on Triton prep: not on the forward
         ran.append(_case_cuda_dstate(q, k, v, g, beta, cu, cu_pad))
-    why = refusal(q, v, dev)
+    why = "it hung in this run's probe" if os.environ.get(HUNG_ENV) == "1" else refusal(q, v, dev)
     if why is not None:
         skipped.append(f"cuda chunked forward: {why}")
         return ran
@@ -606,7 +639,8 @@ def case_profile(csv_path=None, providers=None, shapes=None):
     if gpu:
         os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"   # FLA's own kernels, not FlashQLA's
         shapes = [x for x in PROFILE_SHAPES if shapes is None or x[0] in shapes.split(",")]
-        providers, (H, HV, K) = (providers or "ours-triton,ours-cuda,fla").split(","), (16, 32, 128)
+        providers = (providers or _gpu_providers(os.environ.get(HUNG_ENV) == "1")).split(",")
+        H, HV, K = 16, 32, 128
         dtype, activity, kind = torch.bfloat16, ProfilerActivity.CUDA, torch.autograd.DeviceType.CUDA
     else:
         shapes, providers, (H, HV, K) = [("1x96", [96])], ["ours-torch"], (1, 2, 32)

@@ -13,8 +13,6 @@ saves only its inputs, which is all that backward needs.
                             (Triton prep's outputs) and outputs
     chunk_gdr_bwd_cuda(...) the dispatch table's "bwd": the Triton backward with that dS pass
 """
-import os
-
 import torch
 
 from gdn_packed.cuda.launch import check_tensors, launch
@@ -22,16 +20,16 @@ from gdn_packed.cuda.launch import check_tensors, launch
 HEAD_DIM = 128          # the kernel's only K and V
 CHUNK = 64
 MAX_SEQUENCES = 65535   # the grid's y dimension
-# The forward kernel hung on the first GPU it met (an H200, tools/gpu_check.py, 2026-12-04: one 64-token
-# sequence did not finish in 20 s; bench/NOTES.md "First GPU run"). Until a GPU run passes it, a device
-# launch is refused unless this variable is 1 (for whoever debugs it); the host mirror is not affected.
-EXPERIMENTAL_ENV = "GDN_PACKED_EXPERIMENTAL_CUDA_CHUNK"
+# The forward hung on the first H200 it met (2026-12-04, first session: a setmaxnreg pool overdrawn) and
+# device launches were refused until a GPU run passed it; the second session's H200 ran it (the GPU tests
+# of tests/test_cuda_chunk_gpu.py, memcheck clean, three shapes profiled; bench/NOTES.md "The second H200
+# session"), so backend='cuda' launches it. 'auto' still picks triton (ops/chunk_gdr.AUTO_BACKENDS).
 
 
 def refusal(q, v, device, N=None):
     """None when the cuda chunked forward takes q [.., H, K], v [.., HV, V] (and N sequences) on
     `device`; else the exception naming why: TypeError (dtype), ValueError (shape), RuntimeError (no
-    sm_90a kernel in gdn_packed._C, no sm_90 GPU, a device launch while EXPERIMENTAL_ENV is not 1)."""
+    sm_90a kernel in gdn_packed._C, no sm_90 GPU)."""
     from gdn_packed import _cext
     C = _cext.get_C()
     if C is not None and getattr(C, "chunk_gdr_fwd_sm90_missing", ""):
@@ -49,10 +47,6 @@ def refusal(q, v, device, N=None):
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
         return RuntimeError("backend='cuda' of chunk_gated_delta_rule needs an sm_90 GPU (H100 / H200), got "
                             f"{torch.cuda.get_device_name(device)}; use backend='triton'")
-    if device.type == "cuda" and os.environ.get(EXPERIMENTAL_ENV, "0") != "1":
-        return RuntimeError("backend='cuda' of chunk_gated_delta_rule is disabled: its sm_90a forward kernel "
-                            "hung on an H200 (2026-12-04, one 64-token sequence) and has not passed a GPU run "
-                            f"since; use backend='triton' ({EXPERIMENTAL_ENV}=1 runs it, to debug it)")
     return None
 
 
