@@ -77,9 +77,11 @@ HUNG_ENV = "GDN_GPU_CHECK_CUDA_FORWARD_HUNG"
 PROBE_S, WATCHDOG_SPINS = 25, 200000
 OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench.csv", "bench.json", "kernels.csv",
              "ncu.csv")
-# the ncu step: our chunk-parallel kernels, which took 7-12x the model's estimates on the H200 (2026-12-04),
-# and the sequential state pass for contrast; one launch of each in one forward+backward at the anchor
-NCU_KERNELS = "chunk_fwd_prep_kernel|chunk_fwd_state_kernel|chunk_bwd_dq_kernel|chunk_bwd_dk_kernel|chunk_bwd_finalize_kernel"
+# the ncu step: our chunk-parallel kernels (1.8-2.8x the model on the second H200 run, 2026-12-04), the
+# sequential state pass for contrast (one launch of each in one forward+backward at the anchor), and the
+# sm_90a forward (1.76x its model)
+NCU_KERNELS = ("chunk_fwd_prep_kernel|chunk_fwd_state_kernel|chunk_bwd_dq_kernel|chunk_bwd_dk_kernel|"
+               "chunk_bwd_finalize_kernel|chunk_gdr_fwd_sm90_kernel")
 NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "LaunchStats", "Occupancy",
                 "SchedulerStats")
 # what the sections above do not break down (the second H200 session: prep, dq and dk had L1/TEX 50-77%
@@ -432,7 +434,7 @@ def step_ncu(r):
     ncu = shutil.which("ncu") or shutil.which("ncu", path="/usr/local/cuda/bin")
     if not ncu:
         return "skipped", "ncu not found", {}
-    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{NCU_KERNELS}", "--launch-count", "7",
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{NCU_KERNELS}", "--launch-count", "8",
            "--csv", "--page", "details"]
     for sec in NCU_SECTIONS:
         cmd += ["--section", sec]
@@ -444,7 +446,7 @@ def step_ncu(r):
     rows = [line for line in out.splitlines() if line.startswith('"')]
     with open(os.path.join(r.out, "ncu.csv"), "w") as f:
         f.write("\n".join(rows) + "\n")
-    kernels = sorted({m.group(1) for m in re.finditer(r'"(chunk_\w+_kernel)', "\n".join(rows))})
+    kernels = sorted({m.group(1) for m in re.finditer(r'(chunk_\w+_kernel)', "\n".join(rows))})
     note = f"{len(rows)} ncu rows: {', '.join(kernels) or 'no kernel profiled'}"
     if dropped:
         note += "; NCU_METRICS refused (sections only)"
@@ -820,14 +822,20 @@ def _sync_errors(torch):
 
 
 def case_ncu():
-    """One ours-triton forward+backward at the anchor (bf16, 16/32 heads, K = V = 128) for ncu."""
+    """One ours-triton forward+backward at the anchor (bf16, 16/32 heads, K = V = 128) for ncu, then one
+    sm_90a forward where it may run (it ran at 1.76x its model on the H200: which of its roles waits)."""
     import torch
 
     from bench import gdr
+    from gdn_packed.cuda.chunk import refusal
     xs, cu = gdr.make_inputs(16, 32, 128, 128, [32768], torch.bfloat16, _device(), requires_grad=True)
     o = gdr.ours("triton")(*xs, cu)
     torch.autograd.grad(o, xs, torch.randn_like(o))
     torch.cuda.synchronize()
+    if os.environ.get(HUNG_ENV) != "1" and refusal(xs[0], xs[2], xs[0].device) is None:
+        with torch.no_grad():
+            gdr.ours("cuda")(*xs, cu)
+        torch.cuda.synchronize()
     return {"status": "ok"}
 
 
