@@ -201,7 +201,7 @@ _SHARED = ("LDS", "STS", "ATOMS")
 _WIDTH = {"128": 16, "64": 8}
 
 
-def smem_wavefronts(op, rest=""):
+def smem_wavefronts(op):
     """Shared-memory cycles of one warp's instruction at one 128-byte wavefront a cycle (the SM's shared
     memory bandwidth, bank conflicts not counted): LDS / STS / ATOMS / LDGSTS by their width (32 lanes x 4,
     8 or 16 bytes: 1, 2 or 4), LDSM / STSM by their matrices (.x1 / .x2 / .x4: one 128-byte 8 x 8 matrix
@@ -300,7 +300,7 @@ def simulate(prog, trips, lat, cap=3):
             st["instr"] += 1.0
         if NARROW_GLOBAL.match(op):
             st["narrow"] += 1.0
-        st["smem"] += smem_wavefronts(op, x.rest)
+        st["smem"] += smem_wavefronts(op)
         st["smem_mma"] += hgmma_smem_cycles(op, x.rest)
 
     def run(nodes):
