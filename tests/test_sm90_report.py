@@ -506,3 +506,45 @@ def test_fla_state_kernels_run_at_the_fitted_warps():
         assert not V.fla_config_allowed(kernel, 6 - V.STATE_WARPS)
         assert V.fla_config_allowed(kernel, 4, state_warps=4)
     assert V.fla_config_allowed("chunk_fwd_kernel_o", 8) and V.fla_config_allowed("chunk_fwd_kernel_o", 2)
+
+
+def _banks(lines):
+    from bench.sm90 import banks
+    prog = S.program(_stub(lines))
+    return banks.conflict_wavefronts(prog), prog
+
+
+@pytest.mark.parametrize("stride, op, want", [
+    (4, "STS", 1), (8, "STS", 2), (128, "STS", 32), (132, "STS", 1),       # 4-byte words: banks = word mod 32
+    (16, "LDS.128", 4), (32, "LDS.128", 8), (8, "LDS.64", 2),             # 8 / 16 lanes a phase
+    (2, "STS.U16", 1),                                                    # two lanes in one word: one access
+])
+def test_bank_conflicts_of_a_lane_strided_access(stride, op, want):
+    """banks.py runs the address arithmetic for the 32 lanes of warp 0 (tid from S2R) and counts each
+    phase's most-loaded bank; a uniform offset (UR) shifts every lane alike and changes nothing."""
+    got, _ = _banks(["S2R R0, SR_TID.X", f"IMAD.SHL.U32 R1, R0, {stride:#x}, RZ", "S2UR UR4, SR_CTAID.X",
+                     "VIADD R2, R1, UR4", f"{op} [R2+0x100], R8" if op.startswith("ST") else f"{op} R8, [R2+0x100]",
+                     "EXIT"])
+    assert got == {4: want}
+
+
+def test_ldmatrix_conflicts_unswizzled_rows_and_xor_swizzle():
+    """LDSM.x4: 4 matrices, each 8 row addresses (16 bytes) from 8 lanes. Rows 128 bytes apart share
+    their 4 banks (8-way: 8 wavefronts a matrix); the 16-byte chunk xor'ed with the row (the 128-byte
+    swizzle) spreads them (1 a matrix)."""
+    plain, _ = _banks(["S2R R0, SR_TID.X", "LOP3.LUT R1, R0, 0x7, RZ, 0xc0, !PT", "IMAD.SHL.U32 R2, R1, 0x80, RZ",
+                       "LDSM.16.M88.4 R8, [R2]", "EXIT"])
+    swz, _ = _banks(["S2R R0, SR_TID.X", "LOP3.LUT R1, R0, 0x7, RZ, 0xc0, !PT", "IMAD.SHL.U32 R2, R1, 0x80, RZ",
+                     "IMAD.SHL.U32 R3, R1, 0x10, RZ", "LOP3.LUT R4, R2, R3, RZ, 0x3c, !PT",
+                     "LDSM.16.M88.4 R8, [R4]", "EXIT"])
+    assert plain == {3: 32.0} and swz == {5: 4.0}
+
+
+def test_unknown_addresses_fall_back_to_the_conflict_free_count():
+    """A lane index times an unknown uniform stride, or an address from loaded data: not resolved, so
+    the access keeps sass.smem_wavefronts' count in the simulation."""
+    got, prog = _banks(["S2R R0, SR_TID.X", "LDC R5, c[0x0][0x210]", "IMAD R1, R0, R5, RZ", "STS [R1], R8",
+                        "LDG.E R6, desc[UR4][R10.64]", "STS [R6], R8", "EXIT"])
+    assert got == {}
+    r = S.simulate(prog, lambda k, loop: 1, S.Latencies(), wavefronts=got)
+    assert r["smem"] == 2

@@ -20,14 +20,14 @@ Per launch of P programs of w warps, from the compile's facts (kernel_facts):
     narrow   the 1-2 byte global accesses (LDG / STG .U16 ...: an element-wise tile access) of the busiest SM,
              `narrow` cycles each: what the H200 showed (5-12x the model in the kernels with them) and
              the terms above do not see
-    smem     the shared-memory wavefronts of every warp (LDS / STS / LDSM / STSM / LDGSTS by width) and the
-             operand reads of every warpgroup MMA, per busy SM, at one 128-byte wavefront a cycle (bank
-             conflicts not counted: a floor). The H200's ncu L1/TEX busy time matches it on the
-             sequential passes (1.0-1.2x) and is 3.4-4.3x it on prep, dq and dk (bench/NOTES.md, "The
-             second H200 session")
-    est      max((latency^p + bytes^p)^(1/p), FLOPs, narrow, smem) + launch, p = overlap x c: latency and bytes
-             overlap the better the more CTAs share an SM (1 CTA: near their sum; many: their max); the
-             bound names the largest term (latency or bytes for the combined one).
+    smem     the shared-memory wavefronts of every warp and the operand reads of every warpgroup MMA, per
+             busy SM, at one 128-byte wavefront a cycle: an access's bank conflicts where banks.py can run
+             its lanes' addresses from the SASS, else its conflict-free count (LDS / STS / LDSM / STSM /
+             LDGSTS by width). Against the H200's ncu L1/TEX busy time: the sequential passes 1.0-1.2x
+             (no conflicts), dq 0.78, dk 0.66, prep 0.27 (bench/NOTES.md, "The second H200 session")
+    est      max((latency^p + max(bytes, smem)^p)^(1/p), FLOPs, narrow) + launch, p = overlap x c: latency
+             and the memory pipes' time overlap the better the more CTAs share an SM (1 CTA: near their
+             sum; many: their max); the bound names the largest term.
 The constants (Constants: the latencies of sass.Latencies, l2_bps, launch_s, narrow, overlap) are global:
 none is per kernel. FIT names the ones fitted on FLA's published rows (validate.py); narrow is fitted on
 the H200's per-kernel times of ours (bench/results/h200_2026-12-04); the others are fixed."""
@@ -35,7 +35,7 @@ import dataclasses
 import heapq
 import math
 
-from bench.sm90 import sass
+from bench.sm90 import banks, sass
 from bench.sm90.hopper import (CLOCK_HZ, HBM_BPS, MAX_CTAS_PER_SM, MAX_WARPS_PER_SM, NUM_SMS, REGS_PER_SM,
                                SMEM_PER_SM, SM_BPS, TC_FLOPS)
 
@@ -150,10 +150,11 @@ def _per_cta_linear(c, const):
     key = (id(c.prog), repr(c.ttir_loops), const)
     if key not in _LINEAR:
         table, seq_at = loop_trips(c.prog, c.ttir_loops)
+        wavefronts = banks.conflict_wavefronts(c.prog)
 
         def run(n):
             return sass.simulate(c.prog, lambda k, _l: (n if k == seq_at else table[k]["trips"])
-                                 if k < len(table) else 1, const.lat)
+                                 if k < len(table) else 1, const.lat, wavefronts=wavefronts)
         r4, r8 = run(4), run(8)
         terms = ("cycles", "instr", "mma_cycles", "narrow", "smem", "smem_mma")
         _LINEAR[key] = dict(a={k: r4[k] - (r8[k] - r4[k]) for k in terms}, b={k: (r8[k] - r4[k]) / 4 for k in terms},
@@ -237,19 +238,21 @@ def estimate(c, programs, warps, seq_lens, tensor_bytes, const):
 
 
 def bounded(parts, ctas_per_sm, const):
-    """(time, bound) of a launch's terms {"latency", "bytes", and others (FLOPs, narrow)}: latency and
-    bytes combined as (L^p + B^p)^(1/p), p = const.overlap x CTAs per SM (named by the larger of the
-    two), the others max'd with that; the bound names the largest. Every estimate (Triton kernels here,
-    the CUDA kernels in cuda_chunk.py) ends here."""
-    lat, byt = parts["latency"], parts["bytes"]
-    hi, lo = max(lat, byt), min(lat, byt)
+    """(time, bound) of a launch's terms {"latency", "bytes", optionally "smem", and others (FLOPs,
+    narrow)}: latency and the memory pipes' time M = max(bytes, smem) combined as (L^p + M^p)^(1/p), p =
+    const.overlap x CTAs per SM (named by the largest of the three), the others max'd with that; the
+    bound names the largest. Every estimate (Triton kernels here, the CUDA kernels in cuda_chunk.py)
+    ends here."""
+    lat, byt, smem = parts["latency"], parts["bytes"], parts.get("smem", 0.0)
+    mem = max(byt, smem)
+    hi, lo = max(lat, mem), min(lat, mem)
     p = const.overlap * max(1, ctas_per_sm)
     both = hi * ((lo / hi) ** p + 1.0) ** (1.0 / p) if lo > 0 else hi
-    rest = {k: v for k, v in parts.items() if k not in ("latency", "bytes")}
+    rest = {k: v for k, v in parts.items() if k not in ("latency", "bytes", "smem")}
     top = max(rest, key=rest.get, default=None)
     if top is not None and rest[top] > both:
         return rest[top], top
-    return both, ("latency" if lat >= byt else "bytes")
+    return both, ("latency" if lat >= mem else "bytes" if byt >= smem else "smem")
 
 
 def torch_estimate(nbytes, launches, const):

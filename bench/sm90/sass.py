@@ -215,7 +215,7 @@ def smem_wavefronts(op):
     return 0.0
 
 
-def simulate(prog, trips, lat, cap=3):
+def simulate(prog, trips, lat, cap=3, wavefronts=None):
     """One warp's in-order issue of the path of loop_tree(prog), one instruction a cycle at most, each
     waiting for its source registers: {"cycles", "instr", "mma_cycles"} for the whole kernel, loops
     run trips(i, loop) times (i: the loop's index among all loops in program order). Results are ready
@@ -230,8 +230,10 @@ def simulate(prog, trips, lat, cap=3):
     iterations; the rest are charged at the last simulated iteration's cycles and instructions. "stalls":
     the cycles the warp waited, by what it waited for (wgmma, global, shared, barrier, alu, xu, mma);
     "narrow": the warp's 1-2 byte global accesses (NARROW_GLOBAL), loops counted like instructions;
-    "smem": the warp's shared-memory wavefronts (smem_wavefronts) and "smem_mma" its warpgroup MMAs'
-    operand reads (hgmma_smem_cycles, once for the warpgroup), in cycles of the SM's shared memory."""
+    "smem": the warp's shared-memory wavefronts (`wavefronts`, {index in prog: wavefronts} with bank
+    conflicts where known, banks.conflict_wavefronts; else smem_wavefronts, conflict-free) and
+    "smem_mma" its warpgroup MMAs' operand reads (hgmma_smem_cycles, once for the warpgroup), in cycles
+    of the SM's shared memory."""
     tree = loop_tree(prog)
     st = dict(t=0.0, extra=0.0, instr=0.0, extra_instr=0.0, mma=0.0, extra_mma=0.0, pipe=0.0, cp_open=0.0,
               wg_open=0.0, mem=0.0, narrow=0.0, extra_narrow=0.0, smem=0.0, extra_smem=0.0, smem_mma=0.0,
@@ -240,7 +242,9 @@ def simulate(prog, trips, lat, cap=3):
     ready, cp_groups, wg_groups, tma, stalls = {}, [], [], [], {}
     loop_no = [0]
 
-    def issue(x):
+    wavefronts = wavefronts or {}
+
+    def issue(x, i):
         t0 = st["t"] + 1.0
         src = [ready.get(r, (0.0, "")) for r in x.src]
         t, cause = max([(t0, "")] + src)
@@ -300,13 +304,13 @@ def simulate(prog, trips, lat, cap=3):
             st["instr"] += 1.0
         if NARROW_GLOBAL.match(op):
             st["narrow"] += 1.0
-        st["smem"] += smem_wavefronts(op)
+        st["smem"] += wavefronts.get(i, smem_wavefronts(op))
         st["smem_mma"] += hgmma_smem_cycles(op, x.rest)
 
     def run(nodes):
         for node in nodes:
             if isinstance(node, int):
-                issue(prog[node])
+                issue(prog[node], node)
                 continue
             first, last, inner = node
             k = loop_no[0]
