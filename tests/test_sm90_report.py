@@ -257,7 +257,8 @@ def test_shared_memory_term_counts_every_warp_and_each_warpgroups_mma_once():
     lines = ["LDS.128 R4, [R2]", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24", "ISETP.NE.AND P0, PT, R2, RZ, PT",
              "@P0 BRA 0x0", "EXIT"]
     r = _sim(lines, trips=lambda k, loop: 10)
-    assert r["smem"] == 40 and r["smem_mma"] == 10 * S.hgmma_smem_cycles("HGMMA.64x64x16.F32.BF16", "R24, gdesc[UR8], R24")
+    mma = S.hgmma_smem_cycles("HGMMA.64x64x16.F32.BF16", "R24, gdesc[UR8], R24")
+    assert r["smem"] == 40 and r["smem_mma"] == 10 * mma
     e = M.estimate(_Kernel(lines), 132, 8, (), 0, M.CONSTANTS)
     per_sm = 8 * 4 + 2 * S.hgmma_smem_cycles("HGMMA.64x64x16.F32.BF16", "R24, gdesc[UR8], R24")   # the loop once
     assert e["t_smem"] == pytest.approx(per_sm / M.CLOCK_HZ)

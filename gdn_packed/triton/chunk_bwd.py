@@ -60,9 +60,9 @@ input dtype, exactly as its dots used it.
 fp32 values that must enter a bf16/fp16 dot at better than input precision enter it as two operands,
 the rounded value and its rounding error (relative error ~2^-16): the gated dO^T of the dS update
 (rounded once, it doubled dh0's error on short sequences: bench/NOTES.md), the gated dO of dq's state
-product, and P, DA in their products with K^, Q^ (_dot_hl: one dot over
-both halves concatenated along the inner dimension). dgam takes the row sums and the column sums of
-the same C x C products (Pm (.) Q^K^^T, DA (.) K^K^^T), whose difference the reverse cumsum sums: they
+product, and P, DA in their products with K^, Q^ (_hl: one dot over both halves concatenated along
+the inner dimension, against the other operand loaded with its rows twice over). dgam takes the row
+sums and the column sums of the same C x C products (Pm (.) Q^K^^T, DA (.) K^K^^T), whose difference the reverse cumsum sums: they
 are formed from one fp32 Gram matrix per kernel and fp32 Pm, DA, so the difference cancels to fp32
 rounding (bf16 operands there put dg above FLA's error: bench/NOTES.md). Kept fp32: dS in
 registers, the combine of the segment boundaries, every accumulator, gate, exponential and row dot.
@@ -209,14 +209,14 @@ def _pm(b_dM, g, rows, length, i_h, S_G, scale, C: tl.constexpr):
 
 
 @triton.jit
-def _vk_block(p, base, i_v, col0, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
+def _vk_block(p, base, i_v, col0, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+              HL: tl.constexpr = False):
     """Rows i_v.. (BV) and columns col0.. (BK) of the [V, K] block at base of a scratch (input dtype),
-    0 outside. With BK = K the rows are contiguous: block_offsets."""
-    if BK == K:
-        o = i_v * K + block_offsets(BV, BK)
-        return tl.load(p + base + o, mask=o < V * K, other=0.)
-    o_v = i_v + tl.arange(0, BV)
+    0 outside; with HL its rows twice over ([2 BV, BK], _hl's b operand)."""
+    o_v = i_v + _rows(BV, HL)
     o_b = col0 + tl.arange(0, BK)
+    if BK == K:     # whole rows: the column mask folds
+        return tl.load(p + base + o_v[:, None] * K + o_b[None, :], mask=(o_v < V)[:, None], other=0.)
     return tl.load(p + base + o_v[:, None] * K + o_b[None, :], mask=(o_v < V)[:, None] & (o_b < K)[None, :],
                    other=0.)
 
@@ -237,35 +237,30 @@ def _k_cat(x, y):
 
 
 @triton.jit
-def _rows_cat(x, y):
-    """[2 R, N] from two [R, N] tiles: x's rows, then y's."""
-    return tl.reshape(tl.permute(tl.join(x, y), (2, 0, 1)), [2 * x.shape[0], x.shape[1]])
+def _rows(n: tl.constexpr, HL: tl.constexpr):
+    """Row indices 0..n-1 of a tile, twice over with HL: how the b operand of _hl's products is loaded
+    ([b'; b'] for a b' of n rows). Built from b' in registers instead (join, permute, reshape), the
+    operand went to shared memory through 16-way bank-conflicted 2-byte stores (dq and dk on sm_90,
+    bench/NOTES.md "The second H200 session")."""
+    if HL:
+        return tl.arange(0, 2 * n) % n
+    else:
+        return tl.arange(0, n)
 
 
 @triton.jit
-def _dot_hl(a1, b1, a2, b2, acc, PREC: tl.constexpr):
-    """(acc +) a1 b1 (+ a2 b2 unless a2 is None) for fp32 [M, C] a's and [C, N] b's in the input dtype,
-    as ONE tensor-core dot over the a's and b's concatenated along the inner dimension: bf16/fp16 b's
-    take each a as two input-dtype operands, its rounded value and its rounding error (relative error
-    ~2^-16, better than one tf32 pass, and no fp32 copy of the b's); fp32 b's: fp32 operands at PREC.
-    One dot, not a chain of dots through the accumulator (which on sm_90 takes a layout replicated
-    over the warpgroups: twice the registers)."""
-    if b1.dtype == tl.float32:
-        if a2 is None:
-            a, b = a1, b1
-        else:
-            a, b = _k_cat(a1, a2), _rows_cat(b1, b2)
+def _hl(a, b, HL: tl.constexpr):
+    """The a operand of a b' for an fp32 [M, C] a and the [C, N] b' that b holds in the input dtype: with
+    HL (bf16 / fp16; b = [b'; b'], loaded by _rows) a's rounded value and its rounding error side by side
+    ([M, 2 C], relative error ~2^-16, better than one tf32 pass, and no fp32 copy of b'), so that
+    tl.dot(_hl(a, b, HL), b) is a b' in ONE tensor-core dot (not a chain of dots through the
+    accumulator, which on sm_90 takes a layout replicated over the warpgroups: twice the registers);
+    without HL (fp32 b = b', the dot at PREC) a itself."""
+    if HL:
+        h = a.to(b.dtype)
+        return _k_cat(h, (a - h.to(tl.float32)).to(b.dtype))
     else:
-        h1 = a1.to(b1.dtype)
-        a, b = _k_cat(h1, (a1 - h1.to(tl.float32)).to(b1.dtype)), _rows_cat(b1, b1)
-        if a2 is not None:
-            h2 = a2.to(b1.dtype)
-            a, b = _k_cat(a, _k_cat(h2, (a2 - h2.to(tl.float32)).to(b1.dtype))), _rows_cat(b, _rows_cat(b2, b2))
-    if acc is None:
-        r = tl.dot(a, b, input_precision=PREC)
-    else:
-        r = tl.dot(a, b, acc, input_precision=PREC)
-    return r
+        return a
 
 
 @triton.jit
@@ -284,15 +279,27 @@ def _kblock(table, i_k, i_qh, j, S_QK: tl.constexpr, K: tl.constexpr, C: tl.cons
 
 
 @triton.jit
+def _qk_tile(x, p_qk, length, i_k, S_QK: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+             HL: tl.constexpr):
+    """The [C, BK] tile of K-block i_k at p_qk of a [T, H, K] tensor (rows S_QK apart, rows < length, 0
+    outside), its rows twice over with HL: the b operand of a product through _hl."""
+    o_c = _rows(C, HL)
+    o_b = tl.arange(0, BK)
+    m = (o_c < length)[:, None] & (i_k * BK + o_b < K)[None, :]
+    return tl.load(x + p_qk + o_c[:, None] * S_QK + o_b[None, :], mask=m, other=0.)
+
+
+@triton.jit
 def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, scale, T,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, S_QK: tl.constexpr,
-                        S_O: tl.constexpr, S_DQK: tl.constexpr, S_G: tl.constexpr, PREC: tl.constexpr):
+                        S_O: tl.constexpr, S_DQK: tl.constexpr, S_G: tl.constexpr, PREC: tl.constexpr,
+                        HL: tl.constexpr):
     """rq dQ^ of K-block i_k, qk head i_qh, chunk slot j, the group's value heads g summed:
         rq dQ^ = rq (P K^) + sum_g (scale eg rq)_g dO_g S_g^T,  P = sum_g (Pm_g + diag(Pm_g))
     (Pm_g = scale (dO U^T) (.) E strictly lower; one product with K^ for the group), dO U^T and the
-    state product accumulated over the V-blocks (the gated dO as _dot_hl's two operands, straight
-    into the accumulator). Writes dq (fp32 before the l2norm backward with l2norm), P (K-block 0)
+    state product accumulated over the V-blocks (the gated dO through _hl, straight into the
+    accumulator; HL: bf16 / fp16 inputs). Writes dq (fp32 before the l2norm backward with l2norm), P (K-block 0)
     and per value head the dgam share rowsum(Pm (.) Q^K^^T) - colsum(Pm (.) Q^K^^T)
     + (scale eg rq) q.(dO S^T) (this K-block's columns; the last as rowdot(gated dO, q S) per
     V-block) as its reverse cumsum to dg partial slot i_k (dq has no dbeta share)."""
@@ -324,13 +331,14 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, 
             b_u = _xt(ut, p_slot, i_v, V, C, BV)                            # U
             m_v = i_v + tl.arange(0, BV) < V
             b_do = tl.load(do + (p_cv + i_v) + o_cv, mask=m_c[:, None] & m_v[None, :], other=0.)
-            b_s = _vk_block(st, p_slot * (V * K), i_v, i_k * BK, V, K, BV, BK)   # S^T
+            b_s = _vk_block(st, p_slot * (V * K), i_v, i_k * BK, V, K, BV, BK, HL)   # S^T (twice with HL)
             b_dM = tl.dot(b_do, tl.trans(b_u), b_dM)
             # rq dQ^ += (scale eg rq) dO S^T straight into the accumulator (the gated dO as its rounded
-            # value and rounding error), and its dgam share as rowdot(gated dO, q S) over this V-block
-            b_gdo = b_do.to(tl.float32) * b_egq[:, None]
-            b_dq = _dot_hl(b_gdo, b_s, None, None, b_dq, PREC)
-            b_dgam += tl.sum(b_gdo * tl.dot(b_q, tl.trans(b_s), input_precision=PREC), 1)
+            # value and rounding error with HL), and its dgam share as rowdot(gated dO, q S) over this
+            # V-block (with HL both halves against q S twice over: rowdot(rounded + error, q S))
+            b_a = _hl(b_do.to(tl.float32) * b_egq[:, None], b_s, HL)
+            b_dq = tl.dot(b_a, b_s, b_dq, input_precision=PREC)
+            b_dgam += tl.sum(b_a.to(tl.float32) * tl.dot(b_q, tl.trans(b_s), input_precision=PREC), 1)
         b_pmg, b_pdg = _pm(b_dM, g, rows, length, i_h, S_G, scale, C)
         b_pq = b_pmg * b_qk
         b_dgam += tl.sum(b_pq, 1) - tl.sum(b_pq, 0)
@@ -339,7 +347,8 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, 
         p_part = (i_k * HV + i_h).to(tl.int64) * T + rows             # [NK, HV, T]: 64 rows contiguous
         tl.store(dg_part + p_part, tl.cumsum(b_dgam, 0, reverse=True), mask=m_c)
     b_pm += tl.where(o_c[:, None] == o_c[None, :], b_pd[:, None], 0.)    # P: the diagonal back in
-    b_dq += b_rq[:, None] * _dot_hl(b_pm * b_rk[None, :], b_k, None, None, None, PREC)     # P K^
+    b_k2 = _qk_tile(k, p_qk, length, i_k, S_QK, K, C, BK, HL)        # raw k again (twice with HL)
+    b_dq += b_rq[:, None] * tl.dot(_hl(b_pm * b_rk[None, :], b_k2, HL), b_k2, input_precision=PREC)     # P K^
     if i_k == 0:        # for the dk kernel's P^T Q^
         tl.store(pm + (j * H + i_qh) * (C * C) + block_offsets(C, C), b_pm)
     _store_rows(dq + start * S_DQK + i_qh * K + i_k * BK, b_dq, length, i_k * BK, S_DQK, K, C, BK)
@@ -349,7 +358,8 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, 
 def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ut, st, dsn, dxp, pm, dk, g, dg_part, dbeta_part,
                         table, T, slot0, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, S_QK: tl.constexpr,
-                        S_V: tl.constexpr, S_DQK: tl.constexpr, S_G: tl.constexpr, PREC: tl.constexpr):
+                        S_V: tl.constexpr, S_DQK: tl.constexpr, S_G: tl.constexpr, PREC: tl.constexpr,
+                        HL: tl.constexpr):
     """rk dK^ of K-block i_k, qk head i_qh, chunk slot j, the group's value heads g summed:
         rk dK^ = rk (P^T Q^ + B K^) + sum_g (-(beta eg rk) dX' S^T + (w rk) U dSn^T)_g
     with P = sum_g (Pm_g + diag(Pm_g)) from the dq kernel (pm) and B = sum_g (diag(beta) DA + DA^T
@@ -405,7 +415,9 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ut, st, dsn, dxp, pm, dk, g
         b_rowA = tl.sum(b_da * b_kk, 1)                                 # k^.(DA K^)
         b_dab = b_da * b_beta[:, None]                                  # diag(beta) DA
         b_dgam = b_beta * b_rowA - tl.sum(b_dab * b_kk, 0) - b_begk * b_kF1
-        b_dk += b_rk[:, None] * _dot_hl((b_dab + tl.trans(b_dab)) * b_rk[None, :], b_k, None, None, None, PREC)
+        b_k2 = _qk_tile(k, p_qk, length, i_k, S_QK, K, C, BK, HL)    # raw k again (twice with HL)
+        b_dk += b_rk[:, None] * tl.dot(_hl((b_dab + tl.trans(b_dab)) * b_rk[None, :], b_k2, HL), b_k2,
+                                       input_precision=PREC)
         # tau's share sum_{i' < i} tau_i' as a forward cumsum (not sum(tau) - sum_{i' >= i} tau_i',
         # which cancels when w puts all of tau on the last rows: fast decay), egL <S, dSn> on every row
         b_tau = b_wk * b_kF2
@@ -415,10 +427,10 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ut, st, dsn, dxp, pm, dk, g
         p_part = ((slot0 + i_k) * HV + i_h).to(tl.int64) * T + rows
         tl.store(dg_part + p_part, b_dg, mask=m_c)
         tl.store(dbeta_part + p_part, b_db, mask=m_c)
-    b_q = tl.load(q + p_qk + o_qk, mask=m_qk, other=0.)               # raw q
+    b_q = _qk_tile(q, p_qk, length, i_k, S_QK, K, C, BK, HL)          # raw q (twice with HL)
     b_rq = tl.load(rn + p_rn + o_c)
     b_P = tl.load(pm + (j * H + i_qh) * (C * C) + block_offsets(C, C))
-    b_dk += b_rk[:, None] * _dot_hl(tl.trans(b_P) * b_rq[None, :], b_q, None, None, None, PREC)    # P^T Q^
+    b_dk += b_rk[:, None] * tl.dot(_hl(tl.trans(b_P) * b_rq[None, :], b_q, HL), b_q, input_precision=PREC)  # P^T Q^
     _store_rows(dk + start * S_DQK + i_qh * K + i_k * BK, b_dk, length, i_k * BK, S_DQK, K, C, BK)
 
 

@@ -101,7 +101,9 @@ def bwd_configs(K, V, dtype, smem=227):
       K-block reads the V-blocks again (dO, U, dX', S^T, dSn^T). dq pipelines its V-block loop over 3
       stages (the next V-blocks' dO, U, S^T tiles in flight while this one's products run: the loop
       is a chain of global-load waits at 1 stage, bench/NOTES.md), 2 with K = 128 < V (3 spill 16-24 B
-      at V = 64); dk at 2 or 3 stages spills 8 B, so it keeps 1.
+      at V = 64); dk at 2 or 3 stages spills 8 B, so it keeps 1. HL (bf16 / fp16): their fp32 factors
+      enter bf16 / fp16 dots as rounded value and rounding error against an operand loaded with its
+      rows twice over (chunk_bwd._hl).
     - finalize: K-blocks of 64 (the l2norm backward's row dot, then its rows), 4 warps (no dots)."""
     fp32 = dtype == torch.float32
     narrow = fp32 or pow2(K) > 128
@@ -112,10 +114,11 @@ def bwd_configs(K, V, dtype, smem=227):
     stages = 3 if wide and 3 * _stage_kb(pow2(K), BV, torch.finfo(dtype).bits // 8) + 16 <= smem else 1
     return dict(
         dstate=dict(BK=pow2(K), BV=BV, num_warps=8 if narrow or wide else 4, num_stages=stages),
-        dq=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=16, PREC=dot_precision(dtype),
+        dq=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=16, PREC=dot_precision(dtype), HL=not fp32,
                 num_warps=8, num_stages=3 if pow2(V) >= 128 or pow2(K) < 128 else 2),
         dk=dict(BK=min(64 if fp32 else 128 if pow2(V) >= 32 else 32, pow2(K)),
                 BV=32 if not fp32 and pow2(K) >= 128 and pow2(V) >= 32 else 16, PREC=dot_precision(dtype),
+                HL=not fp32,
                 num_warps=8, num_stages=1),
         finalize=dict(BK=min(64, pow2(K)), num_warps=4, num_stages=1),
     )
