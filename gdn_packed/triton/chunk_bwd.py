@@ -62,9 +62,9 @@ the rounded value and its rounding error (relative error ~2^-16): the gated dO^T
 (rounded once, it doubled dh0's error on short sequences: bench/NOTES.md), the gated dO of dq's state
 product, and P, DA in their products with K^, Q^ (_hl: one dot over both halves concatenated along
 the inner dimension, against the other operand loaded with its rows twice over). dgam takes the row
-sums and the column sums of the same C x C products (Pm (.) Q^K^^T, DA (.) K^K^^T), whose difference the reverse cumsum sums: they
-are formed from one fp32 Gram matrix per kernel and fp32 Pm, DA, so the difference cancels to fp32
-rounding (bf16 operands there put dg above FLA's error: bench/NOTES.md). Kept fp32: dS in
+sums and the column sums of the same C x C products (Pm (.) Q^K^^T, DA (.) K^K^^T), whose difference
+the reverse cumsum sums: they are formed from one fp32 Gram matrix per kernel and fp32 Pm, DA, so the
+difference cancels to fp32 rounding (bf16 operands there put dg above FLA's error: bench/NOTES.md). Kept fp32: dS in
 registers, the combine of the segment boundaries, every accumulator, gate, exponential and row dot.
 Names: `b_` block values, `p_`/`o_` pointers/offsets, `m_` masks, `i_` program and loop indices, as in FLA.
 """
@@ -299,8 +299,8 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, 
         rq dQ^ = rq (P K^) + sum_g (scale eg rq)_g dO_g S_g^T,  P = sum_g (Pm_g + diag(Pm_g))
     (Pm_g = scale (dO U^T) (.) E strictly lower; one product with K^ for the group), dO U^T and the
     state product accumulated over the V-blocks (the gated dO through _hl, straight into the
-    accumulator; HL: bf16 / fp16 inputs). Writes dq (fp32 before the l2norm backward with l2norm), P (K-block 0)
-    and per value head the dgam share rowsum(Pm (.) Q^K^^T) - colsum(Pm (.) Q^K^^T)
+    accumulator; HL: bf16 / fp16 inputs). Writes dq (fp32 before the l2norm backward with l2norm), P
+    (K-block 0) and per value head the dgam share rowsum(Pm (.) Q^K^^T) - colsum(Pm (.) Q^K^^T)
     + (scale eg rq) q.(dO S^T) (this K-block's columns; the last as rowdot(gated dO, q S) per
     V-block) as its reverse cumsum to dg partial slot i_k (dq has no dbeta share)."""
     i_qh, j = tl.program_id(1), tl.program_id(2).to(tl.int64)
