@@ -245,7 +245,7 @@ def test_wgmma_pipe_cycles_by_shape_and_operand_source(op, operands, want):
 @pytest.mark.parametrize("op, want", [
     ("LDS.128", 4), ("STS.128", 4), ("LDS.64", 2), ("LDS", 1), ("LDS.U16", 1), ("STS.U8", 1),   # 32 lanes x width
     ("LDSM.16.M88.4", 4), ("LDSM.16.MT88.2", 2), ("STSM.16.M88.4", 4), ("LDSM.16.M88", 1),     # 8 x 8 matrices
-    ("LDGSTS.E.BYPASS.LTC128B.128", 4), ("ATOMS.ADD", 1), ("LDG.E.128", 0), ("FFMA", 0),
+    ("LDGSTS.E.BYPASS.LTC128B.128", 4), ("ATOMS.ADD", 1), ("SHFL.BFLY", 1), ("LDG.E.128", 0), ("FFMA", 0),
 ])
 def test_shared_memory_wavefronts_by_width(op, want):
     assert S.smem_wavefronts(op) == want

@@ -223,6 +223,6 @@ def conflict_wavefronts(prog):
 def summary(prog):
     """(accesses, resolved, conflict-free wavefronts, with conflicts) over the program's static accesses."""
     got = conflict_wavefronts(prog)
-    shared = [i for i, x in enumerate(prog) if smem_wavefronts(x.op) and not x.op.startswith("LDGSTS")]
+    shared = [i for i, x in enumerate(prog) if smem_wavefronts(x.op) and not x.op.startswith(("LDGSTS", "SHFL"))]
     free = sum(smem_wavefronts(prog[i].op) for i in got)
     return len(shared), len(got), free, sum(got.values())

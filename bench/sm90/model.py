@@ -23,8 +23,9 @@ Per launch of P programs of w warps, from the compile's facts (kernel_facts):
     smem     the shared-memory wavefronts of every warp and the operand reads of every warpgroup MMA, per
              busy SM, at one 128-byte wavefront a cycle: an access's bank conflicts where banks.py can run
              its lanes' addresses from the SASS, else its conflict-free count (LDS / STS / LDSM / STSM /
-             LDGSTS by width). Against the H200's ncu L1/TEX busy time: the sequential passes 1.0-1.2x
-             (no conflicts), dq 0.78, dk 0.66, prep 0.27 (bench/NOTES.md, "The second H200 session")
+             LDGSTS by width; SHFL one). Against the H200's ncu L1/TEX busy time of the code that ran: the
+             sequential passes 0.81-0.97 (no conflicts, no shuffles), dq 0.84, dk 0.78, prep 0.73
+             (bench/NOTES.md, "The second H200 session")
     est      max((latency^p + max(bytes, smem)^p)^(1/p), FLOPs, narrow) + launch, p = overlap x c: latency
              and the memory pipes' time overlap the better the more CTAs share an SM (1 CTA: near their
              sum; many: their max); the bound names the largest term.

@@ -205,7 +205,11 @@ def smem_wavefronts(op):
     """Shared-memory cycles of one warp's instruction at one 128-byte wavefront a cycle (the SM's shared
     memory bandwidth, bank conflicts not counted): LDS / STS / ATOMS / LDGSTS by their width (32 lanes x 4,
     8 or 16 bytes: 1, 2 or 4), LDSM / STSM by their matrices (.x1 / .x2 / .x4: one 128-byte 8 x 8 matrix
-    each); 0 for the others. A warpgroup MMA's operand reads are `hgmma_smem_cycles`."""
+    each), SHFL one (a shuffle crosses the lanes through the same data path: counted so, the H200's
+    L1-busy time of prep, dq and dk is 0.73-0.84 of this term, without them 0.27-0.78; bench/NOTES.md
+    "The second H200 session"); 0 for the others. A warpgroup MMA's operand reads are `hgmma_smem_cycles`."""
+    if op.startswith("SHFL"):
+        return 1.0
     if op.startswith(("LDSM", "STSM")):
         m = re.search(r"\.(\d)$", op)
         return float(m.group(1)) if m else 1.0
