@@ -16,8 +16,6 @@ per 8 x 8 matrix, its 8 row addresses (16 bytes each) from lanes 8m .. 8m + 7. T
 (sass.smem_wavefronts) is the number of phases."""
 import re
 
-from bench.sm90.sass import smem_wavefronts
-
 UNI = "uniform"
 LANES = 32
 MASK = 0xFFFFFFFF
@@ -215,14 +213,7 @@ def wavefronts(op, addr):
 
 
 def conflict_wavefronts(prog):
-    """{index in prog: wavefronts} of the shared accesses whose addresses run here (others: None there,
+    """{index in prog: wavefronts} of the shared accesses whose addresses run here (the others are absent:
     sass.smem_wavefronts' conflict-free count applies)."""
     return {i: wavefronts(prog[i].op, a) for i, a in run(prog).items()}
 
-
-def summary(prog):
-    """(accesses, resolved, conflict-free wavefronts, with conflicts) over the program's static accesses."""
-    got = conflict_wavefronts(prog)
-    shared = [i for i, x in enumerate(prog) if smem_wavefronts(x.op) and not x.op.startswith(("LDGSTS", "SHFL"))]
-    free = sum(smem_wavefronts(prog[i].op) for i in got)
-    return len(shared), len(got), free, sum(got.values())
