@@ -33,7 +33,8 @@ def parser():
   python -m bench kernels --check-only                       # the model check alone (seconds)
   python -m bench kernels --shape anchor --dtype bf16 --modes fwd,bwd \
       --measured bench/results/h200_2026-12-04/kernels_anchor.csv   # the model beside an H200's times
-Every est us is a model estimate naming its bound (latency, bytes, FLOPs, narrow); compiles are cached on disk
+Every est us is a model estimate naming its bound (latency, bytes, smem, FLOPs,
+narrow); compiles are cached on disk
 ($GDN_PACKED_SM90_CACHE, default ~/.cache/gdn_packed/sm90), so a rerun compiles only changed kernels.""")
     ap.add_argument("--shape", action="append", help="anchor, 4x8192, 32x1024 or N,L,H,HV,K,V (repeatable; "
                     "default: anchor and 32x1024)")

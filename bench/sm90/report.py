@@ -134,11 +134,13 @@ def run_report(shapes, dtypes, modes, fla=True, kernels=None, ext=True, log=prin
 COLUMNS = [("impl", 4), ("mode", 3), ("kernel", 44), ("config", 22), ("ctas", 6), ("warps", 2), ("regs", 3),
            ("smem_kb", 6), ("spill_b", 5), ("ctas_per_sm", 2), ("waves", 3), ("loop_hgmma", 3),
            ("loop_instr", 4), ("loop_waits", 3), ("loop_bars", 3), ("step_cycles", 5), ("dots", 9), ("hbm_gb", 7),
-           ("gflop", 7), ("lat_us", 8), ("bytes_us", 8), ("flops_us", 7), ("bound", 7), ("est_us", 8)]
+           ("gflop", 7), ("lat_us", 8), ("bytes_us", 8), ("flops_us", 7), ("smem_us", 7), ("bound", 7),
+           ("est_us", 8)]
 HEAD = dict(impl="impl", mode="dir", kernel="kernel", config="config", ctas="CTAs", warps="w", regs="reg",
             smem_kb="smemKB", spill_b="spill", ctas_per_sm="/SM", waves="wav", loop_hgmma="HGM",
             loop_instr="inst", loop_waits="wt", loop_bars="bar", step_cycles="cyc", dots="dots", hbm_gb="HBM GB",
-            gflop="GFLOP", lat_us="lat us", bytes_us="bytes us", flops_us="flop us", bound="bound", est_us="est us")
+            gflop="GFLOP", lat_us="lat us", bytes_us="bytes us", flops_us="flop us", smem_us="smem us", bound="bound",
+            est_us="est us")
 LEFT = ("kernel", "config", "impl", "dots", "bound", "mode")
 
 
@@ -149,8 +151,9 @@ def format_table(rows, totals, meta):
                "the package built (gdn_packed._C): our chunk table from csrc/chunk_table.cu, 2 launches")
     out = [f"static sm_90 report (no GPU): triton {meta.get('triton', '?')}; model constants: "
            f"{M.Constants.from_dict(meta['constants']).text()}.", f"Modelled as {install}.",
-           "est us is a MODEL ESTIMATE (bench/NOTES.md, 'sm_90 report'), not a measurement: max(lat (+) bytes, flop, "
-           "narrow) + launch, (+) = (lat^p + bytes^p)^(1/p), p = overlap x CTAs/SM; bound = the largest. HGM/inst/wt/bar: per iteration of the sequential chunk loop (SASS; HGM "
+           "est us is a MODEL ESTIMATE (bench/NOTES.md, 'sm_90 report'), not a measurement: max(lat (+) max(bytes, "
+           "smem), flop, narrow) + launch, (+) = (lat^p + mem^p)^(1/p), p = overlap x CTAs/SM; smem: shared-memory "
+           "wavefronts with bank conflicts (banks.py); bound = the largest. HGM/inst/wt/bar: per iteration of the sequential chunk loop (SASS; HGM "
            "'Nh': N HMMA, no HGMMA); cyc: one warp's cycles per chunk step on its critical path.", ""]
     keys = list(dict.fromkeys((r["shape"], r["dtype"]) for r in rows))
     for shape, dt in keys:
@@ -161,7 +164,7 @@ def format_table(rows, totals, meta):
                 continue
             cells = []
             for c, w in COLUMNS:
-                v = r[c]
+                v = r.get(c, "")
                 if c == "loop_hgmma" and r["loop_hmma"]:
                     v = f"{r['loop_hmma']}h"
                 if c == "config" and r["candidates"] > 1:
