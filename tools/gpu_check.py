@@ -554,6 +554,13 @@ def case_sanitize():
     return {"status": "ok", "ran": ran, "skipped": skipped}
 
 
+def _cuda_forward_refusal(q, v, dev):
+    """Why a case here leaves the sm_90a forward out (this run's probe hung: HUNG_ENV; or
+    gdn_packed.cuda.chunk.refusal's reason), else None."""
+    from gdn_packed.cuda.chunk import refusal
+    return "it hung in this run's probe" if os.environ.get(HUNG_ENV) == "1" else refusal(q, v, dev)
+
+
 def _case_cuda_chunk(dev, skipped):
     """On a small packing with zero-length, single-token and partial chunks and gaps (K = V = 128, bf16):
     the backward's sm_90a dS pass (on Triton prep), then, where refusal() lets it run and this run's probe
@@ -562,7 +569,6 @@ def _case_cuda_chunk(dev, skipped):
     import torch
 
     import gdn_packed
-    from gdn_packed.cuda.chunk import refusal
     from gdn_packed.testing import rel_err
     (q, k, v, g, beta, h0), cu, cu_pad, _ = _packed_inputs(dev, torch.bfloat16, [1, 63, 130, 0, 65], [2, 0, 5, 1, 0],
                                                            1, 2, 128, 128, 3, True)
@@ -570,7 +576,7 @@ def _case_cuda_chunk(dev, skipped):
     ran = []
     if hasattr(_cext.get_C(), "chunk_gdr_bwd_sm90"):     # the dS pass runs on Triton prep: not on the forward
         ran.append(_case_cuda_dstate(q, k, v, g, beta, cu, cu_pad))
-    why = "it hung in this run's probe" if os.environ.get(HUNG_ENV) == "1" else refusal(q, v, dev)
+    why = _cuda_forward_refusal(q, v, dev)
     if why is not None:
         skipped.append(f"cuda chunked forward: {why}")
         return ran
@@ -827,12 +833,11 @@ def case_ncu():
     import torch
 
     from bench import gdr
-    from gdn_packed.cuda.chunk import refusal
     xs, cu = gdr.make_inputs(16, 32, 128, 128, [32768], torch.bfloat16, _device(), requires_grad=True)
     o = gdr.ours("triton")(*xs, cu)
     torch.autograd.grad(o, xs, torch.randn_like(o))
     torch.cuda.synchronize()
-    if os.environ.get(HUNG_ENV) != "1" and refusal(xs[0], xs[2], xs[0].device) is None:
+    if _cuda_forward_refusal(xs[0], xs[2], xs[0].device) is None:
         with torch.no_grad():
             gdr.ours("cuda")(*xs, cu)
         torch.cuda.synchronize()
