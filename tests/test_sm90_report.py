@@ -549,3 +549,15 @@ def test_unknown_addresses_fall_back_to_the_conflict_free_count():
     assert got == {}
     r = S.simulate(prog, lambda k, loop: 1, S.Latencies(), wavefronts=got)
     assert r["smem"] == 2
+
+
+def test_shared_memory_joins_bytes_on_the_memory_side():
+    """bounded(): latency combines with max(bytes, smem) (the memory pipes' time), named smem when that
+    side is the larger and smem exceeds bytes; FLOPs / narrow stay max'd beside it."""
+    const = M.CONSTANTS
+    p = const.overlap                                  # 1 CTA per SM
+    t, bound = M.bounded({"latency": 1.0, "bytes": 0.5, "smem": 2.0, "FLOPs": 0.1, "narrow": 0.0}, 1, const)
+    assert bound == "smem" and t == pytest.approx((1.0 ** p + 2.0 ** p) ** (1 / p))
+    t2, bound2 = M.bounded({"latency": 1.0, "bytes": 0.5, "FLOPs": 0.1, "narrow": 0.0}, 1, const)
+    assert bound2 == "latency" and t2 == pytest.approx((1.0 ** p + 0.5 ** p) ** (1 / p)) and t2 < t
+    assert M.bounded({"latency": 1.0, "bytes": 3.0, "smem": 2.0}, 1, const)[1] == "bytes"

@@ -194,7 +194,7 @@ def estimate(c, programs, warps, seq_lens, tensor_bytes, const):
     ctas = ctas_per_sm(c.regs, c.smem, w)
     if not ctas or c.error:
         return dict(ctas_per_sm=ctas, waves=0, est_s=math.inf, bound="nofit", t_lat=math.inf, t_mem=0.0,
-                    t_tc=0.0, t_narrow=0.0, narrow=0.0, hbm_bytes=0.0, flops=0.0)
+                    t_tc=0.0, t_narrow=0.0, narrow=0.0, t_smem=0.0, hbm_bytes=0.0, flops=0.0)
     slots = ctas * NUM_SMS
     s = max(1.0, w * ctas / 4)
     lin = _per_cta_linear(c, const)
