@@ -80,8 +80,9 @@ OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench
 # the ncu step: our chunk-parallel kernels (1.8-2.8x the model on the second H200 run, 2026-12-04), the
 # sequential state pass for contrast (one launch of each in one forward+backward at the anchor), and the
 # sm_90a forward (1.76x its model)
-NCU_KERNELS = ("chunk_fwd_prep_kernel|chunk_fwd_state_kernel|chunk_bwd_dq_kernel|chunk_bwd_dk_kernel|"
-               "chunk_bwd_finalize_kernel|chunk_gdr_fwd_sm90_kernel")
+NCU_KERNELS = ("chunk_fwd_prep_kernel|chunk_fwd_state_kernel|chunk_bwd_p_kernel|chunk_bwd_dq_kernel|"
+               "chunk_bwd_a_kernel|chunk_bwd_dk_kernel|chunk_bwd_finalize_kernel|chunk_gdr_fwd_sm90_kernel")
+NCU_LAUNCHES = 10       # one of each above in one forward + backward (the state kernel three times)
 NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "LaunchStats", "Occupancy",
                 "SchedulerStats")
 # what the sections above do not break down (the second H200 session: prep, dq and dk had L1/TEX 50-77%
@@ -434,7 +435,7 @@ def step_ncu(r):
     ncu = shutil.which("ncu") or shutil.which("ncu", path="/usr/local/cuda/bin")
     if not ncu:
         return "skipped", "ncu not found", {}
-    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{NCU_KERNELS}", "--launch-count", "8",
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{NCU_KERNELS}", "--launch-count", str(NCU_LAUNCHES),
            "--csv", "--page", "details"]
     for sec in NCU_SECTIONS:
         cmd += ["--section", sec]

@@ -9,8 +9,8 @@ from typing import NamedTuple
 import torch
 import triton
 
-from gdn_packed.triton.chunk_bwd import (chunk_bwd_dk_kernel, chunk_bwd_dq_kernel, chunk_bwd_dstate_kernel,
-                                        chunk_bwd_finalize_kernel)
+from gdn_packed.triton.chunk_bwd import (chunk_bwd_a_kernel, chunk_bwd_dk_kernel, chunk_bwd_dq_kernel,
+                                        chunk_bwd_dstate_kernel, chunk_bwd_finalize_kernel, chunk_bwd_p_kernel)
 from gdn_packed.triton.chunk_fwd import chunk_combine_kernel, chunk_fwd_prep_kernel, chunk_fwd_state_kernel
 from gdn_packed.triton.common import GATE_ROWS
 from gdn_packed.triton.configs import (CHUNK, bwd_configs, bwd_head_slices, combine_config, dot_precision,
@@ -260,17 +260,17 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     chunk_bwd.py; without kept (the cuda forward's backward, keep=False, head slices) prep runs again
     too. Grids depend only on T, N, the chunk slots and the shapes.
 
-    Scratch: configs.bwd_scratch_bytes (~2.0 kB per token and value head at K = V = 128 in bf16, G = 2:
+    Scratch: configs.bwd_scratch_bytes (~2.1 kB per token and value head at K = V = 128 in bf16, G = 2:
     S^T, dSn^T 512 B each and U^T, dX'^T 256 B each in the input dtype, Ts + M 256 B and gates / row
-    factors ~28 B when prep runs here, the group's Pm 256 B fp32 per token and qk head, dg / dbeta
-    partials 8 B per K-block of the dq and dk kernels; with l2norm the fp32 dq, dk before the l2norm
-    backward, 1 kB per token and qk head; the segments' boundary rows). Bounded: when that exceeds
-    configs.BWD_SCRATCH_BUDGET the backward runs in P slices of H / P qk heads (and their value heads)
-    one after another (configs.bwd_head_slices, from shapes), each a complete backward of its heads with
-    1 / P of the scratch: T = 1M, 16 / 32 heads, K = V = 128 bf16 takes 4 slices of 16.5 GB (8 of
-    10.4 GB with l2norm) instead of 66 (83) GB. The heads of a GVA group share no sum, so every slice
-    computes its gradients exactly as the whole backward does (each slice runs its own prep and segments:
-    the forward keeps nothing then).
+    factors ~28 B when prep runs here, the group's P and B 256 B each fp32 per token and qk head, dg /
+    dbeta partials 8 B per share (the P and A kernels' and one per K-block of the dq and dk kernels);
+    with l2norm the fp32 dq, dk before the l2norm backward, 1 kB per token and qk head; the segments'
+    boundary rows). Bounded: when that exceeds configs.BWD_SCRATCH_BUDGET the backward runs in P slices
+    of H / P qk heads (and their value heads) one after another (configs.bwd_head_slices, from shapes),
+    each a complete backward of its heads with 1 / P of the scratch: T = 1M, 16 / 32 heads, K = V =
+    128 bf16 takes 8 slices of 8.9 GB (11.0 GB with l2norm) instead of 71 (88) GB. The heads of a GVA
+    group share no sum, so every slice computes its gradients exactly as the whole backward does (each
+    slice runs its own prep and segments: the forward keeps nothing then).
 
     dstate: a replacement of chunk_bwd_dstate (its arguments; backend="cuda": the sm_90a dS pass,
     gdn_packed.cuda.chunk), used when the backward runs in one slice (its outputs are then contiguous)."""
@@ -313,8 +313,8 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table, cu_chunks, scale, use_l2norm,
                rows, entering, prep, dstate=None):
     """The backward of the H qk heads of q [T, H, K] (all, or a slice: views whose rows are `rows` apart)
-    and their HV value heads: prep (unless given), the recompute, the dS pass, the dq / dk kernels and
-    finalize, with scratch for these heads only."""
+    and their HV value heads: prep (unless given), the recompute, the dS pass, the P / dq / A / dk
+    kernels and finalize, with scratch for these heads only."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     NC, C, dev = table.shape[0], CHUNK, q.device
@@ -336,25 +336,32 @@ def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table,
     if NC > 0 and HV > 0:
         cq, ck = cfg["dq"], cfg["dk"]
         nq, nk = triton.cdiv(K, cq["BK"]), triton.cdiv(K, ck["BK"])
-        # dg shares: one per K-block of the dq kernel (slots [0, nq)), then of the dk kernel; dbeta
-        # shares: the dk kernel's only (slots [nq, nq + nk); the others are never written nor read)
+        # dg shares: the P kernel's (slot 0), one per K-block of the dq kernel (slots [1, 1 + nq)), the A
+        # kernel's (slot 1 + nq), one per K-block of the dk kernel (2 + nq ...); dbeta shares: the A and
+        # dk kernels' only (slots [1 + nq, 2 + nq + nk); the others are never written nor read)
         # [2, slot, HV, T]: a program's 64 rows of one head contiguous (as [T, HV] columns each 4-byte
         # access took a line of its own: finalize ran at 6.8x its estimate on the H200)
-        part = torch.empty(2, nq + nk, HV, T, **f32)
-        pm = torch.empty(NC, H, C, C, **f32)        # sum over the group of Pm + diag(Pm), dq -> dk kernel
+        part = torch.empty(2, 2 + nq + nk, HV, T, **f32)
+        pm = torch.empty(NC, H, C, C, **f32)        # sum over the group of Pm + diag(Pm): P -> dq, dk kernels
+        bm = torch.empty(NC, H, C, C, **f32)        # sum over the group of diag(beta) DA + DA^T diag(beta): A -> dk
         # with l2norm the dq / dk kernels write dq, dk before the l2norm backward to pre [2, T, H, K] fp32
         pre = torch.empty(2, T, H, K, **f32) if l2 else None
         out_rows = rows._replace(S_DQK=H * K) if l2 else rows
         shape = dict(H=H, HV=HV, K=K, V=V, C=C)
+        chunk_bwd_p_kernel[(H, NC)](
+            q=q, k=k, g=g, do=do, rn=prep.rn, ut=ut, pm=pm, dg_part=part[0], table=table, scale=scale, T=T,
+            **shape, **rows.of("S_QK", "S_O", "S_G"), **cfg["p"])
         chunk_bwd_dq_kernel[(nq, H, NC)](
-            q=q, k=k, g=g, do=do, gates=prep.gates, rn=prep.rn, ut=ut, st=st, dq=pre[0] if l2 else dq, pm=pm,
-            dg_part=part[0], table=table, scale=scale, T=T, **shape,
-            **out_rows.of("S_QK", "S_O", "S_DQK", "S_G"), **cq)
+            q=q, k=k, do=do, gates=prep.gates, rn=prep.rn, st=st, dq=pre[0] if l2 else dq, pm=pm,
+            dg_part=part[0], table=table, T=T, **shape, **out_rows.of("S_QK", "S_O", "S_DQK", "S_G"), **cq)
+        chunk_bwd_a_kernel[(H, NC)](
+            k=k, v=v, g=g, gates=prep.gates, rn=prep.rn, ut=ut, dxp=dxp, bm=bm, dg_part=part[0],
+            dbeta_part=part[1], table=table, T=T, slot=1 + nq, **shape, **rows.of("S_QK", "S_V", "S_G"), **cfg["a"])
         chunk_bwd_dk_kernel[(nk, H, NC)](
-            q=q, k=k, v=v, gates=prep.gates, rn=prep.rn, eg_last=prep.eg_last, ut=ut, st=st, dsn=dsn, dxp=dxp,
-            pm=pm, dk=pre[1] if l2 else dk, g=g, dg_part=part[0], dbeta_part=part[1], table=table, T=T,
-            slot0=nq, **shape, **out_rows.of("S_QK", "S_V", "S_DQK", "S_G"), **ck)
+            q=q, k=k, gates=prep.gates, rn=prep.rn, eg_last=prep.eg_last, ut=ut, st=st, dsn=dsn, dxp=dxp, pm=pm, bm=bm,
+            dk=pre[1] if l2 else dk, dg_part=part[0], dbeta_part=part[1], table=table, T=T, slot0=2 + nq, **shape,
+            **out_rows.of("S_QK", "S_DQK"), **ck)
         chunk_bwd_finalize_kernel[(H, NC)](
             q=q, k=k, dq_pre=pre[0] if l2 else None, dk_pre=pre[1] if l2 else None, rn=prep.rn,
             dg_part=part[0], dbeta_part=part[1], dq=dq, dk=dk, dg=dg, dbeta=dbeta, table=table, T=T, H=H,
-            HV=HV, K=K, C=C, NK=nq + nk, NQ=nq, **rows.of("S_QK", "S_DQK", "S_G"), USE_L2=l2, **cfg["finalize"])
+            HV=HV, K=K, C=C, NK=2 + nq + nk, NQ=1 + nq, **rows.of("S_QK", "S_DQK", "S_G"), USE_L2=l2, **cfg["finalize"])

@@ -35,17 +35,25 @@ first):
       register A operand of dS^T K^T). Writes dSn^T [NC, HV, V, K] and dX'^T [NC, HV, V, C] per chunk
       slot and dv = beta dX', all in the input dtype, dh0 (fp32, the first segment); and exact zeros
       on the padding rows of dv, dg, dbeta, dq, dk.
+  chunk_bwd_p_kernel       grid (H, NC): one program per qk head and chunk slot, looping the G value
+      heads of the qk head: dM = dO U^T over V-blocks, Pm and its C x C dgam share, and P = sum_g (Pm_g +
+      its diagonal) [NC, H, C, C] fp32 for the dq and dk kernels (dg partial slot 0).
   chunk_bwd_dq_kernel      grid (cdiv(K, BK), H, NC): one program per K-block, qk head and chunk slot,
-      looping the G value heads of the qk head and, per head, the V-blocks: dM = dO U^T (U from the U^T
-      scratch) and the state product dO S^T, straight into the dq accumulator; then Pm,
-      its dgam terms, and P = sum_g Pm_g (+ its diagonal) for ONE product P K^ for the group. Writes dq
-      (input dtype; fp32 pre-l2norm values with l2norm), P [NC, H, C, C] fp32 for the dk kernel, and
-      per value head its dg share to partial slot i_k (dq has no dbeta share).
-  chunk_bwd_dk_kernel      grid (cdiv(K, BK), H, NC): the same for dk: dA' = dX' U^T and the state
-      products dX' S^T, U dSn^T per V-block; DA and its dgam / dbeta terms; (diag(beta) DA + DA^T
-      diag(beta)) K^ per value head and P^T Q^ (P from the dq kernel) once for the group. Writes dk
-      and its dg / dbeta shares to partial slots nq + i_k (nq: the dq kernel's K-blocks).
-      Neither kernel writes a per-value-head share of dq or dk: the group is summed in registers.
+      looping the group's value heads and, per head, the V-blocks: the state product (scale eg rq) dO S^T
+      straight into the dq accumulator, and per head its dgam share q.(that product) as the growth of
+      q.dq over the head's loop; then ONE product P K^ for the group. Writes dq (input dtype; fp32
+      pre-l2norm values with l2norm) and its dg shares (slots 1 + i_k; dq has no dbeta share).
+  chunk_bwd_a_kernel       grid (H, NC): the C x C part of dk as the P kernel does dq's: dA' = dX' U^T and
+      dX'.v over V-blocks, DA and its dgam / dbeta shares, B = sum_g (diag(beta) DA + DA^T diag(beta))
+      [NC, H, C, C] fp32 for the dk kernel (slot 1 + nq; nq: the dq kernel's K-blocks).
+  chunk_bwd_dk_kernel      grid (cdiv(K, BK), H, NC): per V-block the state products -(beta eg rk) dX' S^T
+      and (w rk) U dSn^T straight into the dk accumulator (their row factors in the a operand), the row
+      dots k.(dX' S^T), k.(U dSn^T) as rowdot(dX', k S), rowdot(U, k dSn), and <S, dSn>; then B K^ and
+      P^T Q^ once for the group. Writes dk and its dg / dbeta shares (slots 2 + nq + i_k).
+      The C x C parts in kernels of their own leave the dq / dk kernels' loops holding their [C, BK]
+      accumulator alone: 4 warps, 2 CTAs per SM (bf16 / fp16; 8 warps with fp32 inputs).
+      No kernel writes a per-value-head share of dq or dk: the group is summed in registers (P, B in
+      the P / A kernels' registers).
   chunk_bwd_finalize_kernel grid (H, NC): dg, dbeta = the sums of their partials, and
       the l2norm backward of dq, dk.
 Deterministic: no atomics; every scratch element has one writer; every sum runs in a fixed order.
@@ -60,8 +68,8 @@ input dtype, exactly as its dots used it.
 fp32 values that must enter a bf16/fp16 dot at better than input precision enter it as two operands,
 the rounded value and its rounding error (relative error ~2^-16): the gated dO^T of the dS update
 (rounded once, it doubled dh0's error on short sequences: bench/NOTES.md), the gated dO of dq's state
-product, and P, DA in their products with K^, Q^ (_hl: one dot over both halves concatenated along
-the inner dimension, against the other operand loaded with its rows twice over). dgam takes the row
+product, the gated dX' and U of dk's, and P, B in their products with K^, Q^ (_dot2: two chained dots
+into the accumulator; at 4 warps, one warpgroup, the chain costs no layout conversion). dgam takes the row
 sums and the column sums of the same C x C products (Pm (.) Q^K^^T, DA (.) K^K^^T), whose difference
 the reverse cumsum sums: they are formed from one fp32 Gram matrix per kernel and fp32 Pm, DA, so the
 difference cancels to fp32 rounding (bf16 operands there put dg above FLA's error: bench/NOTES.md). Kept fp32: dS in
@@ -209,11 +217,10 @@ def _pm(b_dM, g, rows, length, i_h, S_G, scale, C: tl.constexpr):
 
 
 @triton.jit
-def _vk_block(p, base, i_v, col0, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-              HL: tl.constexpr = False):
+def _vk_block(p, base, i_v, col0, V: tl.constexpr, K: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr):
     """Rows i_v.. (BV) and columns col0.. (BK) of the [V, K] block at base of a scratch (input dtype),
-    0 outside; with HL its rows twice over ([2 BV, BK], _hl's b operand)."""
-    o_v = i_v + _rows(BV, HL)
+    0 outside."""
+    o_v = i_v + tl.arange(0, BV)
     o_b = col0 + tl.arange(0, BK)
     if BK == K:     # whole rows: the column mask folds
         return tl.load(p + base + o_v[:, None] * K + o_b[None, :], mask=(o_v < V)[:, None], other=0.)
@@ -231,36 +238,15 @@ def _store_rows(p, x, length, col0, stride, K: tl.constexpr, C: tl.constexpr, BK
 
 
 @triton.jit
-def _k_cat(x, y):
-    """[M, 2 C] from two [M, C] tiles: x's columns, then y's (one dot over both, concatenated along K)."""
-    return tl.reshape(tl.permute(tl.join(x, y), (0, 2, 1)), [x.shape[0], 2 * x.shape[1]])
-
-
-@triton.jit
-def _rows(n: tl.constexpr, HL: tl.constexpr):
-    """Row indices 0..n-1 of a tile, twice over with HL: how the b operand of _hl's products is loaded
-    ([b'; b'] for a b' of n rows). Built from b' in registers instead (join, permute, reshape), the
-    operand went to shared memory through 16-way bank-conflicted 2-byte stores (dq and dk on sm_90,
-    bench/NOTES.md "The second H200 session")."""
-    if HL:
-        return tl.arange(0, 2 * n) % n
-    else:
-        return tl.arange(0, n)
-
-
-@triton.jit
-def _hl(a, b, HL: tl.constexpr):
-    """The a operand of a b' for an fp32 [M, C] a and the [C, N] b' that b holds in the input dtype: with
-    HL (bf16 / fp16; b = [b'; b'], loaded by _rows) a's rounded value and its rounding error side by side
-    ([M, 2 C], relative error ~2^-16, better than one tf32 pass, and no fp32 copy of b'), so that
-    tl.dot(_hl(a, b, HL), b) is a b' in ONE tensor-core dot (not a chain of dots through the
-    accumulator, which on sm_90 takes a layout replicated over the warpgroups: twice the registers);
-    without HL (fp32 b = b', the dot at PREC) a itself."""
+def _dot2(a, b, acc, HL: tl.constexpr, PREC: tl.constexpr):
+    """acc + a b for an fp32 a and a b in the input dtype: with HL (bf16 / fp16) two chained dots, a's
+    rounded value, then its rounding error (relative error ~2^-16, better than one tf32 pass, and no fp32
+    copy of b); without HL (fp32 b) one dot at PREC."""
     if HL:
         h = a.to(b.dtype)
-        return _k_cat(h, (a - h.to(tl.float32)).to(b.dtype))
+        return tl.dot((a - h.to(tl.float32)).to(b.dtype), b, tl.dot(h, b, acc))
     else:
-        return a
+        return tl.dot(a, b, acc, input_precision=PREC)
 
 
 @triton.jit
@@ -279,30 +265,75 @@ def _kblock(table, i_k, i_qh, j, S_QK: tl.constexpr, K: tl.constexpr, C: tl.cons
 
 
 @triton.jit
-def _qk_tile(x, p_qk, length, i_k, S_QK: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-             HL: tl.constexpr):
+def _qk_tile(x, p_qk, length, i_k, S_QK: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr):
     """The [C, BK] tile of K-block i_k at p_qk of a [T, H, K] tensor (rows S_QK apart, rows < length, 0
-    outside), its rows twice over with HL: the b operand of a product through _hl."""
-    o_c = _rows(C, HL)
+    outside), its offsets formed here (not an offset tile kept live from the kernel's start)."""
+    o_c = tl.arange(0, C)
     o_b = tl.arange(0, BK)
     m = (o_c < length)[:, None] & (i_k * BK + o_b < K)[None, :]
     return tl.load(x + p_qk + o_c[:, None] * S_QK + o_b[None, :], mask=m, other=0.)
 
 
 @triton.jit
-def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, scale, T,
+def chunk_bwd_p_kernel(q, k, g, do, rn, ut, pm, dg_part, table, scale, T,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, S_QK: tl.constexpr, S_O: tl.constexpr,
+                       S_G: tl.constexpr, PREC: tl.constexpr):
+    """The C x C part of dq for qk head i_qh, chunk slot j, the group's value heads g:
+        P = sum_g (Pm_g + diag(Pm_g)),  Pm_g = scale (dO_g U_g^T) (.) E_g strictly lower
+    (dO U^T over V-blocks of BV), written to pm for the dq kernel's P K^ and the dk kernel's P^T Q^; and
+    per value head the dgam share rowsum(Pm (.) Q^K^^T) - colsum(Pm (.) Q^K^^T) (Q^K^^T over K-blocks
+    of BK, from the raw q, k and the row factors) as its reverse cumsum to dg partial slot 0. No [C, K]
+    accumulator: the dq kernel keeps only its own."""
+    i_qh, j = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    start, length = chunk_rows(table, j, C)
+    if length == 0:
+        return
+    G = HV // H
+    o_c = tl.arange(0, C)
+    rows, m_c = start + o_c, o_c < length
+    p_rn = (j * HV + i_qh * G) * (2 * C)                                # row factors of the qk head
+    b_qk = tl.zeros([C, C], dtype=tl.float32)                         # q_i.k_j (raw), over K-blocks
+    for i_k in range(0, K, BK):
+        o_b = i_k + tl.arange(0, BK)
+        o_qk = start * S_QK + i_qh * K + (o_c[:, None] * S_QK + o_b[None, :])
+        m_qk = m_c[:, None] & (o_b < K)[None, :]
+        b_qk = tl.dot(tl.load(q + o_qk, mask=m_qk, other=0.), tl.trans(tl.load(k + o_qk, mask=m_qk, other=0.)),
+                      b_qk, input_precision=PREC)
+    b_qk *= tl.load(rn + p_rn + o_c)[:, None] * tl.load(rn + p_rn + C + o_c)[None, :]    # q^_i.k^_j
+    b_P = tl.zeros([C, C], dtype=tl.float32)
+    o_cv = o_c[:, None] * S_O + tl.arange(0, BV)[None, :]               # [C, BV] of dO's rows
+    for i_g in range(0, G):
+        i_h = i_qh * G + i_g
+        p_slot = j * HV + i_h
+        b_dM = tl.zeros([C, C], dtype=tl.float32)                     # dO U^T
+        p_cv = start * S_O + i_h * V
+        for i_v in range(0, V, BV):
+            m_v = i_v + tl.arange(0, BV) < V
+            b_do = tl.load(do + (p_cv + i_v) + o_cv, mask=m_c[:, None] & m_v[None, :], other=0.)
+            b_dM = tl.dot(b_do, tl.trans(_xt(ut, p_slot, i_v, V, C, BV)), b_dM)
+        b_pmg, b_pdg = _pm(b_dM, g, rows, length, i_h, S_G, scale, C)
+        b_pq = b_pmg * b_qk
+        p_part = i_h.to(tl.int64) * T + rows                           # [1, HV, T]: 64 rows contiguous
+        tl.store(dg_part + p_part, tl.cumsum(tl.sum(b_pq, 1) - tl.sum(b_pq, 0), 0, reverse=True), mask=m_c)
+        b_P += b_pmg + tl.where(o_c[:, None] == o_c[None, :], b_pdg[:, None], 0.)
+    tl.store(pm + (j * H + i_qh) * (C * C) + block_offsets(C, C), b_P)
+
+
+@triton.jit
+def chunk_bwd_dq_kernel(q, k, do, gates, rn, st, dq, pm, dg_part, table, T,
                         H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, S_QK: tl.constexpr,
                         S_O: tl.constexpr, S_DQK: tl.constexpr, S_G: tl.constexpr, PREC: tl.constexpr,
                         HL: tl.constexpr):
     """rq dQ^ of K-block i_k, qk head i_qh, chunk slot j, the group's value heads g summed:
-        rq dQ^ = rq (P K^) + sum_g (scale eg rq)_g dO_g S_g^T,  P = sum_g (Pm_g + diag(Pm_g))
-    (Pm_g = scale (dO U^T) (.) E strictly lower; one product with K^ for the group), dO U^T and the
-    state product accumulated over the V-blocks (the gated dO through _hl, straight into the
-    accumulator; HL: bf16 / fp16 inputs). Writes dq (fp32 before the l2norm backward with l2norm), P
-    (K-block 0) and per value head the dgam share rowsum(Pm (.) Q^K^^T) - colsum(Pm (.) Q^K^^T)
-    + (scale eg rq) q.(dO S^T) (this K-block's columns; the last as rowdot(gated dO, q S) per
-    V-block) as its reverse cumsum to dg partial slot i_k (dq has no dbeta share)."""
+        rq dQ^ = rq (P K^) + sum_g (scale eg rq)_g dO_g S_g^T
+    with P from chunk_bwd_p_kernel (pm); the state product accumulated over the V-blocks (the gated dO
+    through _dot2: rounded value, then rounding error with HL, bf16 / fp16 inputs). Writes dq (fp32
+    before the l2norm backward with l2norm) and per value head its dgam share (scale eg rq)
+    q.(dO S^T) (this K-block's columns) as its reverse cumsum to dg partial slot 1 + i_k: the growth
+    of q.dq over the head's V-block loop, so that the loop holds the accumulator alone (4 warps, 2 CTAs
+    per SM; 8 warps with fp32 inputs)."""
     i_qh, j = tl.program_id(1), tl.program_id(2).to(tl.int64)
     start, length, i_k, p_qk, o_qk, m_qk = _kblock(table, tl.program_id(0), i_qh, j, S_QK, K, C, BK)
     if length == 0:
@@ -310,64 +341,96 @@ def chunk_bwd_dq_kernel(q, k, g, do, gates, rn, ut, st, dq, pm, dg_part, table, 
     G = HV // H
     o_c = tl.arange(0, C)
     rows, m_c = start + o_c, o_c < length
-    b_q = tl.load(q + p_qk + o_qk, mask=m_qk, other=0.)               # raw q, k [C, BK]
-    b_k = tl.load(k + p_qk + o_qk, mask=m_qk, other=0.)
-    p_rn = (j * HV + i_qh * G) * (2 * C)                                # row factors of the qk head
-    b_rq = tl.load(rn + p_rn + o_c)
-    b_rk = tl.load(rn + p_rn + C + o_c)
-    b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * b_rq[:, None] * b_rk[None, :]   # q^_i.k^_j
     b_dq = tl.zeros([C, BK], dtype=tl.float32)
-    b_pm = tl.zeros([C, C], dtype=tl.float32)                         # sum_g Pm_g, strictly lower
-    b_pd = tl.zeros([C], dtype=tl.float32)                            # sum_g diag(Pm_g)
+    b_qdq = tl.zeros([C], dtype=tl.float32)                           # q.dq before this head
     o_cv = o_c[:, None] * S_O + tl.arange(0, BV)[None, :]               # [C, BV] of dO's rows
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
         p_slot = j * HV + i_h
         b_egq = gate_row(gates, p_slot, GATE_EGQ, C)                    # scale eg rq
-        b_dM = tl.zeros([C, C], dtype=tl.float32)                     # dO U^T
-        b_dgam = tl.zeros([C], dtype=tl.float32)                      # (scale eg rq) q.(dO S^T)
         p_cv = start * S_O + i_h * V
         for i_v in range(0, V, BV):
-            b_u = _xt(ut, p_slot, i_v, V, C, BV)                            # U
             m_v = i_v + tl.arange(0, BV) < V
             b_do = tl.load(do + (p_cv + i_v) + o_cv, mask=m_c[:, None] & m_v[None, :], other=0.)
-            b_s = _vk_block(st, p_slot * (V * K), i_v, i_k * BK, V, K, BV, BK, HL)   # S^T (twice with HL)
-            b_dM = tl.dot(b_do, tl.trans(b_u), b_dM)
-            # rq dQ^ += (scale eg rq) dO S^T straight into the accumulator (the gated dO as its rounded
-            # value and rounding error with HL), and its dgam share as rowdot(gated dO, q S) over this
-            # V-block (with HL both halves against q S twice over: rowdot(rounded + error, q S))
-            b_a = _hl(b_do.to(tl.float32) * b_egq[:, None], b_s, HL)
-            b_dq = tl.dot(b_a, b_s, b_dq, input_precision=PREC)
-            b_dgam += tl.sum(b_a.to(tl.float32) * tl.dot(b_q, tl.trans(b_s), input_precision=PREC), 1)
-        b_pmg, b_pdg = _pm(b_dM, g, rows, length, i_h, S_G, scale, C)
-        b_pq = b_pmg * b_qk
-        b_dgam += tl.sum(b_pq, 1) - tl.sum(b_pq, 0)
-        b_pm += b_pmg
-        b_pd += b_pdg
-        p_part = (i_k * HV + i_h).to(tl.int64) * T + rows             # [NK, HV, T]: 64 rows contiguous
-        tl.store(dg_part + p_part, tl.cumsum(b_dgam, 0, reverse=True), mask=m_c)
-    b_pm += tl.where(o_c[:, None] == o_c[None, :], b_pd[:, None], 0.)    # P: the diagonal back in
-    b_k2 = _qk_tile(k, p_qk, length, i_k, S_QK, K, C, BK, HL)        # raw k again (twice with HL)
-    b_dq += b_rq[:, None] * tl.dot(_hl(b_pm * b_rk[None, :], b_k2, HL), b_k2, input_precision=PREC)     # P K^
-    if i_k == 0:        # for the dk kernel's P^T Q^
-        tl.store(pm + (j * H + i_qh) * (C * C) + block_offsets(C, C), b_pm)
+            b_s = _vk_block(st, p_slot * (V * K), i_v, i_k * BK, V, K, BV, BK)      # S^T
+            b_dq = _dot2(b_do.to(tl.float32) * b_egq[:, None], b_s, b_dq, HL, PREC)
+        b_dg = _rowdot(_qk_tile(q, p_qk, length, i_k, S_QK, K, C, BK), b_dq)   # raw q
+        p_part = ((1 + i_k) * HV + i_h).to(tl.int64) * T + rows
+        tl.store(dg_part + p_part, tl.cumsum(b_dg - b_qdq, 0, reverse=True), mask=m_c)
+        b_qdq = b_dg
+    p_P = pm + (j * H + i_qh) * (C * C) + block_offsets(C, C)
+    b_rk = tl.load(rn + (j * HV + i_qh * G) * (2 * C) + C + o_c)
+    b_rq = tl.load(rn + (j * HV + i_qh * G) * (2 * C) + o_c)
+    b_dq = _dot2(tl.load(p_P) * b_rq[:, None] * b_rk[None, :], _qk_tile(k, p_qk, length, i_k, S_QK, K, C, BK),
+                 b_dq, HL, PREC)                                        # rq (P K^), raw k
     _store_rows(dq + start * S_DQK + i_qh * K + i_k * BK, b_dq, length, i_k * BK, S_DQK, K, C, BK)
 
 
 @triton.jit
-def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ut, st, dsn, dxp, pm, dk, g, dg_part, dbeta_part,
-                        table, T, slot0, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def chunk_bwd_a_kernel(k, v, g, gates, rn, ut, dxp, bm, dg_part, dbeta_part, table, T, slot,
+                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, S_QK: tl.constexpr, S_V: tl.constexpr,
+                       S_G: tl.constexpr, PREC: tl.constexpr):
+    """The C x C part of dk for qk head i_qh, chunk slot j, the group's value heads g:
+        B = sum_g (diag(beta) DA + DA^T diag(beta))_g,  DA = -(dX' U^T) (.) E strictly lower
+    (dX' U^T over V-blocks of BV), written to bm for the dk kernel's B K^; and per value head, to partial
+    slot `slot`: dgam beta rowsum(DA (.) K^K^^T) - colsum(diag(beta) DA (.) K^K^^T) (reverse cumsum),
+    dbeta rowsum(DA (.) K^K^^T) + dX'.v (K^K^^T over K-blocks of BK from the raw k and its row
+    factors)."""
+    i_qh, j = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    start, length = chunk_rows(table, j, C)
+    if length == 0:
+        return
+    G = HV // H
+    o_c = tl.arange(0, C)
+    rows, m_c = start + o_c, o_c < length
+    b_kk = tl.zeros([C, C], dtype=tl.float32)                         # k_i.k_j (raw), over K-blocks
+    for i_k in range(0, K, BK):
+        o_b = i_k + tl.arange(0, BK)
+        b_k = tl.load(k + start * S_QK + i_qh * K + (o_c[:, None] * S_QK + o_b[None, :]),
+                      mask=m_c[:, None] & (o_b < K)[None, :], other=0.)
+        b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=PREC)
+    b_rk = tl.load(rn + (j * HV + i_qh * G) * (2 * C) + C + o_c)
+    b_kk *= b_rk[:, None] * b_rk[None, :]                               # k^_i.k^_j
+    b_B = tl.zeros([C, C], dtype=tl.float32)
+    o_cv = o_c[:, None] * S_V + tl.arange(0, BV)[None, :]               # [C, BV] of v's rows
+    for i_g in range(0, G):
+        i_h = i_qh * G + i_g
+        p_slot = j * HV + i_h
+        b_dA = tl.zeros([C, C], dtype=tl.float32)                     # dX' U^T (= -dA)
+        b_dxv = tl.zeros([C], dtype=tl.float32)                       # dX' . v
+        p_cv = start * S_V + i_h * V
+        for i_v in range(0, V, BV):
+            m_v = i_v + tl.arange(0, BV) < V
+            b_dx = _xt(dxp, p_slot, i_v, V, C, BV)                          # dX'
+            b_v = tl.load(v + (p_cv + i_v) + o_cv, mask=m_c[:, None] & m_v[None, :], other=0.)
+            b_dxv += _rowdot(b_dx, b_v)
+            b_dA = tl.dot(b_dx, tl.trans(_xt(ut, p_slot, i_v, V, C, BV)), b_dA)
+        b_E = segment_decay(g, rows, length, S_G, i_h, C)
+        b_beta = gate_row(gates, p_slot, GATE_BETA, C)
+        b_da = tl.where(o_c[:, None] > o_c[None, :], -b_dA * b_E, 0.)  # DA
+        b_rowA = tl.sum(b_da * b_kk, 1)                                 # k^.(DA K^)
+        b_dab = b_da * b_beta[:, None]                                  # diag(beta) DA
+        b_dg = tl.cumsum(b_beta * b_rowA - tl.sum(b_dab * b_kk, 0), 0, reverse=True)
+        p_part = (slot * HV + i_h).to(tl.int64) * T + rows
+        tl.store(dg_part + p_part, b_dg, mask=m_c)
+        tl.store(dbeta_part + p_part, b_rowA + b_dxv, mask=m_c)
+        b_B += b_dab + tl.trans(b_dab)
+    tl.store(bm + (j * H + i_qh) * (C * C) + block_offsets(C, C), b_B)
+
+
+@triton.jit
+def chunk_bwd_dk_kernel(q, k, gates, rn, eg_last, ut, st, dsn, dxp, pm, bm, dk, dg_part, dbeta_part, table, T, slot0,
+                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, S_QK: tl.constexpr,
-                        S_V: tl.constexpr, S_DQK: tl.constexpr, S_G: tl.constexpr, PREC: tl.constexpr,
-                        HL: tl.constexpr):
+                        S_DQK: tl.constexpr, PREC: tl.constexpr, HL: tl.constexpr):
     """rk dK^ of K-block i_k, qk head i_qh, chunk slot j, the group's value heads g summed:
         rk dK^ = rk (P^T Q^ + B K^) + sum_g (-(beta eg rk) dX' S^T + (w rk) U dSn^T)_g
-    with P = sum_g (Pm_g + diag(Pm_g)) from the dq kernel (pm) and B = sum_g (diag(beta) DA + DA^T
-    diag(beta))_g, DA = -(dX' U^T) (.) E strictly lower; dX' U^T and the state products accumulated
-    over the V-blocks; one product of P^T, B with Q^, K^ for the group. Writes dk and per value head
-    this K-block's shares to partial slot slot0 + i_k: dgam beta rowsum(DA (.) K^K^^T)
-    - colsum(diag(beta) DA (.) K^K^^T) - (beta eg rk) k.(dX' S^T) (reverse cumsum), tau's exclusive
-    cumsum, egL <S, dSn>; dbeta rowsum(DA (.) K^K^^T) - (eg rk) k.(dX' S^T), and dX'.v from K-block 0."""
+    with P, B from the P and A kernels (pm, bm; through _dot2, rq / rk in the a operand); the state
+    products accumulated over the V-blocks straight into dk (4 warps, 2 CTAs per SM; HL: bf16 / fp16).
+    Writes dk and per value head this K-block's shares to partial slot slot0 + i_k: dgam -(beta eg rk)
+    k.(dX' S^T) (reverse cumsum) + tau's exclusive cumsum + egL <S, dSn> (this K-block's columns),
+    tau = (w rk) k.(U dSn^T); dbeta -(eg rk) k.(dX' S^T)."""
     i_qh, j = tl.program_id(1), tl.program_id(2).to(tl.int64)
     start, length, i_k, p_qk, o_qk, m_qk = _kblock(table, tl.program_id(0), i_qh, j, S_QK, K, C, BK)
     if length == 0:
@@ -375,62 +438,53 @@ def chunk_bwd_dk_kernel(q, k, v, gates, rn, eg_last, ut, st, dsn, dxp, pm, dk, g
     G = HV // H
     o_c = tl.arange(0, C)
     rows, m_c = start + o_c, o_c < length
-    b_k = tl.load(k + p_qk + o_qk, mask=m_qk, other=0.)               # raw k [C, BK]
-    p_rn = (j * HV + i_qh * G) * (2 * C)                                # row factors of the qk head
-    b_rk = tl.load(rn + p_rn + C + o_c)
     b_dk = tl.zeros([C, BK], dtype=tl.float32)
-    o_cv = o_c[:, None] * S_V + tl.arange(0, BV)[None, :]               # [C, BV] of v's rows
+    b_k = tl.load(k + p_qk + o_qk, mask=m_qk, other=0.)               # raw k [C, BK]
+    o_vv = tl.arange(0, BV)
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
         p_slot = j * HV + i_h
+        p_vk = p_slot * (V * K)
+        # the state products straight into dk, their row factors in the a operand (_dot2: rounded
+        # value, then rounding error with HL), and their row dots with k per V-block as rowdot(dX',
+        # k S) and rowdot(U, k dSn): [C, BV] products, so that the loop holds dk alone
+        b_nbegk = -gate_row(gates, p_slot, GATE_BEGK, C)                # -(beta eg rk)
         b_wk = gate_row(gates, p_slot, GATE_WK, C)                      # w rk
-        b_begk = gate_row(gates, p_slot, GATE_BEGK, C)                  # beta eg rk
-        b_dA = tl.zeros([C, C], dtype=tl.float32)                     # dX' U^T (= -dA)
-        b_dxv = tl.zeros([C], dtype=tl.float32)                       # dX' . v
         b_kF1 = tl.zeros([C], dtype=tl.float32)                       # k . (dX' S^T)
         b_kF2 = tl.zeros([C], dtype=tl.float32)                       # k . (U dSn^T)
         b_sds = 0.                                                    # <S, dSn> over this K-block
-        p_cv = start * S_V + i_h * V
-        p_vk = p_slot * (V * K)
         for i_v in range(0, V, BV):
-            b_u = _xt(ut, p_slot, i_v, V, C, BV)                            # U
             b_dx = _xt(dxp, p_slot, i_v, V, C, BV)                          # dX'
-            b_v = tl.load(v + (p_cv + i_v) + o_cv, mask=m_c[:, None] & (i_v + tl.arange(0, BV) < V)[None, :],
-                          other=0.)
-            b_dxv += _rowdot(b_dx, b_v)
-            b_dA = tl.dot(b_dx, tl.trans(b_u), b_dA)
+            b_u = _xt(ut, p_slot, i_v, V, C, BV)                            # U
             b_s = _vk_block(st, p_vk, i_v, i_k * BK, V, K, BV, BK)          # S^T
             b_dsn = _vk_block(dsn, p_vk, i_v, i_k * BK, V, K, BV, BK)       # dSn^T
-            b_sds += tl.sum(tl.sum(b_s.to(tl.float32) * b_dsn.to(tl.float32), 1), 0)
-            b_f = tl.dot(b_dx, b_s, tl.zeros([C, BK], dtype=tl.float32))
-            b_kF1 += _rowdot(b_k, b_f)
-            b_dk -= b_begk[:, None] * b_f
-            b_f = tl.dot(b_u, b_dsn, tl.zeros([C, BK], dtype=tl.float32))
-            b_kF2 += _rowdot(b_k, b_f)
-            b_dk += b_wk[:, None] * b_f
-        b_E = segment_decay(g, rows, length, S_G, i_h, C)
-        b_beta = gate_row(gates, p_slot, GATE_BETA, C)
-        b_da = tl.where(o_c[:, None] > o_c[None, :], -b_dA * b_E, 0.)  # DA
-        b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=PREC) * b_rk[:, None] * b_rk[None, :]   # k^_i.k^_j
-        b_rowA = tl.sum(b_da * b_kk, 1)                                 # k^.(DA K^)
-        b_dab = b_da * b_beta[:, None]                                  # diag(beta) DA
-        b_dgam = b_beta * b_rowA - tl.sum(b_dab * b_kk, 0) - b_begk * b_kF1
-        b_k2 = _qk_tile(k, p_qk, length, i_k, S_QK, K, C, BK, HL)    # raw k again (twice with HL)
-        b_dk += b_rk[:, None] * tl.dot(_hl((b_dab + tl.trans(b_dab)) * b_rk[None, :], b_k2, HL), b_k2,
-                                       input_precision=PREC)
-        # tau's share sum_{i' < i} tau_i' as a forward cumsum (not sum(tau) - sum_{i' >= i} tau_i',
-        # which cancels when w puts all of tau on the last rows: fast decay), egL <S, dSn> on every row
+            b_dk = _dot2(b_dx.to(tl.float32) * b_nbegk[:, None], b_s, b_dk, HL, PREC)
+            b_dk = _dot2(b_u.to(tl.float32) * b_wk[:, None], b_dsn, b_dk, HL, PREC)
+            b_kF1 += _rowdot(b_dx, tl.dot(b_k, tl.trans(b_s), input_precision=PREC))
+            b_kF2 += _rowdot(b_u, tl.dot(b_k, tl.trans(b_dsn), input_precision=PREC))
+            if HL:      # <S, dSn> of the block as the trace of S^T dSn (exact products of the input-dtype
+                # tiles on the tensor cores, operands from shared memory: the tiles' elements in
+                # registers spilled dk's loop at 4 warps)
+                b_sds += tl.sum(tl.where(o_vv[:, None] == o_vv[None, :], tl.dot(b_s, tl.trans(b_dsn)), 0.))
+            else:       # fp32: the row dot (a tf32 dot would round S and dSn)
+                b_sds += tl.sum(_rowdot(b_s, b_dsn), 0)
+        b_dgam = b_nbegk * b_kF1
+        b_db = -gate_row(gates, p_slot, GATE_EGK, C) * b_kF1
         b_tau = b_wk * b_kF2
-        b_dg = (tl.cumsum(b_dgam, 0, reverse=True) + (tl.cumsum(b_tau, 0) - b_tau)
-                + tl.load(eg_last + p_slot) * b_sds)
-        b_db = b_rowA - gate_row(gates, p_slot, GATE_EGK, C) * b_kF1 + tl.where(i_k == 0, b_dxv, 0.)
+        # tau's share sum_{i' < i} tau_i' as a forward cumsum (not sum(tau) - sum_{i' >= i} tau_i',
+        # which cancels when w puts all of tau on the last rows: fast decay)
         p_part = ((slot0 + i_k) * HV + i_h).to(tl.int64) * T + rows
-        tl.store(dg_part + p_part, b_dg, mask=m_c)
+        tl.store(dg_part + p_part, tl.cumsum(b_dgam, 0, reverse=True) + (tl.cumsum(b_tau, 0) - b_tau)
+                 + tl.load(eg_last + p_slot) * b_sds, mask=m_c)
         tl.store(dbeta_part + p_part, b_db, mask=m_c)
-    b_q = _qk_tile(q, p_qk, length, i_k, S_QK, K, C, BK, HL)          # raw q (twice with HL)
+    p_rn = (j * HV + i_qh * G) * (2 * C)
     b_rq = tl.load(rn + p_rn + o_c)
-    b_P = tl.load(pm + (j * H + i_qh) * (C * C) + block_offsets(C, C))
-    b_dk += b_rk[:, None] * tl.dot(_hl(tl.trans(b_P) * b_rq[None, :], b_q, HL), b_q, input_precision=PREC)  # P^T Q^
+    b_rk = tl.load(rn + p_rn + C + o_c)
+    o_P = (j * H + i_qh) * (C * C) + block_offsets(C, C)
+    b_dk = _dot2(tl.load(bm + o_P) * b_rk[:, None] * b_rk[None, :], _qk_tile(k, p_qk, length, i_k, S_QK, K, C, BK),
+                 b_dk, HL, PREC)                                        # rk (B K^)
+    b_dk = _dot2(tl.trans(tl.load(pm + o_P)) * b_rk[:, None] * b_rq[None, :],
+                 _qk_tile(q, p_qk, length, i_k, S_QK, K, C, BK), b_dk, HL, PREC)     # rk (P^T Q^)
     _store_rows(dk + start * S_DQK + i_qh * K + i_k * BK, b_dk, length, i_k * BK, S_DQK, K, C, BK)
 
 

@@ -91,19 +91,20 @@ def bwd_configs(K, V, dtype, smem=227):
       also when V = 64 with K = 128 (rows 64-127 masked: BV = 64 at 4 warps spilled 8-16 B there), BV = 64
       at 4 warps and 1 stage when V = 64 at smaller K, smaller when V is; fp32 inputs or K > 128 (as the forward's
       state pass): BV = 16 at 8 warps; fp32 with K > 128: BV = 8 (16 spills).
-    - dq, dk (chunk_bwd_dq_kernel, chunk_bwd_dk_kernel; per K-block, qk head and chunk, the C x C part
-      and the state products of one gradient): 8 warps, the widest blocks without register spills on
-      sm_90 (tests/test_sm90_aot.py, every variant; which wider ones spill: bench/NOTES.md): dq K-blocks
-      of 128 and V-blocks of 16; dk K-blocks of 128 and V-blocks of 32, K-blocks of 32 and V-blocks of
-      16 when V < 32, V-blocks of 16 when K <= 64; fp32 inputs: K-blocks of 64 and V-blocks of 16 for
-      both (the V-block is the inner dimension of dO U^T: triton 3.6.0 refuses a tf32 dot with an inner
-      dimension of 8, which 3.9 takes; it failed to compile on an H200 with 3.6.0, 2026-12-04). Every
-      K-block reads the V-blocks again (dO, U, dX', S^T, dSn^T). dq pipelines its V-block loop over 3
-      stages (the next V-blocks' dO, U, S^T tiles in flight while this one's products run: the loop
-      is a chain of global-load waits at 1 stage, bench/NOTES.md), 2 with K = 128 < V (3 spill 16-24 B
-      at V = 64); dk at 2 or 3 stages spills 8 B, so it keeps 1. HL (bf16 / fp16): their fp32 factors
-      enter bf16 / fp16 dots as rounded value and rounding error against an operand loaded with its
-      rows twice over (chunk_bwd._hl).
+    - p, a (chunk_bwd_p_kernel, chunk_bwd_a_kernel; per qk head and chunk, the C x C parts of dq and dk:
+      dO U^T, dX' U^T over V-blocks, the Gram matrices over K-blocks): 4 warps, K-blocks of 128 and
+      V-blocks of 128 (p, 2 stages) / 64 (a, 1 stage); fp32 inputs 32 / 32 and 32 / 16.
+    - dq, dk (chunk_bwd_dq_kernel, chunk_bwd_dk_kernel; per K-block, qk head and chunk, the state
+      products into a [C, BK] fp32 accumulator, then P K^ / P^T Q^ + B K^): bf16 / fp16 at 4 warps, 2
+      CTAs per SM (the loop holds the accumulator alone: at 8 warps they were latency-bound at one CTA
+      per SM, bench/NOTES.md), K-blocks of 128, V-blocks of 32, 3 pipeline stages (dq: 2 with V < 128
+      <= K; dk at 2 spilled 16 B under triton 3.6.0, the GPU image's); fp32 inputs at 8 warps, K-blocks
+      of 64, V-blocks of 16 (the V-block is the inner dimension of dO U^T: triton 3.6.0 refuses a tf32
+      dot with an inner dimension of 8, which 3.9 takes; it failed to compile on an H200 with 3.6.0,
+      2026-12-04: every V-block here is >= 16). Every K-block reads the V-blocks again (dO, dX', U, S^T,
+      dSn^T). The widest blocks without register spills on sm_90 (tests/test_sm90_aot.py, every
+      variant). HL (bf16 / fp16): their fp32 factors enter bf16 / fp16 dots as rounded value and
+      rounding error (chunk_bwd._dot2).
     - finalize: K-blocks of 64 (the l2norm backward's row dot, then its rows), 4 warps (no dots)."""
     fp32 = dtype == torch.float32
     narrow = fp32 or pow2(K) > 128
@@ -114,12 +115,15 @@ def bwd_configs(K, V, dtype, smem=227):
     stages = 3 if wide and 3 * _stage_kb(pow2(K), BV, torch.finfo(dtype).bits // 8) + 16 <= smem else 1
     return dict(
         dstate=dict(BK=pow2(K), BV=BV, num_warps=8 if narrow or wide else 4, num_stages=stages),
-        dq=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=16, PREC=dot_precision(dtype), HL=not fp32,
-                num_warps=8, num_stages=3 if pow2(V) >= 128 or pow2(K) < 128 else 2),
-        dk=dict(BK=min(64 if fp32 else 128 if pow2(V) >= 32 else 32, pow2(K)),
-                BV=32 if not fp32 and pow2(K) >= 128 and pow2(V) >= 32 else 16, PREC=dot_precision(dtype),
-                HL=not fp32,
-                num_warps=8, num_stages=1),
+        p=dict(BK=min(32 if fp32 else 128, pow2(K)), BV=max(16, min(32 if fp32 else 128, pow2(V))),
+               PREC=dot_precision(dtype), num_warps=8 if fp32 else 4, num_stages=2),
+        dq=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=max(16, min(16 if fp32 else 32, pow2(V))),
+                PREC=dot_precision(dtype), HL=not fp32,
+                num_warps=8 if fp32 else 4, num_stages=3 if pow2(V) >= 128 or pow2(K) < 128 else 2),
+        a=dict(BK=min(32 if fp32 else 128, pow2(K)), BV=max(16, min(16 if fp32 else 64, pow2(V))),
+               PREC=dot_precision(dtype), num_warps=8 if fp32 else 4, num_stages=1),
+        dk=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=max(16, min(16 if fp32 else 32, pow2(V))),
+                PREC=dot_precision(dtype), HL=not fp32, num_warps=8 if fp32 else 4, num_stages=3),
         finalize=dict(BK=min(64, pow2(K)), num_warps=4, num_stages=1),
     )
 
@@ -208,18 +212,18 @@ def bwd_scratch_bytes(T, N, H, HV, K, V, dtype, l2, sms=132):
     T rows and N sequences of H qk / HV value heads, from shapes only (e = the input dtype's bytes, C = 64,
     NC = T // C + N chunk slots, nq / nk = the dq / dk kernels' K-blocks):
         NC HV (2 V K e + 2 V C e + 2 C^2 e + 7 C 4 + 4)   S^T, dSn^T; U^T, dX'^T; Ts, M; gates, row factors
-      + NC H C^2 4                                        the group's Pm (dq -> dk kernel)
-      + T HV 2 (nq + nk) 4                                dg / dbeta partials
+      + 2 NC H C^2 4                                      the group's P, B (P, A kernels -> dq, dk)
+      + T HV 2 (2 + nq + nk) 4                            dg / dbeta partials
       + T H 2 K 4 with l2norm                             dq, dk before the l2norm backward
       + the segmented passes' boundary rows: N (S - 1) HV (V + K) K 4 + N S HV K V 4 for the recompute
         and for the dS pass (S from state_segments)
-    (~2.0 kB per token and value head at K = V = 128, bf16, G = 2: ~67 GB at T = 1M, HV = 32; +16 GB with
+    (~2.1 kB per token and value head at K = V = 128, bf16, G = 2: ~71 GB at T = 1M, HV = 32; +17 GB with
     l2norm)."""
     e, C, NC = torch.finfo(dtype).bits // 8, CHUNK, T // CHUNK + N
     cfg = bwd_configs(K, V, dtype)
     nq, nk = triton.cdiv(K, cfg["dq"]["BK"]), triton.cdiv(K, cfg["dk"]["BK"])
-    total = NC * HV * (2 * V * K * e + 2 * V * C * e + 2 * C * C * e + 7 * C * 4 + 4) + NC * H * C * C * 4
-    total += T * HV * 2 * (nq + nk) * 4 + (T * H * 2 * K * 4 if l2 else 0)
+    total = NC * HV * (2 * V * K * e + 2 * V * C * e + 2 * C * C * e + 7 * C * 4 + 4) + 2 * NC * H * C * C * 4
+    total += T * HV * 2 * (2 + nq + nk) * 4 + (T * H * 2 * K * 4 if l2 else 0)
     for c, dots in ((state_config(K, V, dtype, store_states=True), (5, 3)), (cfg["dstate"], (6, 6))):
         S = state_segments(T, N, HV, K, V, c, sms, dots=dots)
         total += N * (S - 1) * HV * (V + K) * K * 4 + (N * S * HV * K * V * 4 if S > 1 else 0)
