@@ -241,7 +241,9 @@ def _store_rows(p, x, length, col0, stride, K: tl.constexpr, C: tl.constexpr, BK
 def _dot2(a, b, acc, HL: tl.constexpr, PREC: tl.constexpr):
     """acc + a b for an fp32 a and a b in the input dtype: with HL (bf16 / fp16) two chained dots, a's
     rounded value, then its rounding error (relative error ~2^-16, better than one tf32 pass, and no fp32
-    copy of b); without HL (fp32 b) one dot at PREC."""
+    copy of b); without HL (fp32 b) one dot at PREC. Used at 4 warps, one warpgroup: at 8 the chained
+    accumulator took a layout replicated over the warpgroups (twice the registers; the 8-warp kernels
+    had one dot over the two halves side by side, b loaded with its rows twice over, bench/NOTES.md)."""
     if HL:
         h = a.to(b.dtype)
         return tl.dot((a - h.to(tl.float32)).to(b.dtype), b, tl.dot(h, b, acc))
