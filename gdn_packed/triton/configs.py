@@ -93,7 +93,8 @@ def bwd_configs(K, V, dtype, smem=227):
       state pass): BV = 16 at 8 warps; fp32 with K > 128: BV = 8 (16 spills).
     - p, a (chunk_bwd_p_kernel, chunk_bwd_a_kernel; per qk head and chunk, the C x C parts of dq and dk:
       dO U^T, dX' U^T over V-blocks, the Gram matrices over K-blocks): 4 warps, K-blocks of 128 and
-      V-blocks of 128 (p, 2 stages) / 64 (a, 1 stage); fp32 inputs 32 / 32 and 32 / 16.
+      V-blocks of 128 (p, 2 stages) / 64 (a, 1 stage; 128 when K > 128: 64 spilled 16 B in a K = 256
+      variant under triton 3.6.0, the GPU image's); fp32 inputs at 8 warps, 32 / 32 and 32 / 16.
     - dq, dk (chunk_bwd_dq_kernel, chunk_bwd_dk_kernel; per K-block, qk head and chunk, the state
       products into a [C, BK] fp32 accumulator, then P K^ / P^T Q^ + B K^): bf16 / fp16 at 4 warps, 2
       CTAs per SM (the loop holds the accumulator alone: at 8 warps they were latency-bound at one CTA
@@ -120,7 +121,8 @@ def bwd_configs(K, V, dtype, smem=227):
         dq=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=max(16, min(16 if fp32 else 32, pow2(V))),
                 PREC=dot_precision(dtype), HL=not fp32,
                 num_warps=8 if fp32 else 4, num_stages=3 if pow2(V) >= 128 or pow2(K) < 128 else 2),
-        a=dict(BK=min(32 if fp32 else 128, pow2(K)), BV=max(16, min(16 if fp32 else 64, pow2(V))),
+        a=dict(BK=min(32 if fp32 else 128, pow2(K)),
+               BV=max(16, min(16 if fp32 else 128 if pow2(K) > 128 else 64, pow2(V))),
                PREC=dot_precision(dtype), num_warps=8 if fp32 else 4, num_stages=1),
         dk=dict(BK=min(64 if fp32 else 128, pow2(K)), BV=max(16, min(16 if fp32 else 32, pow2(V))),
                 PREC=dot_precision(dtype), HL=not fp32, num_warps=8 if fp32 else 4, num_stages=3),
