@@ -277,6 +277,23 @@ def _qk_tile(x, p_qk, length, i_k, S_QK: tl.constexpr, K: tl.constexpr, C: tl.co
 
 
 @triton.jit
+def _gram(x, y, start, length, i_qh, S_QK: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+          PREC: tl.constexpr, SAME: tl.constexpr):
+    """x_i.y_j [C, C] fp32 of the raw rows of a chunk (rows from start, < length; qk head i_qh of [T, H, K]
+    tensors, rows S_QK apart) over K-blocks of BK; SAME: y is x (one load a block)."""
+    o_c = tl.arange(0, C)
+    b_g = tl.zeros([C, C], dtype=tl.float32)
+    for i_k in range(0, K, BK):
+        o_b = i_k + tl.arange(0, BK)
+        o = start * S_QK + i_qh * K + (o_c[:, None] * S_QK + o_b[None, :])
+        m = (o_c < length)[:, None] & (o_b < K)[None, :]
+        b_x = tl.load(x + o, mask=m, other=0.)
+        b_y = b_x if SAME else tl.load(y + o, mask=m, other=0.)
+        b_g = tl.dot(b_x, tl.trans(b_y), b_g, input_precision=PREC)
+    return b_g
+
+
+@triton.jit
 def chunk_bwd_p_kernel(q, k, g, do, rn, ut, pm, dg_part, table, scale, T,
                        H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, S_QK: tl.constexpr, S_O: tl.constexpr,
@@ -295,13 +312,7 @@ def chunk_bwd_p_kernel(q, k, g, do, rn, ut, pm, dg_part, table, scale, T,
     o_c = tl.arange(0, C)
     rows, m_c = start + o_c, o_c < length
     p_rn = (j * HV + i_qh * G) * (2 * C)                                # row factors of the qk head
-    b_qk = tl.zeros([C, C], dtype=tl.float32)                         # q_i.k_j (raw), over K-blocks
-    for i_k in range(0, K, BK):
-        o_b = i_k + tl.arange(0, BK)
-        o_qk = start * S_QK + i_qh * K + (o_c[:, None] * S_QK + o_b[None, :])
-        m_qk = m_c[:, None] & (o_b < K)[None, :]
-        b_qk = tl.dot(tl.load(q + o_qk, mask=m_qk, other=0.), tl.trans(tl.load(k + o_qk, mask=m_qk, other=0.)),
-                      b_qk, input_precision=PREC)
+    b_qk = _gram(q, k, start, length, i_qh, S_QK, K, C, BK, PREC, False)
     b_qk *= tl.load(rn + p_rn + o_c)[:, None] * tl.load(rn + p_rn + C + o_c)[None, :]    # q^_i.k^_j
     b_P = tl.zeros([C, C], dtype=tl.float32)
     o_cv = o_c[:, None] * S_O + tl.arange(0, BV)[None, :]               # [C, BV] of dO's rows
@@ -386,12 +397,7 @@ def chunk_bwd_a_kernel(k, v, g, gates, rn, ut, dxp, bm, dg_part, dbeta_part, tab
     G = HV // H
     o_c = tl.arange(0, C)
     rows, m_c = start + o_c, o_c < length
-    b_kk = tl.zeros([C, C], dtype=tl.float32)                         # k_i.k_j (raw), over K-blocks
-    for i_k in range(0, K, BK):
-        o_b = i_k + tl.arange(0, BK)
-        b_k = tl.load(k + start * S_QK + i_qh * K + (o_c[:, None] * S_QK + o_b[None, :]),
-                      mask=m_c[:, None] & (o_b < K)[None, :], other=0.)
-        b_kk = tl.dot(b_k, tl.trans(b_k), b_kk, input_precision=PREC)
+    b_kk = _gram(k, k, start, length, i_qh, S_QK, K, C, BK, PREC, True)
     b_rk = tl.load(rn + (j * HV + i_qh * G) * (2 * C) + C + o_c)
     b_kk *= b_rk[:, None] * b_rk[None, :]                               # k^_i.k^_j
     b_B = tl.zeros([C, C], dtype=tl.float32)
