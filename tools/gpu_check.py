@@ -435,8 +435,8 @@ def step_ncu(r):
     ncu = shutil.which("ncu") or shutil.which("ncu", path="/usr/local/cuda/bin")
     if not ncu:
         return "skipped", "ncu not found", {}
-    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{NCU_KERNELS}", "--launch-count", str(NCU_LAUNCHES),
-           "--csv", "--page", "details"]
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{NCU_KERNELS}",
+           "--launch-count", str(NCU_LAUNCHES), "--csv", "--page", "details"]
     for sec in NCU_SECTIONS:
         cmd += ["--section", sec]
     case = [sys.executable, os.path.abspath(__file__), "case", "ncu"]

@@ -324,7 +324,7 @@ def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table,
     if prep is None:
         prep = chunk_fwd_prep(q, k, g, beta, table, HV, scale, l2, rows)
     # S^T entering each chunk (as the forward's dots used it) and U^T; slots outside every
-    # sequence are never written here and never read (the dq / dk kernels exit on empty slots)
+    # sequence are never written here and never read (the P / dq / A / dk kernels exit on empty slots)
     st = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
     ut = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
     dsn = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
