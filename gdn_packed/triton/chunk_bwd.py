@@ -49,7 +49,9 @@ first):
   chunk_bwd_dk_kernel      grid (cdiv(K, BK), H, NC): per V-block the state products -(beta eg rk) dX' S^T
       and (w rk) U dSn^T straight into the dk accumulator (their row factors in the a operand), the row
       dots k.(dX' S^T), k.(U dSn^T) as rowdot(dX', k S), rowdot(U, k dSn), and <S, dSn>; then B K^ and
-      P^T Q^ once for the group. Writes dk and its dg / dbeta shares (slots 2 + nq + i_k).
+      P^T Q^ once for the group. Writes dk and its dg / dbeta shares (slots 2 + nq + i_k). dX' and U
+      are loaded a V-block ahead, across the group's heads (_next_block): scaled in registers, they
+      are not the shared-memory dot operands triton's pipeliner puts in flight.
       The C x C parts in kernels of their own leave the dq / dk kernels' loops holding their [C, BK]
       accumulator alone: 4 warps, 2 CTAs per SM (bf16 / fp16; 8 warps with fp32 inputs).
       No kernel writes a per-value-head share of dq or dk: the group is summed in registers (P, B in
@@ -203,6 +205,18 @@ def _xt(p, p_slot, i_v, V: tl.constexpr, C: tl.constexpr, BV: tl.constexpr):
     o_v = i_v + tl.arange(0, BV)
     return tl.load(p + p_slot * (V * C) + o_v[None, :] * C + tl.arange(0, C)[:, None],
                    mask=(o_v < V)[None, :], other=0.)
+
+
+@triton.jit
+def _next_block(p_slot, i_v, i_g, G, V: tl.constexpr, BV: tl.constexpr):
+    """The step after (value head p_slot, V-block i_v) of a group's walk over its value heads' V-blocks,
+    (slot, V-block): the next value head's first block after a head's last, this block again after the
+    group's last (an in-bounds load, not used). For a prefetch of the a operands one step ahead, which
+    triton's pipeliner leaves in the step that uses them (a register load, not a dot's shared-memory
+    operand)."""
+    wrap = i_v + BV >= V
+    last = wrap & (i_g + 1 >= G)
+    return tl.where(wrap & ~last, p_slot + 1, p_slot), tl.where(wrap & ~last, 0, i_v + BV * (1 - last.to(tl.int32)))
 
 
 @triton.jit
@@ -449,6 +463,11 @@ def chunk_bwd_dk_kernel(q, k, gates, rn, eg_last, ut, st, dsn, dxp, pm, bm, dk, 
     b_dk = tl.zeros([C, BK], dtype=tl.float32)
     b_k = tl.load(k + p_qk + o_qk, mask=m_qk, other=0.)               # raw k [C, BK]
     o_vv = tl.arange(0, BV)
+    # dX' and U, scaled by their row factors in registers, are loaded one step ahead (_next_block)
+    # where one K-block covers K (with two, the block's column masks left no registers for them)
+    AHEAD: tl.constexpr = BK >= K
+    b_dx_n = _xt(dxp, j * HV + i_qh * G, 0, V, C, BV)
+    b_u_n = _xt(ut, j * HV + i_qh * G, 0, V, C, BV)
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
         p_slot = j * HV + i_h
@@ -462,8 +481,14 @@ def chunk_bwd_dk_kernel(q, k, gates, rn, eg_last, ut, st, dsn, dxp, pm, bm, dk, 
         b_kF2 = tl.zeros([C], dtype=tl.float32)                       # k . (U dSn^T)
         b_sds = 0.                                                    # <S, dSn> over this K-block
         for i_v in range(0, V, BV):
-            b_dx = _xt(dxp, p_slot, i_v, V, C, BV)                          # dX'
-            b_u = _xt(ut, p_slot, i_v, V, C, BV)                            # U
+            if AHEAD:
+                b_dx, b_u = b_dx_n, b_u_n                                   # dX', U
+                n_slot, n_v = _next_block(p_slot, i_v, i_g, G, V, BV)
+                b_dx_n = _xt(dxp, n_slot, n_v, V, C, BV)
+                b_u_n = _xt(ut, n_slot, n_v, V, C, BV)
+            else:
+                b_dx = _xt(dxp, p_slot, i_v, V, C, BV)
+                b_u = _xt(ut, p_slot, i_v, V, C, BV)
             b_s = _vk_block(st, p_vk, i_v, i_k * BK, V, K, BV, BK)          # S^T
             b_dsn = _vk_block(dsn, p_vk, i_v, i_k * BK, V, K, BV, BK)       # dSn^T
             b_dk = _dot2(b_dx.to(tl.float32) * b_nbegk[:, None], b_s, b_dk, HL, PREC)
