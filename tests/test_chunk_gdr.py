@@ -447,10 +447,11 @@ def test_masked_dstate_block_triton(monkeypatch):
 @pytest.mark.parametrize("segments", [1, 3])
 def test_forward_keeps_segment_states_and_prep(segments, monkeypatch):
     """The Triton forward returns as the op's `kept` (the fake kernel's size, triton/chunk.py kept_shape,
-    every element written under NaN-poisoned outputs) the state entering every segment when it runs in
-    segments, then prep's outputs (Ts, M, gates, row factors): the backward started from them gives the
-    gradients of the backward that recomputes them bit for bit, and reads them (kept perturbed: other
-    gradients). Both ops pass opcheck with it."""
+    every element written under NaN-poisoned outputs) the state entering every segment and pass A's end
+    rows (the segment transitions the dS pass takes) when it runs in segments, then prep's outputs (Ts,
+    M, gates, row factors): the backward started from them gives the gradients of the backward that
+    recomputes them bit for bit, and reads each part (kept perturbed: other gradients). Both ops pass
+    opcheck with it."""
     if "triton" not in [p.values[0] for p in BACKENDS]:
         pytest.skip("the triton backend cannot run here")
     from gdn_packed.ops.chunk_gdr import chunk_gdr_bwd, chunk_gdr_fwd
@@ -463,7 +464,8 @@ def test_forward_keeps_segment_states_and_prep(segments, monkeypatch):
     with poisoned_outputs():
         o, fs, kept = chunk_gdr_fwd(*args, None, None, True)
     N = cu.numel() - 1
-    states = N * segments * c.HV * c.K * c.V if segments > 1 else 0
+    entering = N * segments * c.HV * c.K * c.V if segments > 1 else 0
+    states = entering + (N * (segments - 1) * c.HV * (c.V + c.K) * c.K if segments > 1 else 0)
     prep = triton_chunk.prep_words(rows // 64 + N, c.HV, torch.float32)
     assert kept.shape == (states + prep,) and not kept.isnan().any()
     bwd = args[:8] + (do, dht) + args[8:]
@@ -471,12 +473,71 @@ def test_forward_keeps_segment_states_and_prep(segments, monkeypatch):
     recomputed = chunk_gdr_bwd(*bwd)
     for name, a, b in zip(GRADS, from_kept, recomputed):
         assert torch.equal(a, b), name
-    for part in ([slice(0, states)] if states else []) + [slice(states, None)]:
+    for part in ([slice(0, entering), slice(entering, states)] if states else []) + [slice(states, None)]:
         off = kept.clone()
         off[part] *= 1.001
-        assert not torch.equal(chunk_gdr_bwd(*bwd, None, None, off)[0], from_kept[0]), "kept not read"
+        changed = chunk_gdr_bwd(*bwd, None, None, off)
+        assert not all(torch.equal(a, b) for a, b in zip(changed, from_kept) if a is not None), ("kept not read", part)
     torch.library.opcheck(chunk_gdr_fwd, args + (None, None, True))
     torch.library.opcheck(chunk_gdr_bwd, bwd + (None, None, kept))
+
+
+class _NanEmpty:
+    """torch, except that torch.empty of a floating dtype is NaN-filled (scratch nobody writes shows)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*size, **kw):
+        x = torch.empty(*size, **kw)
+        return x.fill_(float("nan")) if x.is_floating_point() else x
+
+
+@pytest.mark.parametrize("ci, dtype, with_dht", [(0, torch.float32, False), (0, torch.float32, True),
+                                                 (0, torch.bfloat16, False), (1, torch.float32, False)],
+                         ids=["one-long-fp32", "one-long-fp32-dht", "one-long-bf16", "mixed-fp32"])
+def test_segmented_dstate_takes_the_forward_transitions(ci, dtype, with_dht, monkeypatch):
+    """The dS pass in segments takes the forward's segment transitions, transposed, and its pass A forms
+    none of them (triton/chunk.py, chunk_bwd_dstate) but the last segment's, which the forward has not:
+    with dht pass A forms it alone, without dht (no gradient of the final state) it is never read (the
+    scratch is NaN-filled here). Three segments forced, cases one-long and mixed (h0, l2, GVA 4, empty
+    segments; both with a 5-chunk sequence, whose last segment is not empty), gates g / 50 and beta / 4
+    (with the cases' own a segment's transition is ~1e-10, so a wrong one passes; these give ~0.3): o and
+    every gradient within the budgets against float64, padding rows exactly 0; on one-long the backward
+    from the forward's kept bit for bit the one that recomputes everything (test_forward_keeps_segment_
+    states_and_prep checks that on gaps-and-empties)."""
+    if "triton" not in [p.values[0] for p in BACKENDS]:
+        pytest.skip("the triton backend cannot run here")
+    from gdn_packed.ops.chunk_gdr import chunk_gdr_bwd, chunk_gdr_fwd
+    from gdn_packed.triton import chunk as triton_chunk
+    monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, **kw: 3)
+    monkeypatch.setattr(triton_chunk, "torch", _NanEmpty())
+    (q, k, v, g, beta, h0), cu, cu_pad, _, do, dht = inputs(ci, dtype)
+    dht = dht if with_dht else None
+    x = (q, k, v, g / 50, beta / 4, h0)
+    leaves = leaves_of(x)
+    with poisoned_outputs():
+        o, fs = call(leaves, cu, cu_pad, CASES[ci].l2, "triton")
+        got = with_grads(leaves, o, fs if with_dht else fs.detach(), do, dht)
+    ref_leaves = [None if t is None else t.detach().cpu().double().requires_grad_() for t in x]
+    o, fs = reference_gdr(*ref_leaves[:5], initial_state=ref_leaves[5], cu_seqlens=cu.cpu(),
+                          cu_seqlens_padded=None if cu_pad is None else cu_pad.cpu(),
+                          use_qk_l2norm_in_kernel=CASES[ci].l2)
+    ref = with_grads(ref_leaves, o, fs if with_dht else fs.detach(), do.cpu().double(),
+                     dht.cpu().double() if with_dht else None)
+    err = errors(got, ref, ("o",) + GRADS)
+    assert not over_budget(err, dtype), over_budget(err, dtype)
+    pad = padding(ci)
+    for n in ("o",) + GRADS[:5]:
+        assert torch.isfinite(got[n]).all() and (got[n][0, pad] == 0).all(), n
+    if ci != 0:
+        return
+    args = (*x, cu, cu_pad, CASES[ci].K ** -0.5, CASES[ci].l2, "triton")
+    kept = chunk_gdr_fwd(*args, None, None, True)[2]
+    bwd = args[:8] + (do, dht) + args[8:]
+    for name, a, b in zip(GRADS, chunk_gdr_bwd(*bwd, None, None, kept), chunk_gdr_bwd(*bwd)):
+        assert (a is None and b is None) or torch.equal(a, b), name
 
 
 def run_l2(ci, dtype, l2):

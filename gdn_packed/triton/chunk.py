@@ -125,48 +125,61 @@ def keeps(T, N, HV, K, V, dtype, device):
     return bwd_head_slices(T, N, HV, HV, K, V, dtype, True, sms=num_sms(device)) == 1
 
 
+def _segment_words(N, S, HV, K, V):
+    """The floats of the segments' part of `kept`: the entering states [N S, HV, K, V], then pass A's end
+    rows [N (S - 1), HV, V + K, K] (0 when S = 1)."""
+    return N * HV * K * (S * V + (S - 1) * (V + K)) if S > 1 else 0
+
+
 def kept_shape(T, N, HV, K, V, C, device, dtype):
     """The shape of `kept`, what the forward keeps for the backward (the op's fake kernel calls this),
-    fp32 flat, from shapes only: the state entering every segment when the forward's state pass runs in
-    S > 1 segments ([N S, HV, K, V]: S K V floats per sequence and value head), so that the backward's
-    recompute starts every segment from it (no pass A, no combine); then prep's outputs (Prep: Ts, M in
+    fp32 flat, from shapes only: when the forward's state pass runs in S > 1 segments, the state entering
+    every segment ([N S, HV, K, V]: S K V floats per sequence and value head), so that the backward's
+    recompute starts every segment from it (no pass A, no combine), and pass A's end rows ([N (S - 1),
+    HV, V + K, K]), whose segment transitions the backward's dS pass takes transposed (chunk_bwd_dstate);
+    then prep's outputs (Prep: Ts, M in
     the input dtype, gates, row factors, chunk decays: 2 C e + 28 + 4 / C bytes per token and value
     head, e the input dtype's bytes: 284 B in bf16, 540 B in fp32), so that the backward runs no prep.
     Empty when the backward may run in head slices (keeps)."""
     if not keeps(T, N, HV, K, V, dtype, device):
         return (0,)
     S = fwd_segments(T, N, HV, K, V, dtype, device)
-    return ((N * S * HV * K * V if S > 1 else 0) + prep_words(T // C + N, HV, dtype),)
+    return (_segment_words(N, S, HV, K, V) + prep_words(T // C + N, HV, dtype),)
 
 
 def kept_parts(kept, T, N, HV, K, V, dtype, device):
-    """(entering states [N S, HV, K, V] or None, Prep) as views of `kept` (kept_shape), or (None, None)
-    for an empty kept."""
+    """(entering states [N S, HV, K, V], pass A's end rows [N (S - 1), HV, V + K, K], Prep) as views of
+    `kept` (kept_shape); (None, None, None) for an empty kept, the first two None when S = 1."""
     if kept is None or kept.numel() == 0:
-        return None, None
+        return None, None, None
     S = fwd_segments(T, N, HV, K, V, dtype, device)
-    n = N * S * HV * K * V if S > 1 else 0
-    return (kept[:n].view(N * S, HV, K, V) if n else None), prep_in(kept[n:], T // CHUNK + N, HV, dtype)
+    n = _segment_words(N, S, HV, K, V)
+    prep = prep_in(kept[n:], T // CHUNK + N, HV, dtype)
+    if not n:
+        return None, None, prep
+    m = N * S * HV * K * V
+    return kept[:m].view(N * S, HV, K, V), kept[m:n].view(N * (S - 1), HV, V + K, K), prep
 
 
-def entering_states(pass_a, cu_chunks, N, HV, K, V, S, h0, dtype, device, reverse=False, out=None):
+def entering_states(pass_a, cu_chunks, N, HV, K, V, S, h0, dtype, device, reverse=False, out=None, ends=None):
     """The state entering every segment of a segmented sequential pass, [N S, HV, K, V] fp32 (written to
-    out when given): launches `pass_a(programs, ends)` (the pass with PROPAGATE over the segments the
-    walk leaves, writing each one's end rows [V + K, K] to ends) and chunk_combine_kernel (grid
-    (cdiv(V, BV'), HV, N)). h0 [N, HV, K, V] (or None: 0) enters the first segment walked (the last
-    one when reverse)."""
-    ends = torch.empty(N * (S - 1), HV, V + K, K, dtype=torch.float32, device=device)
+    out when given), and pass A's end rows (into ends when given): launches `pass_a(programs, ends)`
+    (the pass with PROPAGATE over the segments the walk leaves, writing each one's end rows [V + K, K]
+    to ends) and chunk_combine_kernel (grid (cdiv(V, BV'), HV, N)). h0 [N, HV, K, V] (or None: 0)
+    enters the first segment walked (the last one when reverse)."""
+    if ends is None:
+        ends = torch.empty(N * (S - 1), HV, V + K, K, dtype=torch.float32, device=device)
     pass_a(N * (S - 1), ends)
     ent = torch.empty(N * S, HV, K, V, dtype=torch.float32, device=device) if out is None else out
     cfg = combine_config(K, V, dtype)
     chunk_combine_kernel[(triton.cdiv(V, cfg["BV"]), HV, N)](
         ends=ends, h0=h0, ent=ent, cu_chunks=cu_chunks, segments=S, HV=HV, K=K, V=V, HAS_H0=h0 is not None,
         REVERSE=reverse, **cfg)
-    return ent
+    return ent, ends
 
 
 def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, st=None, ut=None, kept=None,
-                    entering=None):
+                    entering=None, ends=None):
     """Launches chunk_fwd_state_kernel on chunk_fwd_prep's outputs `prep`. Forward: writes o [T, HV, V]
     (every row) and ht [N, HV, K, V] fp32. With st [NC, HV, V, K] and ut [NC, HV, V, C] in the input
     dtype (the backward's recompute) it writes S^T entering each chunk and U^T instead, and neither o
@@ -177,7 +190,10 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, 
     each of the first S - 1 segments its end state from zero and its K x K transition,
     chunk_combine_kernel the state entering every segment (entering_states), and the pass (grid (cdiv(V, BV), HV, N S)) runs every segment
     from its entering state (into kept [N S, HV, K, V] when given: the forward's). `entering` (the
-    backward: those kept) gives those states: no pass A, no combine, S = its length / (N HV K V)."""
+    backward: those kept) gives those states: no pass A, no combine, S = its length / (N HV K V).
+    Returns pass A's end rows [N (S - 1), HV, V + K, K] (written into `ends` when given; with
+    `entering`: `ends` as given, the forward's), None when S = 1: their transitions are the dS pass's
+    (chunk_bwd_dstate)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     N = cu_chunks.numel() - 1
@@ -199,33 +215,49 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, 
     if entering is not None:
         h0 = entering.view(N * S, HV, K, V) if S > 1 else h0
     elif S > 1:
-        h0 = entering_states(pass_a, cu_chunks, N, HV, K, V, S, h0, q.dtype, q.device, out=kept)
+        h0, ends = entering_states(pass_a, cu_chunks, N, HV, K, V, S, h0, q.dtype, q.device, out=kept, ends=ends)
     chunk_fwd_state_kernel[(triton.cdiv(V, cfg["BV"]), HV, N * S)](
         **inputs, h0=h0, o=o, ht=ht, st=st, ut=ut, ends=None,
         HAS_H0=h0 is not None, STORE_STATES=store, PROPAGATE=False, **cfg)
+    return ends if S > 1 else None
 
 
-def chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, cfg):
+def chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, cfg,
+                     fwd_ends=None):
     """Launches chunk_bwd_dstate_kernel (the reverse dS pass), segmented as chunk_fwd_state (the
     segments walked from the last; pass A over the last S - 1 with PROPAGATE; S from
-    configs.state_segments with six dots per chunk in both passes)."""
+    configs.state_segments with six dots per chunk in both passes).
+
+    fwd_ends: the forward state pass's end rows of the same sequences (chunk_fwd_state's return, [N (S -
+    1), HV, V + K, K]) or None. dS is affine in the dS leaving a segment through the transpose of the
+    segment's forward transition (the chunk step's dS^T <- dS^T P_c^T: docs/DESIGN.md section 11), so
+    with them the pass runs in their S segments and its pass A carries no transition rows (half its
+    programs at V = K): segment s's adjoint transition is the forward's P_s transposed. The last
+    segment's, which the forward never forms (its pass A covers the first S - 1), multiplies the dS
+    entering that segment, dht: without dht it is 0 and chunk_combine_kernel leaves the product out;
+    with dht pass A carries the transition rows of the last segment alone (LAST_TRANSITION)."""
     T, H, K = q.shape
     HV, V = do.shape[1], do.shape[2]
     N = cu_chunks.numel() - 1
-    S = state_segments(T, N, HV, K, V, cfg, num_sms(q.device), dots=(6, 6))
+    S = (fwd_ends.shape[0] // N + 1 if fwd_ends is not None else
+         state_segments(T, N, HV, K, V, cfg, num_sms(q.device), dots=(6, 6)))
     inputs = dict(q=q, k=k, do=do, gates=prep.gates, eg_last=prep.eg_last, ts=prep.ts, mm=prep.mm, table=table,
                   cu_chunks=cu_chunks, T_rows=T, segments=S, H=H, HV=HV, K=K, V=V, C=CHUNK,
                   **rows.of("S_QK", "S_O", "S_DQK", "S_G"), **cfg)
 
     def pass_a(programs, ends):
-        chunk_bwd_dstate_kernel[(triton.cdiv(V + K, cfg["BV"]), HV, programs)](
+        rows_a = V + K if fwd_ends is None or dht is not None else V
+        chunk_bwd_dstate_kernel[(triton.cdiv(rows_a, cfg["BV"]), HV, programs)](
             **inputs, dht=None, dsn=None, dxp=None, dv=None, dh0=None, dq=None, dk=None, dg=None, dbeta=None,
-            ends=ends, HAS_DHT=False, PROPAGATE=True)
+            ends=ends, HAS_DHT=False, PROPAGATE=True, LAST_TRANSITION=fwd_ends is not None)
+        if fwd_ends is not None:    # this pass A's ends t hold segment t + 1; the forward's t segment t
+            e, f = (x.view(N, S - 1, HV, V + K, K) for x in (ends, fwd_ends))
+            e[:, :S - 2, :, V:] = f[:, 1:, :, V:].transpose(-1, -2)
     if S > 1:
-        dht = entering_states(pass_a, cu_chunks, N, HV, K, V, S, dht, q.dtype, q.device, reverse=True)
+        dht, _ = entering_states(pass_a, cu_chunks, N, HV, K, V, S, dht, q.dtype, q.device, reverse=True)
     chunk_bwd_dstate_kernel[(triton.cdiv(V, cfg["BV"]), HV, N * S)](
         **inputs, dht=dht, dsn=dsn, dxp=dxp, dv=dv, dh0=dh0, dq=dq, dk=dk, dg=dg, dbeta=dbeta, ends=None,
-        HAS_DHT=dht is not None, PROPAGATE=False)
+        HAS_DHT=dht is not None, PROPAGATE=False, LAST_TRANSITION=False)
 
 
 def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
@@ -245,10 +277,10 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
         return
     q, k, v, g, beta, rows = _rows(q, k, v, g, beta)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    entering, prep = kept_parts(kept, q.shape[0], N, HV, q.shape[2], v.shape[2], q.dtype, q.device)
+    entering, ends, prep = kept_parts(kept, q.shape[0], N, HV, q.shape[2], v.shape[2], q.dtype, q.device)
     prep = chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, rows, out=prep)
     if HV > 0:
-        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=o, ht=final_state, kept=entering)
+        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=o, ht=final_state, kept=entering, ends=ends)
 
 
 def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
@@ -289,11 +321,11 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
             for x in outs]
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     dht = None if dht is None else dht.to(torch.float32).contiguous()
-    entering, prep = kept_parts(kept, T, N, HV, K, V, q.dtype, q.device)
+    entering, ends, prep = kept_parts(kept, T, N, HV, K, V, q.dtype, q.device)
     P = bwd_head_slices(T, N, H, HV, K, V, q.dtype, bool(use_l2norm), sms=num_sms(q.device))
     if P == 1:
         _bwd_heads(q, k, v, g, beta, do, h0, dht, *work, dh0, table, cu_chunks, scale, use_l2norm, rows,
-                   entering, prep, dstate)
+                   entering, ends, prep, dstate)
     else:           # each slice's views of the inputs and outputs (rows as before), its states contiguous
         Hs, HVs = H // P, HV // P
         for p in range(P):
@@ -303,7 +335,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
             dq_, dk_, dv_, dg_, dbeta_ = work
             _bwd_heads(q[:, qk], k[:, qk], v[:, vh], g[:, vh], beta[:, vh], do[:, vh], part(h0), part(dht),
                        dq_[:, qk], dk_[:, qk], dv_[:, vh], dg_[:, vh], dbeta_[:, vh], dh0_s, table, cu_chunks,
-                       scale, use_l2norm, rows, None, None)
+                       scale, use_l2norm, rows, None, None, None)
             dh0[:, vh] = dh0_s
     for x, y in zip(outs, work):
         if x is not y:
@@ -311,7 +343,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 
 
 def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table, cu_chunks, scale, use_l2norm,
-               rows, entering, prep, dstate=None):
+               rows, entering, ends, prep, dstate=None):
     """The backward of the H qk heads of q [T, H, K] (all, or a slice: views whose rows are `rows` apart)
     and their HV value heads: prep (unless given), the recompute, the dS pass, the P / dq / A / dk
     kernels and finalize, with scratch for these heads only."""
@@ -330,9 +362,12 @@ def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table,
     dsn = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
     dxp = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
     if HV > 0:
-        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, st=st, ut=ut, entering=entering)
-        (dstate or chunk_bwd_dstate)(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, dh0, dq, dk, dg,
-                                     dbeta, cfg["dstate"])
+        ends = chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, st=st, ut=ut, entering=entering, ends=ends)
+        if dstate is None:
+            chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta,
+                             cfg["dstate"], fwd_ends=ends)
+        else:
+            dstate(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, cfg["dstate"])
     if NC > 0 and HV > 0:
         cq, ck = cfg["dq"], cfg["dk"]
         nq, nk = triton.cdiv(K, cq["BK"]), triton.cdiv(K, ck["BK"])

@@ -31,8 +31,10 @@ first):
       segment of S, chunk.py's chunk_bwd_dstate: dS is affine in the dS entering from the right,
       dS^T_prev = dS^T P~ + ..., so with S > 1 a pass A with PROPAGATE over the last S - 1 segments
       carries K identity rows to each segment's transition and chunk_combine_kernel with REVERSE
-      gives the dS entering every segment), dS^T [BV, K] fp32 in registers (transposed: it is the
-      register A operand of dS^T K^T). Writes dSn^T [NC, HV, V, K] and dX'^T [NC, HV, V, C] per chunk
+      gives the dS entering every segment; P~ of a segment is the forward's transition transposed,
+      so given the forward's, pass A forms at most the last segment's: LAST_TRANSITION), dS^T [BV,
+      K] fp32 in registers (transposed: it is the register A operand of dS^T K^T). Writes dSn^T [NC,
+      HV, V, K] and dX'^T [NC, HV, V, C] per chunk
       slot and dv = beta dX', all in the input dtype, dh0 (fp32, the first segment); and exact zeros
       on the padding rows of dv, dg, dbeta, dq, dk.
   chunk_bwd_p_kernel       grid (H, NC): one program per qk head and chunk slot, looping the G value
@@ -114,11 +116,15 @@ def _zero_padding(dq, dk, dv, dg, dbeta, a, b, hv, i_v, H, HV, K: tl.constexpr, 
 def chunk_bwd_dstate_kernel(q, k, do, gates, eg_last, ts, mm, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta,
                             ends, table, cu_chunks, T_rows, segments, H, HV, S_QK, S_O, S_DQK, S_G,
                             K: tl.constexpr, V: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
-                            BV: tl.constexpr, HAS_DHT: tl.constexpr, PROPAGATE: tl.constexpr):
+                            BV: tl.constexpr, HAS_DHT: tl.constexpr, PROPAGATE: tl.constexpr,
+                            LAST_TRANSITION: tl.constexpr):
     i_v, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # sequence i_n, segment i_s of `segments` (pass A: of the last segments - 1)
     if PROPAGATE:
         i_n, i_s = i_p // (segments - 1), i_p % (segments - 1) + 1
+        if LAST_TRANSITION:     # the transition rows of the last segment only (the others: the forward's)
+            if (i_v * BV >= V) & (i_s < segments - 1):
+                return
     else:
         i_n, i_s = i_p // segments, i_p % segments
     N = tl.num_programs(2) // segments

@@ -323,7 +323,9 @@ def chunk_combine_kernel(ends, h0, ent, cu_chunks, segments, HV: tl.constexpr, K
     as pass A covers the segments the walk leaves: the first segments - 1 forward, the last reverse);
     writes the state entering segment s, [K, V] fp32, to ent[n * segments + s]. An empty segment (a
     sequence shorter than the segments) passes the state on as it is: its transition is I, but the
-    product would round the state to the dot's precision (tf32 on a GPU)."""
+    product would round the state to the dot's precision (tf32 on a GPU). Without h0 the first
+    transition is not read (0 P + E = E): the dS pass that takes the forward's transitions has none for
+    the last segment (chunk.py, chunk_bwd_dstate)."""
     i_v, i_h, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -343,9 +345,12 @@ def chunk_combine_kernel(ends, h0, ent, cu_chunks, segments, HV: tl.constexpr, K
         if hi > lo:
             p_e = ends + ((i_n * (segments - 1) + i_t) * HV + i_h).to(tl.int64) * ((V + K) * K)
             b_e = tl.load(p_e + o_v[:, None] * K + o_k[None, :], mask=m_s, other=0.0)
-            b_p = tl.load(p_e + (V + o_k)[:, None] * K + o_k[None, :], mask=m_k[:, None] & m_k[None, :],
-                          other=0.0)
-            b_st = tl.dot(b_st, b_p, b_e, input_precision=PREC)
+            if (i > 0) | HAS_H0:
+                b_p = tl.load(p_e + (V + o_k)[:, None] * K + o_k[None, :], mask=m_k[:, None] & m_k[None, :],
+                              other=0.0)
+                b_st = tl.dot(b_st, b_p, b_e, input_precision=PREC)
+            else:       # 0 P + E: the transition is not read (the dS pass leaves the last one unset)
+                b_st = b_e
     i_s = segments - 1
     if REVERSE:
         i_s = 0
