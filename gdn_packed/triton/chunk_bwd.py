@@ -84,9 +84,9 @@ import torch
 import triton
 import triton.language as tl
 
-from gdn_packed.triton.common import (GATE_BEGK, GATE_BETA, GATE_EGK, GATE_EGQ, GATE_WK, block_offsets,
-                                      chunk_rows, gate_row, padding_after, padding_before_first, segment_chunks,
-                                      segment_decay, zero_rows)
+from gdn_packed.triton.common import (GATE_BEGK, GATE_BETA, GATE_EGK, GATE_EGQ, GATE_WK,
+                                      block_offsets, chunk_rows, gate_row, group_rows, head_of, padding_after,
+                                      padding_before_first, segment_chunks, segment_decay, zero_rows)
 
 
 @triton.jit
@@ -226,13 +226,13 @@ def _next_block(p_slot, i_v, i_g, G, V: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
-def _pm(b_dM, g, rows, length, i_h, S_G, scale, C: tl.constexpr):
-    """From dM = dO U^T (fp32 [C, C]) of value head i_h: Pm = scale dM (.) E, its strict lower part and its
-    diagonal apart (E_ii = 1: no gate gradient; left in the products whose row and column sums make
-    dgam, it would enter as row sum - column sum of the same value, noise the reverse cumsum
-    accumulates)."""
+def _pm(b_dM, b_E, scale, C: tl.constexpr):
+    """From dM = dO U^T (fp32 [C, C]) of a value head and its decay E: Pm = scale dM (.) E, its strict
+    lower part and its diagonal apart (E_ii = 1: no gate gradient; left in the products whose row and
+    column sums make dgam, it would enter as row sum - column sum of the same value, noise the reverse
+    cumsum accumulates)."""
     o_c = tl.arange(0, C)
-    b_pm = scale * b_dM * segment_decay(g, rows, length, S_G, i_h, C)
+    b_pm = scale * b_dM * b_E
     return tl.where(o_c[:, None] > o_c[None, :], b_pm, 0.), tl.sum(tl.where(o_c[:, None] == o_c[None, :], b_pm, 0.), 1)
 
 
@@ -328,10 +328,11 @@ def chunk_bwd_p_kernel(q, k, g, do, rn, ut, pm, dg_part, table, scale, T,
     start, length = chunk_rows(table, j, C)
     if length == 0:
         return
-    G = HV // H
+    G: tl.constexpr = HV // H
     o_c = tl.arange(0, C)
     rows, m_c = start + o_c, o_c < length
     p_rn = (j * HV + i_qh * G) * (2 * C)                                # row factors of the qk head
+    b_gns = group_rows(g, rows, length, i_qh * G, G, S_G, C, 1)          # the heads' g of the next rows
     b_qk = _gram(q, k, start, length, i_qh, S_QK, K, C, BK, PREC, False)
     b_qk *= tl.load(rn + p_rn + o_c)[:, None] * tl.load(rn + p_rn + C + o_c)[None, :]    # q^_i.k^_j
     b_P = tl.zeros([C, C], dtype=tl.float32)
@@ -345,7 +346,7 @@ def chunk_bwd_p_kernel(q, k, g, do, rn, ut, pm, dg_part, table, scale, T,
             m_v = i_v + tl.arange(0, BV) < V
             b_do = tl.load(do + (p_cv + i_v) + o_cv, mask=m_c[:, None] & m_v[None, :], other=0.)
             b_dM = tl.dot(b_do, tl.trans(_xt(ut, p_slot, i_v, V, C, BV)), b_dM)
-        b_pmg, b_pdg = _pm(b_dM, g, rows, length, i_h, S_G, scale, C)
+        b_pmg, b_pdg = _pm(b_dM, segment_decay(head_of(b_gns, i_g), C), scale, C)
         b_pq = b_pmg * b_qk
         p_part = i_h.to(tl.int64) * T + rows                           # [1, HV, T]: 64 rows contiguous
         tl.store(dg_part + p_part, tl.cumsum(tl.sum(b_pq, 1) - tl.sum(b_pq, 0), 0, reverse=True), mask=m_c)
@@ -414,9 +415,10 @@ def chunk_bwd_a_kernel(k, v, g, gates, rn, ut, dxp, bm, dg_part, dbeta_part, tab
     start, length = chunk_rows(table, j, C)
     if length == 0:
         return
-    G = HV // H
+    G: tl.constexpr = HV // H
     o_c = tl.arange(0, C)
     rows, m_c = start + o_c, o_c < length
+    b_gns = group_rows(g, rows, length, i_qh * G, G, S_G, C, 1)          # the heads' g of the next rows
     b_kk = _gram(k, k, start, length, i_qh, S_QK, K, C, BK, PREC, True)
     b_rk = tl.load(rn + (j * HV + i_qh * G) * (2 * C) + C + o_c)
     b_kk *= b_rk[:, None] * b_rk[None, :]                               # k^_i.k^_j
@@ -434,7 +436,7 @@ def chunk_bwd_a_kernel(k, v, g, gates, rn, ut, dxp, bm, dg_part, dbeta_part, tab
             b_v = tl.load(v + (p_cv + i_v) + o_cv, mask=m_c[:, None] & m_v[None, :], other=0.)
             b_dxv += _rowdot(b_dx, b_v)
             b_dA = tl.dot(b_dx, tl.trans(_xt(ut, p_slot, i_v, V, C, BV)), b_dA)
-        b_E = segment_decay(g, rows, length, S_G, i_h, C)
+        b_E = segment_decay(head_of(b_gns, i_g), C)
         b_beta = gate_row(gates, p_slot, GATE_BETA, C)
         b_da = tl.where(o_c[:, None] > o_c[None, :], -b_dA * b_E, 0.)  # DA
         b_rowA = tl.sum(b_da * b_kk, 1)                                 # k^.(DA K^)

@@ -62,8 +62,9 @@ import triton
 import triton.language as tl
 
 from gdn_packed.triton.common import (GATE_BEGK, GATE_BETA, GATE_EGK, GATE_EGQ, GATE_ROWS, GATE_WK,
-                                      block_offsets, chunk_gate_sums, chunk_rows, gate_row, padding_after,
-                                      padding_before_first, segment_chunks, segment_decay, zero_rows)
+                                      block_offsets, chunk_gate_sums, chunk_rows, gate_row,
+                                      group_rows, head_of, padding_after, padding_before_first,
+                                      segment_chunks, segment_decay, zero_rows)
 
 
 @triton.jit
@@ -121,6 +122,11 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scal
     start, length = chunk_rows(table, j, C)
     o_c = tl.arange(0, C)
     rows, m_c = start + o_c, o_c < length
+    # g of rows i and i + 1 and beta of the group's value heads, loaded with the first K-block
+    G: tl.constexpr = HV // H
+    b_gs = group_rows(g, rows, length, i_qh * G, G, S_G, C, 0)
+    b_gns = group_rows(g, rows, length, i_qh * G, G, S_G, C, 1)
+    b_betas = group_rows(beta, rows, length, i_qh * G, G, S_G, C, 0)
 
     # the qk head's Gram matrices K K^T, Q K^T and row norms: once for the G value heads of its group
     b_kk = tl.zeros([C, C], dtype=tl.float32)
@@ -151,15 +157,14 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scal
     b_kk = (b_rk[:, None] * b_kk) * b_rk[None, :]
     b_qk = ((scale * b_rq)[:, None] * b_qk) * b_rk[None, :]
 
-    G: tl.constexpr = HV // H
     for i_g in range(0, G):     # M per value head first, so Q K^T is dead before the inverses
         i_h = i_qh * G + i_g
-        b_m = tl.where(m_causal, b_qk * segment_decay(g, rows, length, S_G, i_h, C), 0.0)
+        b_m = tl.where(m_causal, b_qk * segment_decay(head_of(b_gns, i_g), C), 0.0)
         tl.store(mm + (j * HV + i_h) * (C * C) + o_cc, b_m.to(mm.dtype.element_ty))
     for i_g in range(0, G):
         i_h = i_qh * G + i_g
-        b_gam, b_suf, b_tot, b_dec = chunk_gate_sums(g, rows, length, S_G, i_h, C)
-        b_beta = tl.load(beta + rows * S_G + i_h, mask=m_c, other=0.0).to(tl.float32)
+        b_gam, b_suf, b_tot, b_dec = chunk_gate_sums(head_of(b_gs, i_g), head_of(b_gns, i_g), C)
+        b_beta = head_of(b_betas, i_g)
         b_eg = tl.where(m_c, tl.exp(b_gam), 0.0)
         p_slot = j * HV + i_h
         b_t = inv_unit_lower(tl.where(m_strict, b_beta[:, None] * b_kk * b_dec, 0.0), PREC, C)

@@ -86,35 +86,54 @@ def zero_rows(p, a, b, col0, ncols, stride, BW: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def segment_decay(g, rows, length, S_G, hv, C: tl.constexpr):
-    """E [C, C] of one chunk (value head hv; g's rows S_G apart): E_ij = exp(sum of g over rows (j, i])
-    for j <= i, else 0, as a row-wise reverse scan of the masked g: never a difference of two cumulative
-    sums, so a g = -inf row (decay 0, a hard reset) or rows of g ~ -1e30 give exact zeros, never
-    inf - inf."""
+def group_rows(x, rows, length, hv0, G: tl.constexpr, S_G, C: tl.constexpr, NEXT: tl.constexpr):
+    """[C, GP] fp32 (GP = G padded to a power of two): x of value heads hv0 .. hv0 + G - 1 (columns) at a
+    chunk's rows (x's rows S_G apart; NEXT: at each row's next row), 0 on and past the dead rows: one load
+    for the G heads of a group, not one per head that the head's work waits for (head_of takes a head's
+    column)."""
+    o_c = tl.arange(0, C)
+    o_g = tl.arange(0, triton.next_power_of_2(G))
+    m = (o_g < G)[None, :] & (o_c + NEXT < length)[:, None]
+    return tl.load(x + (rows + NEXT)[:, None] * S_G + (hv0 + o_g)[None, :], mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def head_of(x, i):
+    """Column i of x [C, GP] (group_rows) as [C]: halved by tl.split on the bits of i, in registers (a
+    masked sum over the columns took shuffles and layout conversions)."""
+    tl.static_assert(x.shape[1] <= 128)
+    for b in tl.static_range(7):
+        if x.shape[1] > 1:
+            lo, hi = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+            x = tl.where(((i >> b) & 1) == 1, hi, lo)
+    return tl.reshape(x, [x.shape[0]])
+
+
+@triton.jit
+def segment_decay(g_next, C: tl.constexpr):
+    """E [C, C] of one chunk from g_next [C] fp32 (g_next[t] = g of row t + 1, 0 on and past the dead
+    rows: group_rows with NEXT): E_ij = exp(sum of g over rows (j, i]) for j <= i, else 0, as a
+    row-wise reverse scan of g_next (seg[i, t] = g_next[t] for t < i; row i's scan over t >= j is the
+    sum over (j, i]): never a difference of two cumulative sums, so a g = -inf row (decay 0, a hard
+    reset) or rows of g ~ -1e30 give exact zeros, never inf - inf."""
     rc = tl.arange(0, C)
-    # g_next[t] = g of row t + 1 (0 past the chunk); seg[i, t] = g_next[t] for t < i, and row i's
-    # reverse scan over t >= j is the sum over (j, i]
-    g_next = tl.load(g + (rows + 1) * S_G + hv, mask=rc + 1 < length, other=0.0).to(tl.float32)
     seg = tl.cumsum(tl.where(rc[None, :] < rc[:, None], g_next[None, :], 0.0), axis=1, reverse=True)
     return tl.where(rc[:, None] >= rc[None, :], tl.exp(seg), 0.0)
 
 
 @triton.jit
-def chunk_gate_sums(g, rows, length, S_G, hv, C: tl.constexpr):
-    """Gate sums of one chunk (value head hv; g's rows S_G apart), none formed as a difference of
-    cumulative sums (so g = -inf and g ~ -1e30 rows give exact zeros):
+def chunk_gate_sums(b_g, g_next, C: tl.constexpr):
+    """Gate sums of one chunk from its g [C] and g_next [C] (fp32; g of row i, of row i + 1; 0 on and
+    past the chunk's dead rows: masked loads), none formed as a difference of cumulative sums (so
+    g = -inf and g ~ -1e30 rows give exact zeros):
       gam [C]  sum of g over rows [0, i]            (eg_i = exp(gam_i))
       suf [C]  sum of g over rows (i, length)       (w_i = exp(suf_i), the state-update row weights)
       tot      sum of g over the chunk               (exp(tot) = decay of the whole chunk)
-      dec [C, C] segment_decay (E).
-    Dead rows (i >= length) read g = 0 by a masked load."""
-    rc = tl.arange(0, C)
-    b_g = tl.load(g + rows * S_G + hv, mask=rc < length, other=0.0).to(tl.float32)
-    g_next = tl.load(g + (rows + 1) * S_G + hv, mask=rc + 1 < length, other=0.0).to(tl.float32)
+      dec [C, C] segment_decay (E)."""
     gam = tl.cumsum(b_g, axis=0)
     suf = tl.cumsum(g_next, axis=0, reverse=True)
     tot = tl.sum(b_g, axis=0)
-    return gam, suf, tot, segment_decay(g, rows, length, S_G, hv, C)
+    return gam, suf, tot, segment_decay(g_next, C)
 
 
 @triton.jit
