@@ -221,8 +221,8 @@ def _next_block(p_slot, i_v, i_g, G, V: tl.constexpr, BV: tl.constexpr):
     triton's pipeliner leaves in the step that uses them (a register load, not a dot's shared-memory
     operand)."""
     wrap = i_v + BV >= V
-    last = wrap & (i_g + 1 >= G)
-    return tl.where(wrap & ~last, p_slot + 1, p_slot), tl.where(wrap & ~last, 0, i_v + BV * (1 - last.to(tl.int32)))
+    on = wrap & (i_g + 1 < G)               # on to the next value head's first block
+    return tl.where(on, p_slot + 1, p_slot), tl.where(on, 0, tl.where(wrap, i_v, i_v + BV))
 
 
 @triton.jit
