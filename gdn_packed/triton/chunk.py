@@ -137,10 +137,9 @@ def kept_shape(T, N, HV, K, V, C, device, dtype):
     every segment ([N S, HV, K, V]: S K V floats per sequence and value head), so that the backward's
     recompute starts every segment from it (no pass A, no combine), and pass A's end rows ([N (S - 1),
     HV, V + K, K]), whose segment transitions the backward's dS pass takes transposed (chunk_bwd_dstate);
-    then prep's outputs (Prep: Ts, M in
-    the input dtype, gates, row factors, chunk decays: 2 C e + 28 + 4 / C bytes per token and value
-    head, e the input dtype's bytes: 284 B in bf16, 540 B in fp32), so that the backward runs no prep.
-    Empty when the backward may run in head slices (keeps)."""
+    then prep's outputs (Prep: Ts, M in the input dtype, gates, row factors, chunk decays: 2 C e + 28 +
+    4 / C bytes per token and value head, e the input dtype's bytes: 284 B in bf16, 540 B in fp32), so
+    that the backward runs no prep. Empty when the backward may run in head slices (keeps)."""
     if not keeps(T, N, HV, K, V, dtype, device):
         return (0,)
     S = fwd_segments(T, N, HV, K, V, dtype, device)
@@ -188,9 +187,10 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, 
     Segments (configs.state_segments, from shapes): with S > 1 every sequence's chunk slots are split
     into S segments: pass A (the kernel with PROPAGATE, grid (cdiv(V + K, BV), HV, N (S - 1))) gives
     each of the first S - 1 segments its end state from zero and its K x K transition,
-    chunk_combine_kernel the state entering every segment (entering_states), and the pass (grid (cdiv(V, BV), HV, N S)) runs every segment
-    from its entering state (into kept [N S, HV, K, V] when given: the forward's). `entering` (the
-    backward: those kept) gives those states: no pass A, no combine, S = its length / (N HV K V).
+    chunk_combine_kernel the state entering every segment (entering_states), and the pass (grid (cdiv(V,
+    BV), HV, N S)) runs every segment from its entering state (into kept [N S, HV, K, V] when given: the
+    forward's). `entering` (the backward: those kept) gives those states: no pass A, no combine, S = its
+    length / (N HV K V).
     Returns pass A's end rows [N (S - 1), HV, V + K, K] (written into `ends` when given; with
     `entering`: `ends` as given, the forward's), None when S = 1: their transitions are the dS pass's
     (chunk_bwd_dstate)."""
