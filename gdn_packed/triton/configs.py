@@ -37,9 +37,9 @@ def dot_precision(dtype):
 
 def prep_config(K, dtype):
     """chunk_fwd_prep_kernel: K K^T and Q K^T over K-blocks of BK (128, so at K <= 128 the q and k tiles
-    load in one go with the group's gate columns: the sm_90 model's 360 -> 346 us at 1 x 32768, bf16,
-    against 64; 32 for fp32 inputs, whose tiles are twice the bytes), 4 warps, 1 stage (the loop is short
-    and the C x C tiles dominate; 8 warps, 1 CTA per SM, modelled at 2.5x)."""
+    load in one go with the group's gate columns; 32 for fp32 inputs, whose tiles are twice the bytes),
+    4 warps, 2 CTAs per SM, 1 stage (the loop is short and the C x C tiles dominate). The model's
+    numbers for these choices: bench/NOTES.md, "The group's gate columns loaded once"."""
     BK = min(pow2(K), 32 if dtype == torch.float32 else 128)
     return dict(BK=BK, PREC=dot_precision(dtype), num_warps=4, num_stages=1)
 
