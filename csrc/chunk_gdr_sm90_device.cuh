@@ -272,6 +272,8 @@ struct DevPolicy {
     return op<U, kC, 2 * kC>(f, sign);
   }
 
+  // The B128 descriptor of the tile at shared address addr: the start address (addr / 16, 14 bits) and the
+  // leading byte offset / 16 in the low word, the stride (8 rows of 128 B) and the layout in the high one.
   static __device__ uint64_t desc(uint32_t addr, uint32_t lbo) {
     cute::GmmaDescriptor g;
     g.bitfield.start_address_ = static_cast<uint16_t>((addr & 0x3FFFF) >> 4);
@@ -282,10 +284,14 @@ struct DevPolicy {
     return g.desc_;
   }
   // the descriptor of k-step kk (16 rows of K): K-major: +32 B within a 128 B row, then the next block;
-  // MN-major: +16 rows of 128 B
+  // MN-major: +16 rows of 128 B. The tile's descriptor plus the step's offset / 16 in the start address
+  // field: shared addresses stay below 2^18, so the field (addr / 16 < 2^14) never carries, and the
+  // descriptor is desc(addr + offset) built once per tile and one add per step.
   static __device__ uint64_t desc_k(const Smem& b, int kk) {
-    if (b.kmajor) return desc(b.addr + (kk >> 2) * b.kstep + (kk & 3) * 32, 16);
-    return desc(b.addr + kk * 2048, b.kstep);
+    const uint64_t base = desc(b.addr, b.kmajor ? 16 : b.kstep);
+    const uint32_t off = b.kmajor ? (kk >> 2) * b.kstep + (kk & 3) * 32 : kk * 2048;
+    const uint32_t lo = static_cast<uint32_t>(base) + (off >> 4);
+    return (base & 0xFFFFFFFF00000000ull) | lo;
   }
 
   // issue (no wait) the KD / 16 wgmma of acc[:, :NCOL] += a B as one group
