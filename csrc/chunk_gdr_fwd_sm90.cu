@@ -97,18 +97,19 @@ GDN_HD float sigmoid_f(float y) {
 #endif
 }
 
-// g and beta of a row from its stored values x, y (g's and beta's; with raw_gates the raw a, b), for
-// value head hv: the head's constants once, the per-row work in operator()
+// g log2 e (prep's base-2 gate: chunk_gdr_sm90.cuh) and beta of a row from its stored values x, y (g's and
+// beta's; with raw_gates the raw a, b), for value head hv: the head's constants once, the per-row work in
+// operator()
 struct GateFn {
-  float neg_a, dt_bias;      // -exp(A_log[hv]), dt_bias[hv]
+  float neg_a, dt_bias;      // -exp(A_log[hv]) log2 e, dt_bias[hv]
   bool raw;
   GDN_HD void operator()(float x, float y, float* g, float* b) const {
-    *g = raw ? neg_a * softplus_f(x + dt_bias) : x;
+    *g = raw ? neg_a * softplus_f(x + dt_bias) : x * kLog2e;
     *b = raw ? sigmoid_f(y) : y;
   }
 };
 GDN_HD GateFn gate_fn(const Args& a, int64_t hv) {
-  return a.raw_gates ? GateFn{-expf(a.A_log[hv]), a.dt_bias[hv], true} : GateFn{0.f, 0.f, false};
+  return a.raw_gates ? GateFn{-expf(a.A_log[hv]) * kLog2e, a.dt_bias[hv], true} : GateFn{0.f, 0.f, false};
 }
 
 // ======================================================================================== host mirror

@@ -43,9 +43,9 @@ struct alignas(1024) Shared {
   GatesBuf gates[kPrepBufs];
   PrepScratch scratch;
   int32_t rows[kStages][2];             // per stage: the chunk's start row and length (the producer's)
-  alignas(16) float graw[kStages][2][kC];   // per stage: g and beta of the chunk's live rows (formed from the raw
-                                        // a, b with raw_gates), 0 on the others; by the producer, for the
-                                        // chunks prepped here
+  alignas(16) float graw[kStages][2][kC];   // per stage: g log2 e and beta of the chunk's live rows (formed
+                                        // from the raw a, b with raw_gates; GateFn), 0 on the others; by the
+                                        // producer, for the chunks prepped here
   uint64_t full[kStages], empty[kStages], prepped[kPrepBufs], prepfree[kPrepBufs];
 };
 constexpr uint32_t kPrepBytes = 2 * kBlock + sizeof(GatesBuf);          // what a prep sends its peer

@@ -10,7 +10,9 @@
 //   O^T  = (scale e^gam rq) (S^T Q^T) + U^T M^T
 //   S^T <- e^gam_last S^T + ((w rk) U^T) K
 // Only sums of g over row ranges are exponentiated (never a difference of two cumulative sums), so
-// g = -inf (a hard reset) and g ~ -1e30 give exact zeros.
+// g = -inf (a hard reset) and g ~ -1e30 give exact zeros. Prep takes g in base 2 (g log2 e, formed where
+// the gates are loaded) and exponentiates its sums with exp2_f: e^x = 2^(x log2 e), one multiply a row
+// there instead of one an element of E here.
 //
 // A policy P supplies the tiles (the rest is shared):
 //   P::Frag<N>            a 64 x N fp32 tile: on the device the thread's share in the wgmma accumulator
@@ -97,15 +99,17 @@ struct PrepScratch {
   alignas(16) float x21[2][kSub][kSub];   // A21 T11
 };
 
-// exp: the hardware's ex2 (2 ulp, results below 2^-126 flushed to 0) on the device, libm on the host
+constexpr float kLog2e = 1.4426950408889634f;
+
+// 2^x: the hardware's ex2 (2 ulp, results below 2^-126 flushed to 0) on the device, libm on the host
 // (where the fp32 mirror is judged against float64)
-GDN_HD float exp_f(float x) {
+GDN_HD float exp2_f(float x) {
 #if defined(__CUDA_ARCH__)
   float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 #else
-  return expf(x);
+  return exp2f(x);
 #endif
 }
 
@@ -128,7 +132,7 @@ GDN_HD void store8(float* dst, const float* src) {
   *reinterpret_cast<float4*>(dst + 4) = *reinterpret_cast<const float4*>(src + 4);
 }
 
-// insuf[c], and sigma of c's strip when c starts it (g: the chunk's 64 rows, 16-byte aligned).
+// insuf[c], and sigma of c's strip when c starts it (g: the chunk's 64 rows in base 2, 16-byte aligned).
 GDN_HD void strip_sums(PrepScratch& s, const float* g, int c) {
   const int base = c - c % kStrip;
   float gs[kStrip];
@@ -165,10 +169,10 @@ GDN_HD void gate_sums(PrepScratch& s, const float* g, const float* beta, int r, 
   }
   store8(s.dsum[r], d);
   store8(s.strip[r], st);
-  s.eg[r] = exp_f(seg);                     // seg: gam_r, the sum over [0, r]
-  s.ew[r] = exp_f(suf);
+  s.eg[r] = exp2_f(seg);                     // seg: gam_r, the sum over [0, r]
+  s.ew[r] = exp2_f(suf);
   out.beta[r] = r < length ? b : 0.f;
-  if (r == 0) out.eg_last = exp_f(tot);
+  if (r == 0) out.eg_last = exp2_f(tot);
 }
 
 // Row r's factors once the diagonal of K K^T is in kn: rk, rq (l2norm) and its gate row.
@@ -197,8 +201,8 @@ GDN_HD void a_and_m_pair(PrepScratch& s, const float* beta, int r, int c, int le
   const float2 ins = load2(&s.insuf[c]), rkc = load2(&s.rk[c]), within = load2(&s.dsum[r][c % kStrip]);
   const float strip = s.strip[r][c / kStrip];
   const bool same = c / kStrip == r / kStrip, live = r < length;
-  const float e0 = exp_f(same ? within.x : ins.x + strip) * rkc.x;
-  const float e1 = exp_f(same ? within.y : ins.y + strip) * rkc.y;
+  const float e0 = exp2_f(same ? within.x : ins.x + strip) * rkc.x;
+  const float e1 = exp2_f(same ? within.y : ins.y + strip) * rkc.y;
   const float fa = beta[r] * s.rk[r], fm = scale * s.rq[r];
   a0 = live && c < r ? fa * e0 * a0 : 0.f;
   a1 = live && c + 1 < r ? fa * e1 * a1 : 0.f;
