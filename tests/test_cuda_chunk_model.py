@@ -58,9 +58,28 @@ def test_estimate_schedules_the_ctas_on_the_sms(facts):
     d = cuda_chunk.cta_cycles(f, 512, M.CONSTANTS)[0] + M.CONSTANTS.lat.ldg
     assert math.isclose(a["t_lat"], d / M.CLOCK_HZ)
     assert 0.45 < b["t_lat"] / a["t_lat"] < 0.55
-    # latency and bytes combined as the Triton kernels' at 1 CTA per SM (model.bounded)
-    both = M.bounded({"latency": a["t_lat"], "bytes": a["t_mem"], "FLOPs": a["t_tc"]}, 1, M.CONSTANTS)[0]
-    assert a["est_s"] == both + M.CONSTANTS.launch_s and both > max(a["t_lat"], a["t_mem"], a["t_tc"])
+    # latency and max(bytes, shared memory) combined as the Triton kernels' at 1 CTA per SM (model.bounded)
+    both = M.bounded({"latency": a["t_lat"], "bytes": a["t_mem"], "smem": a["t_smem"], "FLOPs": a["t_tc"]}, 1,
+                     M.CONSTANTS)[0]
+    assert a["est_s"] == both + M.CONSTANTS.launch_s
+    assert both > max(a["t_lat"], a["t_mem"], a["t_smem"], a["t_tc"])
+
+
+@pytest.mark.parametrize("phase", ["fwd", "bwd"])
+def test_shared_memory_counts_every_role_and_the_tma_traffic(facts, phase):
+    """A CTA's shared-memory cycles a chunk: each role's warps times one warp's wavefronts (with the bank
+    conflicts banks.py resolves) plus its MMA operand reads, prep's every other chunk, and the TMA /
+    bulk-copy bytes at 128 a cycle; the term is those cycles of every CTA's chunks over the busy SMs (at the
+    anchor 64 CTAs of 512 chunks on 64 SMs)."""
+    f = facts["bf16"] if phase == "fwd" else cuda_chunk.facts("bf16", M.CONSTANTS, "bwd")
+    share = {"state": 1, "prep": 0.5, "producer": 1}
+    want = sum(share[r] * (cuda_chunk.ROLE_WARPS[r] * x["smem"] + x["smem_mma"]) for r, x in f.loops.items())
+    want += cuda_chunk.TMA_BYTES[phase] / 128
+    assert math.isclose(cuda_chunk.smem_cycles(f, phase), want)
+    # the state loop's MMAs read their B operands (and prep's Grams both operands) from shared memory
+    assert f.loops["state"]["smem_mma"] > 0 and all(x["smem"] > 0 for x in f.loops.values())
+    est = (cuda_chunk.estimate if phase == "fwd" else cuda_chunk.bwd_estimate)(f, ANCHOR, "bf16", M.CONSTANTS)
+    assert math.isclose(est["t_smem"], est["ctas"] * 512 * want / est["ctas"] / M.CLOCK_HZ)
 
 
 def test_report_rows_of_the_cuda_forward(facts):
@@ -76,7 +95,7 @@ def test_report_rows_of_the_cuda_forward(facts):
     rows, totals, _ = report([("cuda", "anchor", ANCHOR, "bf16", rec.launches)])
     (k,) = [r for r in rows if r["kernel"] == cuda_chunk.KERNEL]
     assert k["ctas"] == 64 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"]
-    assert k["bound"] in ("latency", "bytes", "FLOPs")
+    assert k["bound"] in ("latency", "bytes", "smem", "FLOPs") and k["smem_us"] > 0
     assert k["lat_role"] in ("state", "ring", "producer", "issue", "mma")
     assert k["loop_hgmma"] == 20 + 24 / 2 and k["loop_waits"] == 3 + 3 / 2
     (t,) = totals
@@ -139,7 +158,7 @@ def test_report_rows_of_the_cuda_backward():
     assert "chunk_bwd_dq_kernel" in names and "chunk_bwd_dk_kernel" in names
     (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.BWD_KERNEL]
     assert k["mode"] == "bwd" and k["ctas"] == 64 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"]
-    assert k["bound"] in ("latency", "bytes", "FLOPs") and k["loop_hgmma"] == 28
+    assert k["bound"] in ("latency", "bytes", "smem", "FLOPs") and k["loop_hgmma"] == 28
     assert math.isclose(k["hbm_gb"], 2.19, rel_tol=0.01)
     (t,) = out["totals"]
     assert t["impl"] == "cuda" and t["est_us"] > k["est_us"]

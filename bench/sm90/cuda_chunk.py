@@ -20,9 +20,14 @@ sm_90a CUDA chunked forward"), so the loops are simulated one by one and combine
 
 the CTAs to the 132 SMs (1 CTA per SM) in launch order (model._schedule), bytes and FLOPs as for the
 Triton kernels (tiles per CTA: the K-half of k and q it multicasts to both CTAs of its cluster, its v
-half and o per chunk, its half of h0 / ht; the footprint at HBM's rate, re-reads at L2's), latency and
-bytes combined as for them (model.bounded, at 1 CTA per SM: near their sum when they are close; the
-producer warp's TMA ring may hide more than a Triton kernel's own loads do, which only a GPU can say). A sequence's
+half and o per chunk, its half of h0 / ht; the footprint at HBM's rate, re-reads at L2's), and shared
+memory as for them (smem_cycles: each role's warps times its loop's wavefronts, with the bank conflicts
+banks.py resolves, and its warpgroup MMAs' operand reads, plus what the TMA loads, the TMA store of O
+and the bulk copies to the peer move through shared memory, per busy SM); latency combined with max(bytes,
+smem) as for them (model.bounded, at 1 CTA per SM: near their sum when they are close; the producer
+warp's TMA ring may hide more than a Triton kernel's own loads do, which only a GPU can say). Without the
+shared-memory term this model put the forward at 0.55-0.74 of its H200 times (bench/NOTES.md, "The
+shared-memory term of the sm_90a kernels"). A sequence's
 last chunk, the only one that can be partial (its dead rows zeroed, its rows stored one by one), runs
 outside the chunk loops, so the loops simulated are the common chunk's. The op's other launches (the
 chunk table) are recorded from the op body with backend="cuda" and the kernel launch itself stubbed
@@ -33,7 +38,7 @@ dS warpgroup's chunk loop (its "state" loop: s cycles a chunk, the three depende
 dstate_step) and the producer's (r): D(n) = max(n s, n ldg / (S - 1) (the ring: a stage reloaded once
 both CTAs' dS steps released it), n r, issue, mma) + ldg; tiles per CTA and chunk: its K-halves of k
 and q and Ts or M (multicast: counted once), its dO columns, the gate rows, the stores of dSn^T, dX'^T
-and dv. The backward of backend="cuda" is recorded as the Triton backward from the saved inputs (prep
+and dv; shared memory as the forward's (smem_cycles). The backward of backend="cuda" is recorded as the Triton backward from the saved inputs (prep
 again, the recompute, dq / dk / finalize) with its dS pass (pass A, combine, pass) replaced by the
 kernel's launch: the wiring of the kernel into that backward (H-cuda-bwd2's patch to
 gdn_packed/triton/chunk.py) is what it models."""
@@ -50,6 +55,7 @@ import shutil
 import subprocess
 import tempfile
 
+from bench.sm90 import banks
 from bench.sm90 import model as M
 from bench.sm90 import sass
 from bench.sm90.hopper import CLOCK_HZ, HBM_BPS, NUM_SMS, SM_BPS, TC_FLOPS
@@ -64,6 +70,13 @@ BWD_THREADS = 256
 # per phase: the file, its kernel, the roles of its loops (_role_loops; the dS warpgroup's loop is "state")
 KERNELS = {"fwd": (SOURCE, KERNEL, {"state", "prep", "producer"}), "bwd": (BWD_SOURCE, BWD_KERNEL, {"state", "producer"})}
 THREADS, V_BLOCK, HEAD_DIM, STAGES = 384, 64, 128, 3     # STAGES: the k / q / v ring (kStages)
+BLOCK = 64 * 64 * 2                # kBlock: one [64 rows, 64 columns] 16-bit block of shared memory
+# per chunk and CTA, the bytes the TMA / bulk copies move through its shared memory (csrc constants): the
+# forward's stage (kStageBytes: k, q, v), O's store, and Ts / M / gates (kPrepBytes, every other chunk sent
+# to the peer and every other one received from it); the dS pass's stage (kBwdStageBytes: k, q, Ts, M,
+# dO, the gate rows) and its stores (dSn^T, dX'^T, dv)
+TMA_BYTES = {"fwd": 5 * BLOCK + BLOCK + (2 * BLOCK + 1040), "bwd": 7 * BLOCK + 1280 + 4 * BLOCK}
+ROLE_WARPS = {"state": 4, "prep": 4, "producer": 1}     # the warps that run each role's loop
 DTYPES = ("bf16", "fp16")          # the kernel's inputs (fp32: refused, no row)
 
 
@@ -202,19 +215,23 @@ def _role_loops(prog):
     return roles
 
 
-def _simulate_loop(prog, span, const):
-    """One iteration of a loop simulated alone (inner loops once): cycles, instr, mma_cycles, stalls,
-    hgmma, shapes (HGMMA by shape), waits. A bulk copy to the cluster peer's shared memory (UBLKCP: prep's
+def _simulate_loop(prog, span, const, wavefronts=None):
+    """One iteration of a loop simulated alone (inner loops once): cycles, instr, mma_cycles, smem (one
+    warp's shared-memory wavefronts, `wavefronts` {index in prog: wavefronts} where banks.py resolved the
+    addresses), smem_mma (its warpgroup MMAs' operand reads), stalls, hgmma, shapes (HGMMA by shape),
+    waits. A bulk copy to the cluster peer's shared memory (UBLKCP: prep's
     Ts / M / gates) completes on the peer's mbarrier, which this warp never waits for: it is issued like
     any instruction, not queued as a load that this warp's next mbarrier wait would wait for
     (sass.simulate's TMA rule)."""
     sub = [dataclasses.replace(x, op="PEER." + x.op) if x.op.startswith("UBLKCP") else x
            for x in prog[span[0]:span[1] + 1]]
 
+    wf = {i - span[0]: w for i, w in (wavefronts or {}).items() if span[0] <= i <= span[1]}
+
     def run(n):
-        return sass.simulate(sub, lambda k, _l: n if k == 0 else 1, const.lat)
+        return sass.simulate(sub, lambda k, _l: n if k == 0 else 1, const.lat, wavefronts=wf)
     r4, r8 = run(4), run(8)
-    per = {k: (r8[k] - r4[k]) / 4 for k in ("cycles", "instr", "mma_cycles")}
+    per = {k: (r8[k] - r4[k]) / 4 for k in ("cycles", "instr", "mma_cycles", "smem", "smem_mma")}
     per["stalls"] = {k: (r8["stalls"].get(k, 0.0) - r4["stalls"].get(k, 0.0)) / 4 for k in r8["stalls"]}
     per["hgmma"] = sum(x.op.startswith("HGMMA") for x in sub)
     per["shapes"] = dict(collections.Counter(re.match(r"HGMMA\.(\d+x\d+x\d+)", x.op).group(1)
@@ -239,8 +256,9 @@ def facts(dtype, const, phase="fwd"):
     if set(roles) != want:
         return Facts(error=f"the kernel's loops not found in its SASS: {sorted(roles)}")
     regs, spill = (recs[0]["registers"], recs[0]["spill"] + recs[0]["stack"]) if recs else (0, 0)
+    wf = banks.conflict_wavefronts(prog)
     return Facts(regs=regs, spill=spill, smem=_smem_bytes(phase),
-                 loops={r: _simulate_loop(prog, span, const) for r, span in roles.items()})
+                 loops={r: _simulate_loop(prog, span, const, wf) for r, span in roles.items()})
 
 
 def parse_ptxas(text):
@@ -292,6 +310,16 @@ def cta_cycles(f, n, const):
     return terms[bound], bound
 
 
+def smem_cycles(f, phase="fwd"):
+    """A CTA's shared-memory cycles a chunk (128 bytes a cycle), counted as for the Triton kernels: every
+    warp of a role issues its loop's path (the simulator's, both sides of a branch), so each role's
+    wavefronts times its warps (ROLE_WARPS; prep's loop runs every other chunk), its warpgroup MMAs' operand
+    reads once, and the bytes the TMA loads, stores and bulk copies move (TMA_BYTES)."""
+    share = {"state": 1.0, "prep": 0.5, "producer": 1.0}
+    own = sum(share[r] * (ROLE_WARPS[r] * x["smem"] + x["smem_mma"]) for r, x in f.loops.items())
+    return own + TMA_BYTES[phase] / sass.SMEM_BYTES_PER_CYCLE
+
+
 def estimate(f, dims, dtype, const):
     """The model's numbers of the launch at dims = (N, L, H, HV, K, V), as model.estimate's dict."""
     N, L, H, HV, K, V = dims
@@ -313,9 +341,10 @@ def estimate(f, dims, dtype, const):
     flops = ctas * n * (2 * V_BLOCK * (3 * C * K + 2 * C * C)       # state: S^T [K; Q]^T, X'^T Ts^T, U^T M^T, U^T K
                         + (4 * C * C * K + 4 * C ** 3) / 2)          # prep, every other chunk: 2 Grams, doubling
     t_tc = flops / TC_FLOPS["bf16"]
-    t, top = M.bounded({"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc}, 1, const)     # 1 CTA per SM
-    return dict(ctas=ctas, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc, hbm_bytes=tiles, flops=flops, bound=top,
-                lat_bound=bound, est_s=t + const.launch_s)
+    t_smem = ctas * n * smem_cycles(f, "fwd") / busy / CLOCK_HZ
+    t, top = M.bounded({"latency": t_lat, "bytes": t_mem, "smem": t_smem, "FLOPs": t_tc}, 1, const)  # 1 CTA per SM
+    return dict(ctas=ctas, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc, t_smem=t_smem, hbm_bytes=tiles, flops=flops,
+                bound=top, lat_bound=bound, est_s=t + const.launch_s)
 
 
 def bwd_cta_cycles(f, n, const):
@@ -351,9 +380,10 @@ def bwd_estimate(f, dims, dtype, const):
     t_mem = max(hbm / HBM_BPS + (tiles - hbm) / const.l2_bps, tiles / (busy * SM_BPS))
     flops = ctas * n * 2 * V_BLOCK * (4 * C * K + 2 * C * C)    # dS^T K^T, dO^T M, dU^T Ts, the update (3 x K)
     t_tc = flops / TC_FLOPS["bf16"]
-    t, top = M.bounded({"latency": t_lat, "bytes": t_mem, "FLOPs": t_tc}, 1, const)     # 1 CTA per SM
-    return dict(ctas=ctas, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc, hbm_bytes=tiles, flops=flops, bound=top,
-                lat_bound=bound, est_s=t + const.launch_s)
+    t_smem = ctas * n * smem_cycles(f, "bwd") / busy / CLOCK_HZ
+    t, top = M.bounded({"latency": t_lat, "bytes": t_mem, "smem": t_smem, "FLOPs": t_tc}, 1, const)  # 1 CTA per SM
+    return dict(ctas=ctas, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc, t_smem=t_smem, hbm_bytes=tiles, flops=flops,
+                bound=top, lat_bound=bound, est_s=t + const.launch_s)
 
 
 @dataclasses.dataclass
@@ -414,7 +444,7 @@ def row(name, dims, dtype, const, launch=None):
     if f.error or not takes(dims, dtype):
         return dict(base, grid="", ctas="", regs="", smem_kb="", spill_b=0, ctas_per_sm="", waves="", loop_hgmma="",
                     loop_instr="", loop_waits="", loop_bars="", step_cycles="", hbm_gb=0.0, gflop=0.0, lat_us="",
-                    bytes_us="", flops_us="", bound="error", est_us="",
+                    bytes_us="", flops_us="", smem_us="", bound="error", est_us="",
                     error=f.error or f"the kernel takes K = V = {HEAD_DIM}, bf16 / fp16 only")
     est = (estimate if fwd else bwd_estimate)(f, dims, dtype, const)
     s, p = f.loops["state"], f.loops.get("prep", dict(hgmma=0, instr=0, waits=0))
@@ -427,5 +457,5 @@ def row(name, dims, dtype, const, launch=None):
                 step_cycles=round((cta_cycles if fwd else bwd_cta_cycles)(f, n, const)[0] / n),   # a chunk step
                 step_stalls={k: round(v) for k, v in s["stalls"].items()},
                 hbm_gb=float(f"{est['hbm_bytes'] / 1e9:.4g}"), gflop=round(est["flops"] / 1e9, 2),
-                lat_us=us(est["t_lat"]), bytes_us=us(est["t_mem"]), flops_us=us(est["t_tc"]),
+                lat_us=us(est["t_lat"]), bytes_us=us(est["t_mem"]), flops_us=us(est["t_tc"]), smem_us=us(est["t_smem"]),
                 bound=est["bound"], lat_role=est["lat_bound"], est_us=us(est["est_s"]))
