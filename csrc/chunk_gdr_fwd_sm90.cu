@@ -22,7 +22,7 @@
 //        4 chunks ahead of the state warpgroups: K K^T and Q K^T (wgmma, one group) issued first, and in
 //        their shadow the gate sums from strips of 8 rows and |q|^2 (row sums over K-halves); |k|^2 from
 //        the diagonal of K K^T; E, A and M in the accumulator layout; (I + A)^-1 as 16 x 16 diagonal
-//        blocks by substitution, 32 x 32 ones on the CUDA cores, one doubling level on wgmma -> Ts, M,
+//        blocks by substitution, two doubling levels (to 32 x 32, to 64 x 64) on wgmma -> Ts, M,
 //        gates in shared memory (4 buffers; never written to global memory), sent to the peer CTA's
 //        same buffer by a bulk copy over the cluster's shared memory
 //   warpgroup 2, state (240 registers): S^T [64 v, 128] fp32 in registers, the chunk step of

@@ -33,8 +33,7 @@
 //   P::sync()             shared-memory writes visible to the warpgroup's generic and async (wgmma) reads
 //   P::sync_generic()     shared-memory writes visible to the warpgroup's generic reads only
 // The inverse: the four 16 x 16 diagonal blocks of I + A by forward substitution in fp32 (one column a
-// thread), the two 32 x 32 ones from them on the CUDA cores (fp32), then one doubling level
-// D_2b = D_b - (D_b A_b) D_b (b = 32) on the tensor cores.
+// thread), then two doubling levels D_2b = D_b - (D_b A_b) D_b (b = 16, 32) on the tensor cores.
 // Values rounded (bf16 / fp16 inputs; an fp32 host mirror rounds nothing): the A operands S^T, X'^T, U^T
 // and (w rk) U^T of the state warpgroup (to the input dtype); Ts and M (stored in the input dtype); the
 // doubling operands D_b, X_b and A (to the operand type of the inverse, TInv); q, k, v enter exactly.
@@ -94,9 +93,6 @@ struct PrepScratch {
   alignas(16) float strip[kC][kStrips];
   alignas(16) float a16[kC][kSub];   // A's 16 x 16 diagonal blocks: a16[r][c % 16] = A_rc, r / 16 == c / 16
   alignas(16) float t16[kC][kSub];   // their inverses (I + A_bb)^-1, the same layout
-  alignas(16) float a21[2][kSub][kSub];   // per 32 x 32 diagonal block q: A's lower-left 16 x 16 block, then
-                                          // that block of the inverse, T21 = -T22 A21 T11
-  alignas(16) float x21[2][kSub][kSub];   // A21 T11
 };
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -210,19 +206,14 @@ GDN_HD void a_and_m_pair(PrepScratch& s, const float* beta, int r, int c, int le
   m1 = live && c + 1 <= r ? fm * e1 * m1 : 0.f;
 }
 
-// A's diagonal 16 x 16 blocks and the lower-left 16 x 16 block of each 32 x 32 diagonal block to a16 /
-// a21 (the substitution's inputs), the pair at (r, c), (r, c + 1)
+// A's diagonal 16 x 16 blocks to a16 (the substitution's input), the pair at (r, c), (r, c + 1)
 GDN_HD void a_blocks_pair(PrepScratch& s, int r, int c, float a0, float a1) {
   if (r / kSub == c / kSub) store2(&s.a16[r][c % kSub], a0, a1);
-  if (r / 32 == c / 32 && r % 32 >= kSub && c % 32 < kSub) store2(&s.a21[r / 32][r % kSub][c % kSub], a0, a1);
 }
 
-// D_32 at (r, c), (r, c + 1), c even: the block diagonal of the 32 x 32 inverses (t16 on the 16 x 16
-// diagonal blocks, a21's T21 below them in each 32 x 32 block, 0 elsewhere)
-GDN_HD void d32_pair(const PrepScratch& s, int r, int c, float& d0, float& d1) {
-  const bool diag = r / kSub == c / kSub, low = r / 32 == c / 32 && r % 32 >= kSub && c % 32 < kSub;
-  const float2 t = diag ? load2(&s.t16[r][c % kSub]) : low ? load2(&s.a21[r / 32][r % kSub][c % kSub])
-                                                         : float2{0.f, 0.f};
+// D_16 at (r, c), (r, c + 1), c even: the block diagonal of the 16 x 16 inverses (t16), 0 elsewhere
+GDN_HD void d16_pair(const PrepScratch& s, int r, int c, float& d0, float& d1) {
+  const float2 t = r / kSub == c / kSub ? load2(&s.t16[r][c % kSub]) : float2{0.f, 0.f};
   d0 = t.x;
   d1 = t.y;
 }
@@ -247,28 +238,6 @@ GDN_HD void sub_inverse_col(PrepScratch& s, int col) {
     for (int i = j + 1; i < kSub; ++i) x[i] -= a[i][j] * x[j];
 #pragma unroll
   for (int i = 0; i < kSub; ++i) s.t16[b * kSub + i][l] = x[i];
-}
-
-// The lower-left 16 x 16 block of each 32 x 32 diagonal block of (I + A)^-1 from the 16 x 16 inverses:
-// T21 = -T22 (A21 T11), in two passes (phase 0: X = A21 T11; 1: T21 = -T22 X, over A21), four adjacent
-// elements of a row a call, t in 0..127.
-GDN_HD void inverse_32_pass(PrepScratch& s, int t, int phase) {
-  const int q = t / 64, i = (t / 4) % kSub, c = (t % 4) * 4;
-  float row[kSub], acc[4] = {0.f, 0.f, 0.f, 0.f};
-  const float* left = phase == 0 ? s.a21[q][i] : s.t16[32 * q + kSub + i];     // A21 or T22, row i
-#pragma unroll
-  for (int j = 0; j < kSub; j += 4) *reinterpret_cast<float4*>(row + j) = *reinterpret_cast<const float4*>(left + j);
-#pragma unroll
-  for (int j = 0; j < kSub; ++j) {
-    const float4 r = *reinterpret_cast<const float4*>(phase == 0 ? &s.t16[32 * q + j][c] : &s.x21[q][j][c]);
-    acc[0] += row[j] * r.x;
-    acc[1] += row[j] * r.y;
-    acc[2] += row[j] * r.z;
-    acc[3] += row[j] * r.w;
-  }
-  const float sg = phase == 0 ? 1.f : -1.f;
-  *reinterpret_cast<float4*>(phase == 0 ? &s.x21[q][i][c] : &s.a21[q][i][c]) =
-      float4{sg * acc[0], sg * acc[1], sg * acc[2], sg * acc[3]};
 }
 
 // The doubling step's mask: the lower-left b x b block of each 2b x 2b diagonal block.
@@ -317,16 +286,12 @@ GDN_HD void prep_chunk(P& p, const typename P::Smem& q_t, const typename P::Smem
   p.sync_generic();                                  // (A^T's fence for the doubling: the sync before it)
   p.for_rows([&](int c) { sub_inverse_col(s, c); });
   p.sync_generic();
-  p.for_threads([&](int t) { inverse_32_pass(s, t, 0); });
-  p.sync_generic();
-  p.for_threads([&](int t) { inverse_32_pass(s, t, 1); });
-  p.sync_generic();
-  // D_32, the block diagonal of the 32 x 32 inverses; then D_2b = D_b - (D_b A_b) D_b (b = 32), where
-  // (D_b A_b) = lower_left_b(D_b A) as D_b is block-diagonal
+  // D_16, the block diagonal of the 16 x 16 inverses; then D_2b = D_b - (D_b A_b) D_b (b = 16, 32),
+  // where (D_b A_b) = lower_left_b(D_b A) as D_b is block-diagonal
   typename P::template Frag<kC> d;
-  P::for_each_pair(d, [&](int r, int c, float& d0, float& d1) { d32_pair(s, r, c, d0, d1); });
+  P::for_each_pair(d, [&](int r, int c, float& d0, float& d1) { d16_pair(s, r, c, d0, d1); });
 #pragma unroll
-  for (int b = 2 * kSub; b < kC; b *= 2) {
+  for (int b = kSub; b < kC; b *= 2) {
     p.template store<TInv>(d, dt_store, true);       // D_b^T: the B operand [k, n] = D_b[k][n]
     p.sync();
     typename P::template Frag<kC> x;
