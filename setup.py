@@ -11,6 +11,10 @@ Environment knobs:
   GDN_PACKED_SM90_WATCHDOG=N    debug build: every mbarrier wait of the sm_90a chunked kernels prints who
                                 waits on what and traps after N failed try_waits (-DGDN_SM90_WATCHDOG=N;
                                 csrc/chunk_gdr_sm90_device.cuh); _C.sm90_watchdog says N (0: off)
+  GDN_PACKED_SM90_PREP_ARRIVALS=1  the sm_90a forward's prep publishes its buffers by every thread's
+                                mbarrier arrival instead of one elected arrival (-DGDN_SM90_PREP_ARRIVALS;
+                                csrc/chunk_gdr_fwd_sm90_device.cuh), the form compute-sanitizer's racecheck
+                                follows; not yet run on a GPU; _C.sm90_prep_arrivals says 128 (1: off)
   MAX_JOBS=N                    parallel compile jobs (default: number of CPUs)
   CUDACXX / CUDA_HOME           where to find nvcc (else PATH, else /usr/local/cuda/bin/nvcc)
 
@@ -79,6 +83,11 @@ def sm90_watchdog():
     return str(int(v))
 
 
+def sm90_prep_arrivals():
+    """'1' when GDN_PACKED_SM90_PREP_ARRIVALS asks for the per-thread prep arrivals, else ''."""
+    return "1" if _truthy("GDN_PACKED_SM90_PREP_ARRIVALS") else ""
+
+
 def find_cmake():
     try:  # the `cmake` PyPI package (a build requirement) ships a recent CMake
         import cmake
@@ -129,6 +138,7 @@ class CMakeBuild(build_ext):
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 2)
         cutlass, why_not = find_cutlass_include()
         watchdog = sm90_watchdog()
+        prep_arrivals = sm90_prep_arrivals()
         if cutlass is None:
             banner(f"gdn_packed: building _C WITHOUT the sm_90a chunked kernel: {why_not}\n"
                    f"  (pip install {CUTLASS_PIN}; backend='cuda' of chunk_gated_delta_rule then says so)")
@@ -150,12 +160,15 @@ class CMakeBuild(build_ext):
             f"-DGDN_CUTLASS_INCLUDE={cutlass or ''}",
             f"-DGDN_NO_SM90_WHY={why_not}",
             f"-DGDN_SM90_WATCHDOG={watchdog}",     # always passed: '' clears an earlier watchdog build's
+            f"-DGDN_SM90_PREP_ARRIVALS={prep_arrivals}",     # the same
         ]
         build = [cmake, "--build", build_dir, "--verbose", "-j", jobs]
         banner(f"gdn_packed: building CUDA extension {ext.name}\n  nvcc: {self._nvcc}\n"
                f"  cmake: {cmake}\n  archs: {archs}\n  output: {fullpath}"
                + (f"\n  DEBUG: sm_90a barrier watchdog, trap after {watchdog} failed try_waits "
-                  "(GDN_PACKED_SM90_WATCHDOG)" if watchdog else ""))
+                  "(GDN_PACKED_SM90_WATCHDOG)" if watchdog else "")
+               + ("\n  sm_90a forward: every prep thread arrives (GDN_PACKED_SM90_PREP_ARRIVALS)"
+                  if prep_arrivals else ""))
         log_path = os.path.join(build_dir, "build.log")
         with open(log_path, "w") as log:
             if self._run(configure, log) != 0:

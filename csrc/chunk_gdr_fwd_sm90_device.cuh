@@ -17,9 +17,19 @@ constexpr uint32_t kStageBytes = 5 * kBlock;                            // k, q:
 // with the stage's bytes). One arrival by lane 0 after a __syncwarp orders them too in PTX's memory model,
 // but compute-sanitizer's racecheck does not follow that chain: with it, RAW hazards on graw (H200,
 // 2026-12-04, bench/NOTES.md "The second H200 session"); with the per-lane arrivals, none. The prep's
-// gates (one arrival on prepped[b] after the warpgroup's named barrier) still show the same kind (24288);
-// every prep thread arriving is on the branch sm90-prep-arrivals until a GPU has run it
+// gates (one arrival on prepped[b] after the warpgroup's named barrier) still show the same kind (24288).
 constexpr int kFullArrivals = 32;
+// prepped[b]'s arrivals at the CTA that preps buffer b: one, thread 0's after the warpgroup's named barrier
+// (what ran on the H200), or, in the build with -DGDN_SM90_PREP_ARRIVALS (setup.py:
+// GDN_PACKED_SM90_PREP_ARRIVALS=1), every prep thread's after its own stores of the gates and the dead rows
+// it zeroes, the pattern racecheck follows (the producer's full[s] above); that build waits for a GPU's
+// racecheck before it becomes the default. At the peer: one, the peer prep's, with its bulk copy's bytes.
+#if defined(GDN_SM90_PREP_ARRIVALS)
+constexpr int kPrepArrivals = 128;
+#else
+constexpr int kPrepArrivals = 1;
+#endif
+static_assert(kPrepBufs % kVBlocks == 0, "buffer b is prepped by CTA b % kVBlocks");
 // setmaxnreg moves registers only within the CTA's pool, the launch allocation: kThreads x 168 (65536 /
 // 384 = 170, allocated in 8s), i.e. 3 x 168 = 504 a thread across the three warpgroups - not 65536 / 128
 // = 512. 40 + 232 + 240 = 512 leaves one warp of prep or state retrying setmaxnreg.inc forever: the likely
@@ -70,8 +80,8 @@ __device__ __forceinline__ void zero_dead_rows(Shared& sm, int st, int length, i
 //                per producer lane, + all the bytes)
 //   empty[s]     stage s read in both CTAs (the multicast writes both): by each CTA's state warpgroup,
 //                whose step j follows its own prep's reads of the stage (2: one local, one remote)
-//   prepped[b]   Ts, M, gates of chunk j in buffer b = j % 4: by this CTA's prep, or by the peer's
-//                (its arrival with the bytes of its bulk copy) (1)
+//   prepped[b]   Ts, M, gates of chunk j in buffer b = j % 4: by this CTA's prep (kPrepArrivals), or by
+//                the peer's (its arrival with the bytes of its bulk copy) (1)
 //   prepfree[b]  buffer b read by both state warpgroups (at the CTA that preps it; 2)
 template <typename T>
 __global__ void __cluster_dims__(kVBlocks, 1, 1) __launch_bounds__(kThreads, 1)
@@ -96,8 +106,8 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
       mbar_init(&sm.full[i], kFullArrivals);      // the producer warp's lanes
       mbar_init(&sm.empty[i], kVBlocks);          // the state warpgroups of both CTAs
     }
-    for (int i = 0; i < kPrepBufs; ++i) {
-      mbar_init(&sm.prepped[i], 1);
+    for (int i = 0; i < kPrepBufs; ++i) {         // buffer i is prepped by CTA i % 2 (chunk j: j % 4, j % 2)
+      mbar_init(&sm.prepped[i], i % kVBlocks == vb ? kPrepArrivals : 1);
       mbar_init(&sm.prepfree[i], 2);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -185,8 +195,8 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
       prep_chunk<P, T, TInv>(p, q_t, k_t, sm.scratch, sm.graw[st][0], sm.graw[st][1], length, a.scale, a.l2norm,
                              sm.gates[b], at, at, dt, dt, ts, m);
       p.sync();                                   // (its fence: Ts, M, gates visible to the async proxy)
+      if (kPrepArrivals > 1 || wtid == 0) mbar_arrive(&sm.prepped[b]);     // (kPrepArrivals of them)
       if (wtid == 0) {
-        mbar_arrive(&sm.prepped[b]);
         const uint32_t bar = peer_addr(&sm.prepped[b], peer);
         mbar_expect_tx_at(bar, kPrepBytes);
         copy_to_peer(peer_addr(sm.ts[b], peer), sm.ts[b], kBlock, bar);

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.sm90 import cuda_chunk
+from bench.sm90 import cuda_chunk, sass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CSRC = os.path.join(ROOT, "csrc")
@@ -159,8 +159,8 @@ def test_sm90_chunk_loops_run_the_tile_program_on_the_tensor_cores(ptxas_report,
     """cuobjdump SASS of both instantiations: the two chunk loops hold exactly the wgmma of the tile
     program (csrc/chunk_gdr_sm90.cuh), each issued once per chunk (nothing serialised into a loop of its
     own): prep 32 HGMMA 64x64x16 (K K^T and Q K^T, 8 each, in one group; the inverse's two doubling
-    levels, 2 x 4 each) in 5 waits; state 12 HGMMA 64x128x16 (S^T [K; Q]^T 8, the state update U K 4) and 8 HGMMA 64x64x16
-    (X'^T Ts^T, U^T M^T) in 3 waits (U^T M^T and U K share one)."""
+    levels, 2 x 4 each) in 5 waits; state 12 HGMMA 64x128x16 (S^T [K; Q]^T 8, the state update U K 4) and
+    8 HGMMA 64x64x16 (X'^T Ts^T, U^T M^T) in 3 waits (U^T M^T and U K share one)."""
     sass = SASS.get("chunk_gdr_fwd_sm90.cu")
     assert sass, "no SASS of chunk_gdr_fwd_sm90.cu"
     loops = sass_loops(sass)
@@ -261,6 +261,52 @@ def test_sm90_watchdog_build_traps_and_prints(ptxas_report, report_table):
                 dec = [int(x, 16) for x in re.findall(r"USETMAXREG\.DEALLOC\S*\s+(0x[0-9a-f]+)", body)]
                 inc = sorted({int(x, 16) for x in re.findall(r"USETMAXREG\.TRY_ALLOC\S*\s+\w+,\s*(0x[0-9a-f]+)", body)})
                 assert (dec, inc) == ([32], [232, 240]), (name, dec, inc)
+
+
+def prep_arrivals_command(src, obj):
+    """The sm_90a compile (cuda_chunk.nvcc_command) of the forward with every prep thread arriving on its
+    buffer's mbarrier (setup.py: GDN_PACKED_SM90_PREP_ARRIVALS=1)."""
+    return cuda_chunk.nvcc_command(src, obj) + ["-DGDN_SM90_PREP_ARRIVALS=1"]
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="no cuobjdump (CUDA toolkit or triton's copy): SASS not read")
+def test_sm90_prep_arrivals_build_keeps_the_kernels_budget(report_table):
+    """The forward's build with per-thread prep arrivals (-DGDN_SM90_PREP_ARRIVALS: the form
+    compute-sanitizer's racecheck follows, waiting for a GPU before it becomes the default) compiles with
+    the default build's budget: 168 launch registers, no spill or stack, the setmaxnreg split 32 / 232 /
+    240, the prep loop's wgmma; and its prep loop's arrival on the local prepped[b] after the named barrier
+    is reached by every thread, where the default's is skipped by thread 0's branch."""
+    src = os.path.join(CSRC, "chunk_gdr_fwd_sm90.cu")
+    keys = glob.glob(os.path.join(CSRC, "*.cu*")) + glob.glob(os.path.join(CSRC, "*.h"))
+    out = cuda_chunk.nvcc_cached("cuda_chunk_prep_arrivals", src, prep_arrivals_command, keys)
+    assert "error" not in out, out.get("error")
+    recs = parse_ptxas(out["ptxas"])
+    assert len(recs) == 2 and all((r["registers"], r["spill"], r["stack"]) == (168, 0, 0) for r in recs), recs
+    for r in recs:
+        report_table("sm_90a forward, per-thread prep arrivals (-DGDN_SM90_PREP_ARRIVALS), ptxas -v",
+                     f"{r['name'][-40:]}: {r['registers']} registers, spill {r['spill']} B, stack {r['stack']} B")
+    for body in re.split(r"\n\s*Function : ", out["sass"])[1:]:
+        dec = [int(x, 16) for x in re.findall(r"USETMAXREG\.DEALLOC\S*\s+(0x[0-9a-f]+)", body)]
+        inc = sorted({int(x, 16) for x in re.findall(r"USETMAXREG\.TRY_ALLOC\S*\s+\w+,\s*(0x[0-9a-f]+)", body)})
+        assert (dec, inc) == ([32], [232, 240]), (dec, inc)
+    default = cuda_chunk.build()
+    for dtype in cuda_chunk.DTYPES:
+        arrivals = {}
+        for name, text in (("default", default["sass"]), ("per-thread", out["sass"])):
+            prog = sass.program(cuda_chunk._kernel_sass(text, dtype))
+            first, last = cuda_chunk._role_loops(prog)["prep"]
+            loop = prog[first:last + 1]
+            hgmma = sum(x.op.startswith("HGMMA") for x in loop)
+            # the arrival on the local prepped[b] (SYNCS.ARRIVE, not the remote .RED one) after prep's last
+            # named barrier: skipped by a conditional branch (thread 0's test) or reached by every thread
+            (i,) = [j for j, x in enumerate(loop) if x.op.startswith("SYNCS.ARRIVE") and ".RED" not in x.op]
+            bar = max(j for j in range(i) if loop[j].op.startswith("BAR.SYNC"))
+            skipped = any(x.op == "BRA" and x.guarded and x.target is not None and x.target > loop[i].addr
+                          for x in loop[bar:i])
+            arrivals[name] = (hgmma, skipped)
+        assert arrivals == {"default": (arrivals["default"][0], True), "per-thread": (arrivals["default"][0], False)}, \
+            arrivals
 
 
 def test_parse_ptxas_sample():

@@ -251,6 +251,7 @@ def step_build(r):
              "C = _cext.get_C() if _cext.built() else None\n"
              "print('BUILT', _cext.built(), getattr(C, 'cuda_archs', None), '|', _cext.cuda_available(), '|',"
              " _cext.cuda_unavailable_reason() or 'ok', '|',"
+             " 'prep arrivals', getattr(C, 'sm90_prep_arrivals', None), '|',"   # 128: GDN_PACKED_SM90_PREP_ARRIVALS
              " 'sm_90a chunked kernels missing: ' + (getattr(C, 'chunk_gdr_fwd_sm90_missing', '') or 'none'))\n")
     if r.dry:
         rc, out = r.py("-c", check, timeout=60)

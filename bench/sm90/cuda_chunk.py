@@ -38,10 +38,10 @@ dS warpgroup's chunk loop (its "state" loop: s cycles a chunk, the three depende
 dstate_step) and the producer's (r): D(n) = max(n s, n ldg / (S - 1) (the ring: a stage reloaded once
 both CTAs' dS steps released it), n r, issue, mma) + ldg; tiles per CTA and chunk: its K-halves of k
 and q and Ts or M (multicast: counted once), its dO columns, the gate rows, the stores of dSn^T, dX'^T
-and dv; shared memory as the forward's (smem_cycles). The backward of backend="cuda" is recorded as the Triton backward from the saved inputs (prep
-again, the recompute, dq / dk / finalize) with its dS pass (pass A, combine, pass) replaced by the
-kernel's launch: the wiring of the kernel into that backward (H-cuda-bwd2's patch to
-gdn_packed/triton/chunk.py) is what it models."""
+and dv; shared memory as the forward's (smem_cycles). The backward of backend="cuda" is recorded as the
+Triton backward from the saved inputs (prep again, the recompute, dq / dk / finalize) with its dS pass
+(pass A, combine, pass) replaced by the kernel's launch: the wiring of the kernel into that backward
+(H-cuda-bwd2's patch to gdn_packed/triton/chunk.py) is what it models."""
 import collections
 import dataclasses
 import glob
