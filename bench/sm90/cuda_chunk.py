@@ -16,7 +16,8 @@ sm_90a CUDA chunked forward"), so the loops are simulated one by one and combine
     issue   one warp of each warpgroup per SM sub-partition (a scheduler each):
             i_state + i_prep / 2 + i_producer instructions a chunk                     -> n (...)
     mma     the SM's tensor pipe: m_state + m_prep / 2 cycles a chunk                  -> n (...)
-    D(n) =  max(n s, n (ldg + p) / (S - 1), n r, issue, mma) + ldg (the first TMA loads)
+    D(n) =  max(n s, n (ldg + p) / (S - 1), n r, issue, mma) + ldg + p (the pipeline's fill: the first
+            chunk's TMA loads and its prep before the state's first step)
 
 the CTAs to the 132 SMs (1 CTA per SM) in launch order (model._schedule), bytes and FLOPs as for the
 Triton kernels (tiles per CTA: the K-half of k and q it multicasts to both CTAs of its cluster, its v
@@ -327,7 +328,8 @@ def estimate(f, dims, dtype, const):
     ctas = 2 * HV * N
     n = -(-L // M.CHUNK)
     d, bound = cta_cycles(f, n, const)
-    t_lat = M._schedule([d + const.lat.ldg] * ctas, NUM_SMS) / CLOCK_HZ
+    fill = const.lat.ldg + f.loops["prep"]["cycles"]       # chunk 0 loaded and prepped before step 0
+    t_lat = M._schedule([d + fill] * ctas, NUM_SMS) / CLOCK_HZ
     # tiles per CTA: the K-half of k and of q it multicasts to the cluster (one read from L2 for both CTAs),
     # its v half and o half (64 x 64) per chunk; g, beta of the chunks it preps; its half of h0 and of the
     # final state (fp32)
