@@ -27,7 +27,7 @@ banks.py resolves, and its warpgroup MMAs' operand reads, plus what the TMA load
 and the bulk copies to the peer move through shared memory, per busy SM); latency combined with max(bytes,
 smem) as for them (model.bounded, at 1 CTA per SM: near their sum when they are close; the producer
 warp's TMA ring may hide more than a Triton kernel's own loads do, which only a GPU can say). Without the
-shared-memory term this model put the forward at 0.55-0.74 of its H200 times (bench/NOTES.md, "The
+shared-memory term this model put the forward at 0.57-0.74 of its H200 times (bench/NOTES.md, "The
 shared-memory term of the sm_90a kernels"). A sequence's
 last chunk, the only one that can be partial (its dead rows zeroed, its rows stored one by one), runs
 outside the chunk loops, so the loops simulated are the common chunk's. The op's other launches (the
@@ -341,7 +341,7 @@ def estimate(f, dims, dtype, const):
     t_mem = max(hbm / HBM_BPS + (tiles - hbm) / const.l2_bps, tiles / (busy * SM_BPS))
     C = M.CHUNK
     flops = ctas * n * (2 * V_BLOCK * (3 * C * K + 2 * C * C)       # state: S^T [K; Q]^T, X'^T Ts^T, U^T M^T, U^T K
-                        + (4 * C * C * K + 4 * C ** 3) / 2)          # prep, every other chunk: 2 Grams, doubling
+                        + (4 * C * C * K + 8 * C ** 3) / 2)          # prep, every other chunk: 2 Grams, 2 doublings
     t_tc = flops / TC_FLOPS["bf16"]
     t_smem = ctas * n * smem_cycles(f, "fwd") / busy / CLOCK_HZ
     t, top = M.bounded({"latency": t_lat, "bytes": t_mem, "smem": t_smem, "FLOPs": t_tc}, 1, const)  # 1 CTA per SM
