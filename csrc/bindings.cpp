@@ -281,6 +281,8 @@ std::vector<Arg<gdn::ChunkSm90Params>> chunk_sm90_args() {
           ptr("beta", &P::beta, vo), ptr("A_log", &P::A_log, raw), ptr("dt_bias", &P::dt_bias, raw),
           ptr("table", &P::table, always<P>), ptr("cu_chunks", &P::cu_chunks, always<P>),
           arg("initial_state", &P::initial_state), arg("final_state", &P::final_state), ptr("o", &P::o, vo),
+          arg("kept_gates", &P::kept_gates), arg("kept_eg_last", &P::kept_eg_last), arg("kept_rn", &P::kept_rn),
+          arg("kept_ts", &P::kept_ts), arg("kept_mm", &P::kept_mm),
           arg("N", &P::N), arg("T", &P::T),
           arg("H", &P::H), arg("HV", &P::HV), arg("K", &P::K), arg("V", &P::V), arg("chunk_size", &P::chunk_size),
           arg("dtype", &P::dtype), arg("scale", &P::scale), arg("l2norm", &P::l2norm),

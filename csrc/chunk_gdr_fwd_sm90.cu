@@ -41,6 +41,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -65,6 +66,8 @@ struct Args {
   const int32_t *table, *cu_chunks;
   void* o;
   float* ht;
+  float *kept_gates, *kept_eg_last, *kept_rn;   // the backward's Prep (ChunkSm90Params), or all 0
+  void *kept_ts, *kept_mm;
   int64_t N, T, H, HV;
   float scale;
   bool l2norm, raw_gates;
@@ -164,6 +167,14 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
     }
     prep_chunk<P, T, TInv>(p, q_a, kq_b, s, g, beta, length, a.scale, a.l2norm, gates,
                            at_s, at_s, dt_s, dt_s, ts_s, m_s);
+    if (a.kept_ts) {                                // the backward's Prep of chunk slot j
+      const int64_t slot = j * HV + hv;
+      std::copy(ts.begin(), ts.end(), static_cast<T*>(a.kept_ts) + slot * kC * kC);
+      std::copy(mm.begin(), mm.end(), static_cast<T*>(a.kept_mm) + slot * kC * kC);
+      for (int r = 0; r < kC; ++r)
+        keep_gate_row(gates, s, r, length, a.kept_gates + slot * kGateRows * kC, a.kept_rn + slot * 2 * kC,
+                      a.kept_eg_last + slot);
+    }
     for (int wg = 0; wg < kVBlocks; ++wg) {         // the CTAs of the V-blocks (prep is the same for both)
       const typename P::Smem v_t{vt.data() + wg * kVB, kV, false};
       state_step<P, T>(p, S[wg], gates, kq_b, k_mn, ts_s, m_s, v_t, [&](typename P::template Frag<2 * kC>& acc) {
@@ -208,6 +219,10 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
   if (!st.ok()) return st;
   if (p.raw_gates && (p.A_log == 0 || p.dt_bias == 0)) return bad("raw_gates needs A_log and dt_bias");
   if (p.table == 0 || p.cu_chunks == 0 || (p.o == 0 && p.T > 0)) return bad("table, cu_chunks and o are required");
+  const int kept = (p.kept_gates != 0) + (p.kept_eg_last != 0) + (p.kept_rn != 0) + (p.kept_ts != 0) +
+                   (p.kept_mm != 0);
+  if (kept != 0 && kept != 5)
+    return bad("kept_gates, kept_eg_last, kept_rn, kept_ts and kept_mm come together or not at all");
   sm90::Args a{};
   a.q = reinterpret_cast<const void*>(p.q);
   a.k = reinterpret_cast<const void*>(p.k);
@@ -221,6 +236,11 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
   a.cu_chunks = reinterpret_cast<const int32_t*>(p.cu_chunks);
   a.o = reinterpret_cast<void*>(p.o);
   a.ht = reinterpret_cast<float*>(p.final_state);
+  a.kept_gates = reinterpret_cast<float*>(p.kept_gates);
+  a.kept_eg_last = reinterpret_cast<float*>(p.kept_eg_last);
+  a.kept_rn = reinterpret_cast<float*>(p.kept_rn);
+  a.kept_ts = reinterpret_cast<void*>(p.kept_ts);
+  a.kept_mm = reinterpret_cast<void*>(p.kept_mm);
   a.N = p.N;
   a.T = p.T;
   a.H = p.H;

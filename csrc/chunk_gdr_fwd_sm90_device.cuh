@@ -72,6 +72,17 @@ __device__ __forceinline__ void zero_dead_rows(Shared& sm, int st, int length, i
   zero_rows_from(smem_u32(sm.v[st]), length, wtid);
 }
 
+// A [64, 64] 16-bit tile of shared memory (128B-swizzled, as prep's stmatrix left Ts and M) to dst [64][64]
+// row major (16-byte aligned: Prep's ts and mm lead its layout), by the 128 threads of a warpgroup: a
+// thread half a row, 16 bytes at a time
+template <typename T>
+__device__ __forceinline__ void keep_tile(const uint8_t* tile, T* dst, int wtid) {
+  const int r = wtid >> 1, x0 = (wtid & 1) * 4;
+#pragma unroll
+  for (int x = x0; x < x0 + 4; ++x)
+    *reinterpret_cast<uint4*>(dst + r * kC + x * 8) = *reinterpret_cast<const uint4*>(tile + swz(r, x));
+}
+
 // grid (kVBlocks, HV, N) in clusters of the kVBlocks CTAs of a (value head, sequence): CTA rank vb owns
 // value columns vb * 64 .. vb * 64 + 63 and preps the chunks j with j % 2 == vb for both. Barriers (an
 // elected thread arrives for its warpgroup after the warpgroup's named barrier; full's are the producer's lanes):
@@ -202,6 +213,17 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
         copy_to_peer(peer_addr(sm.ts[b], peer), sm.ts[b], kBlock, bar);
         copy_to_peer(peer_addr(sm.mm[b], peer), sm.mm[b], kBlock, bar);
         copy_to_peer(peer_addr(&sm.gates[b], peer), &sm.gates[b], sizeof(GatesBuf), bar);
+      }
+      // the backward's Prep of this chunk slot by plain global stores, after the hand-over (whose
+      // arrivals would wait for them) and long before prep's next fence; buffer b is not prepped again
+      // before both state warpgroups have released it (prepfree[b]), after these reads
+      if (a.kept_ts) {
+        const int64_t slot = (c0 + it) * HV + hv;
+        keep_tile(sm.ts[b], static_cast<T*>(a.kept_ts) + slot * kC * kC, wtid);
+        keep_tile(sm.mm[b], static_cast<T*>(a.kept_mm) + slot * kC * kC, wtid);
+        if (wtid < kC)
+          keep_gate_row(sm.gates[b], sm.scratch, wtid, length, a.kept_gates + slot * kGateRows * kC,
+                        a.kept_rn + slot * 2 * kC, a.kept_eg_last + slot);
       }
     };
     int it = vb;

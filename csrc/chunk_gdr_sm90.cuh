@@ -359,6 +359,22 @@ GDN_HD void state_step(P& p, typename P::template Frag<kK>& S, const Gates& gt,
 // tests/test_cuda_chunk_bwd.py holds these to).
 enum GateRow : int { kGateBeta = 0, kGateEgk = 1, kGateEgq = 2, kGateWk = 3, kGateBegk = 4, kGateRows = 5 };
 
+// The forward's prep as the backward keeps it (gdn_packed.triton.chunk.Prep, Triton prep's values): row r of
+// a chunk slot's gate rows (`gates` [kGateRows, C]) and row factors (`rn` [2, C]: rq, rk, 0 on dead rows),
+// and with r = 0 its e^gam_last, from prep's gates and scratch.
+GDN_HD void keep_gate_row(const Gates& g, const PrepScratch& s, int r, int length, float* gates, float* rn,
+                          float* eg_last) {
+  const bool live = r < length;
+  gates[kGateBeta * kC + r] = g.beta[r];
+  gates[kGateEgk * kC + r] = g.egk[r];
+  gates[kGateEgq * kC + r] = g.cq[r];
+  gates[kGateWk * kC + r] = g.wk[r];
+  gates[kGateBegk * kC + r] = g.beta[r] * g.egk[r];
+  rn[r] = live ? s.rq[r] : 0.f;
+  rn[kC + r] = live ? s.rk[r] : 0.f;
+  if (r == 0) *eg_last = g.eg_last;
+}
+
 // dS: dS^T [64 v, K] fp32 (accumulator layout), in: the gradient of the state leaving the chunk, out: that
 // of the state entering it. gates: the chunk's kGateRows x 64 gate rows; eg_last: e^gam_last. k_b: K as the
 // K-major B [c, K] (N = 64: dS^T K^T); k_mn, q_mn: K, Q as MN-major B operands [c, K] (N = K: the dS

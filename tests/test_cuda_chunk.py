@@ -190,16 +190,23 @@ def mirror_as_cuda_forward(monkeypatch):
     _dispatch.kernel.cache_clear()
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "kept-prep"])
 @pytest.mark.parametrize("gating", [False, True], ids=["g-beta", "raw-a-b"])
-def test_cuda_op_autograd_is_the_triton_backward(gating, mirror_as_cuda_forward):
+def test_cuda_op_autograd_is_the_triton_backward(gating, keep, mirror_as_cuda_forward):
     """gdn_packed::chunk_gdr_fwd with backend='cuda' (the host mirrors standing in for the forward kernel
     and the backward's dS pass, the rest of the Triton backward under the interpreter; fp16: the
-    interpreter's bf16 is wrong): o within the fp16 budget of float64; the gradients of every input
-    (A_log, dt_bias too with the raw gates, which the cuda forward takes itself: no gate launch) within
-    1e-4 of backend='triton''s (the same backward but for the dS pass, whose products are rounded at the
-    same points)."""
+    interpreter's bf16 is wrong): o within the fp16 budget of float64. Without keep, the backward runs
+    Triton prep again: the gradients of every input (A_log, dt_bias too with the raw gates, which the cuda
+    forward takes itself: no gate launch) within 1e-4 of backend='triton''s (the same backward but for the
+    dS pass, whose products are rounded at the same points). With keep, the forward keeps its kernel's prep
+    (kept_shape: a Prep's words) and the backward runs on it, no prep of its own: every gradient within the
+    fp16 budget of float64, and within 2x backend='triton''s error there (the mirror rounds the inverse's
+    doubling operands to fp16 as the kernel does, where Triton prep under the interpreter rounds nothing:
+    on a GPU its tf32 dots round as much; measured 1.13x on dg with g, beta given, 1.00-1.02x elsewhere,
+    every error under 4.1e-4)."""
     from gdn_packed.ops.chunk_gdr import chunk_gdr_fwd
     from gdn_packed.ops._common import triton_usable
+    from gdn_packed.triton import chunk as triton_chunk
     if triton_usable(torch.device("cpu")):
         pytest.skip(f"the Triton backward cannot run here: {triton_usable(torch.device('cpu'))}")
     (q, k, v, g, beta, h0), cu, _, _, _, ro, _ = case(2, torch.float16)
@@ -207,19 +214,93 @@ def test_cuda_op_autograd_is_the_triton_backward(gating, mirror_as_cuda_forward)
     A_log, dt_bias = (torch.tensor([0.3, -1.0]), torch.tensor([0.5, 1.5])) if gating else (None, None)
     gen = torch.Generator().manual_seed(7)
     do, dht = torch.randn(v.shape, generator=gen).half(), torch.randn(h0.shape, generator=gen)
-    got = {}
-    for backend in ("cuda", "triton"):
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
-        gates = [x.clone().requires_grad_() for x in (A_log, dt_bias)] if gating else [None, None]
-        o, fs, kept = chunk_gdr_fwd(*leaves, cu, cu_pad, K ** -0.5, True, backend, *gates, True)
-        grads = torch.autograd.grad([o, fs], leaves + [x for x in gates if x is not None], [do, dht])
-        got[backend] = (o.detach(), kept, grads)
-    assert mirror_as_cuda_forward == [["A_log", "dt_bias"] if gating else [], "dS pass"]
-    assert got["cuda"][1].numel() == 0
+    got, preps = {}, []
+    real_prep = triton_chunk.chunk_fwd_prep
+    triton_chunk.chunk_fwd_prep = lambda *a, **kw: preps.append(1) or real_prep(*a, **kw)
+    try:
+        for backend in ("cuda", "triton"):
+            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+            gates = [x.clone().requires_grad_() for x in (A_log, dt_bias)] if gating else [None, None]
+            o, fs, kept = chunk_gdr_fwd(*leaves, cu, cu_pad, K ** -0.5, True, backend, *gates, keep)
+            n = len(preps)
+            grads = torch.autograd.grad([o, fs], leaves + [x for x in gates if x is not None], [do, dht])
+            got[backend] = (o.detach(), kept, grads, len(preps) - n)
+    finally:
+        triton_chunk.chunk_fwd_prep = real_prep
+    fwd_kw = sorted((["A_log", "dt_bias"] if gating else []) + (["kept"] if keep else []))
+    assert mirror_as_cuda_forward == [fwd_kw, "dS pass"]
     if not gating:
         assert rel_err(got["cuda"][0], ro) <= BUDGETS[torch.float16]["o"]
-    for a, b in zip(got["cuda"][2], got["triton"][2]):
-        assert rel_err(a, b.double()) <= 1e-4
+    if not keep:
+        assert got["cuda"][1].numel() == 0 and got["cuda"][3] == 1          # the backward ran prep
+        for a, b in zip(got["cuda"][2], got["triton"][2]):
+            assert rel_err(a, b.double()) <= 1e-4
+        return
+    NC = cu.numel() - 1 + q.shape[1] // 64
+    assert got["cuda"][1].numel() == triton_chunk.prep_words(NC, HV, torch.float16) and got["cuda"][3] == 0
+    ref = [x.detach().double().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    ref_gates = [x.double().requires_grad_() for x in (A_log, dt_bias)] if gating else []
+    rg, rb = ref[3], ref[4]
+    if gating:      # the gates as the op forms them from the raw a, b (the torch backend's formula)
+        rg = -torch.exp(ref_gates[0]) * torch.nn.functional.softplus(ref[3] + ref_gates[1])
+        rb = torch.sigmoid(ref[4])
+    pad = ~real_rows(cu, cu_pad, q.shape[1])
+    clean = [torch.where(pad[None, :, None, None], 0.0, x) for x in ref[:3]]
+    ro2, rf2 = reference_gdr(*clean, torch.where(pad[None, :, None], 0.0, rg), torch.where(pad[None, :, None], 0.0, rb),
+                             scale=K ** -0.5, initial_state=ref[5], cu_seqlens=cu, cu_seqlens_padded=cu_pad,
+                             use_qk_l2norm_in_kernel=True)
+    want = torch.autograd.grad([ro2, rf2], ref + ref_gates, [do.double(), dht.double()])
+    for i, (a, b, r) in enumerate(zip(got["cuda"][2], got["triton"][2], want)):
+        real = (lambda x: x[:, ~pad]) if i < 5 else (lambda x: x)     # noqa: E731  padding rows: 0 by both
+        ea, eb = rel_err(real(a), real(r)), rel_err(real(b), real(r))
+        assert ea <= BUDGETS[torch.float16]["grad"] and ea <= 2 * eb + 1e-6, (i, ea, eb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DTYPE_ID.get)
+@pytest.mark.parametrize("pi", [0, 2, 4], ids=[IDS[i] for i in (0, 2, 4)])
+def test_mirror_keeps_triton_preps_outputs(pi, dtype):
+    """With kept (kept_shape), the forward writes its prep's outputs of the sequences' chunk slots in the
+    layout of Triton prep's (gdn_packed.triton.chunk.Prep), which the Triton backward then takes: against
+    Triton prep (chunk_fwd_prep, the interpreter) on the same inputs, the gate rows, row factors and chunk
+    decays within 1e-5 (exp2 of base-2 sums against exp) and Ts, M within 1e-5 in fp32 (the two inverses,
+    substitution + doubling against 5 doubling levels, exact in fp32: measured <= 4e-7); in bf16 Ts and M
+    within 2^-8, one bf16 rounding (the mirror rounds the doubling operands to fp16, the interpreter
+    nothing; both round Ts and M to bf16: measured 4.6e-4); dead rows and columns 0; other slots untouched."""
+    from gdn_packed.ops._common import triton_usable
+    if triton_usable(torch.device("cpu")):
+        pytest.skip(f"Triton prep cannot run here: {triton_usable(torch.device('cpu'))}")
+    from gdn_packed.cuda.chunk import kept_shape
+    from gdn_packed.triton import chunk as triton_chunk
+    p = PACKINGS[pi]
+    cu, cu_pad, rows = p.layout()
+    N = len(p.lengths)
+    q, k, v, g, beta, h0 = gdr_inputs(rows, H, HV, K, K, dtype, N=N, initial_state=True, unit_k=False, seed=pi)
+    table, cc = make_chunk_table(cu, cu_pad, rows, 64)
+    NC = table.shape[0]
+    (words,) = kept_shape(rows, N, HV, K, K, 64, torch.device("cpu"), dtype)
+    assert words == triton_chunk.prep_words(NC, HV, dtype)
+    kept = torch.full((words,), float("nan"))
+    o, fs = torch.empty_like(v[0]), torch.empty(N, HV, K, K)
+    chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, h0, K ** -0.5, 64, True, o, fs, kept=kept,
+                       host=True)
+    got = triton_chunk.prep_in(kept, NC, HV, dtype)
+    qr, kr, _, gr, br, rws = triton_chunk._rows(q[0], k[0], v[0], g[0], beta[0])
+    want = triton_chunk.chunk_fwd_prep(qr, kr, gr, br, table, HV, K ** -0.5, True, rws)
+    used = torch.arange(NC) < int(cc[-1])
+    nan_word = torch.tensor(float("nan")).view(torch.int32)       # the fill, as the words of any view
+    for x in got:
+        assert (x[~used].contiguous().view(torch.int32) == nan_word).all()
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8       # bf16: one rounding apart (measured 4.6e-4)
+    for name in ("gates", "rn", "eg_last", "ts", "mm"):
+        a, b = getattr(got, name)[used], getattr(want, name)[used]
+        assert rel_err(a, b) <= (1e-5 if name in ("gates", "rn", "eg_last") else tol), (name, rel_err(a, b))
+    length = table[used, 3].long()
+    dead = torch.arange(64)[None, :] >= length[:, None]                       # [used slots, C]
+    last = lambda x: x.permute(0, 3, 1, 2)[dead]        # noqa: E731  entries at a dead row of the last axis
+    for x in (got.rn[used], got.gates[used], got.ts[used].float(), got.mm[used].float()):
+        assert (last(x) == 0).all()
+    for x in (got.ts[used].float(), got.mm[used].float()):     # and at a dead row of Ts, M
+        assert (x.permute(0, 2, 1, 3)[dead] == 0).all()
 
 
 def _entry_args(T=5, N=1, H=1, HV=2, raw=False):
@@ -227,8 +308,11 @@ def _entry_args(T=5, N=1, H=1, HV=2, raw=False):
     cu = torch.tensor([0, T], dtype=torch.int32)
     table, cc = make_chunk_table(cu, None, T, 64)
     z = torch.zeros
+    NC = table.shape[0]
     ts = dict(q=z(T, H, K), k=z(T, H, K), v=z(T, HV, K), g=z(T, HV), beta=z(T, HV), A_log=z(HV), dt_bias=z(HV),
-              table=table, cu_chunks=cc, initial_state=z(N, HV, K, K), final_state=z(N, HV, K, K), o=z(T, HV, K))
+              table=table, cu_chunks=cc, initial_state=z(N, HV, K, K), final_state=z(N, HV, K, K), o=z(T, HV, K),
+              kept_gates=z(NC, HV, 5, 64), kept_eg_last=z(NC, HV), kept_rn=z(NC, HV, 2, 64),
+              kept_ts=z(NC, HV, 64, 64), kept_mm=z(NC, HV, 64, 64))
     args = {n: t.data_ptr() for n, t in ts.items()}
     args.update(N=N, T=T, H=H, HV=HV, K=K, V=K, chunk_size=64, dtype=0, scale=0.1, l2norm=True, raw_gates=raw)
     return args, ts
@@ -237,7 +321,7 @@ def _entry_args(T=5, N=1, H=1, HV=2, raw=False):
 def test_entry_point_names_its_arguments():
     """_C.chunk_gdr_fwd_sm90(_host) takes the declared keywords only; a required pointer passed as None is
     a ValueError naming it before anything runs (A_log, dt_bias only with raw_gates; initial_state and
-    final_state are optional)."""
+    final_state are optional; the five kept_* pointers are too, but come together or not at all)."""
     C = _cext.get_C()
     args, keep = _entry_args()
     doc = "chunk_gdr_fwd_sm90_host(*, " + ", ".join(args) + ")"
@@ -251,6 +335,11 @@ def test_entry_point_names_its_arguments():
         with pytest.raises(ValueError, match=f"argument '{name}' "):
             C.chunk_gdr_fwd_sm90_host(**dict(args, raw_gates=True, **{name: None}))
     C.chunk_gdr_fwd_sm90_host(**dict(args, initial_state=None, final_state=None))
+    kept = [n for n in args if n.startswith("kept_")]
+    C.chunk_gdr_fwd_sm90_host(**dict(args, **{n: None for n in kept}))
+    for name in kept:
+        with pytest.raises(ValueError, match="kept_gates, kept_eg_last, kept_rn, kept_ts and kept_mm come together"):
+            C.chunk_gdr_fwd_sm90_host(**dict(args, **{name: None}))
     with pytest.raises(TypeError, match="unexpected keyword argument 'cu_chunk'"):
         C.chunk_gdr_fwd_sm90_host(**{("cu_chunk" if n == "cu_chunks" else n): x for n, x in args.items()})
     with pytest.raises(ValueError, match="K and V must be 128"):

@@ -6,7 +6,8 @@ mbarrier phases, the cluster's copies or setmaxnreg (docs/DESIGN.md section 10):
     exactly 0 with NaN-poisoned outputs; NaN in the inputs' padding rows changes nothing;
   - long sequences (the TMA ring and the prep buffers wrap around many times; a partial last chunk)
     against backend="triton"; bit-identical reruns;
-  - the gates from raw a, b in the kernel; autograd through backend="cuda" = the Triton backward;
+  - the gates from raw a, b in the kernel; autograd through backend="cuda" = the Triton backward on the
+    prep outputs the kernel kept (against its host mirror's and Triton prep's);
   - the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) on Triton prep's outputs against the
     Triton pass it replaces and its host mirror, on every packing and on long sequences (fp16 too),
     bit-identical reruns.
@@ -135,10 +136,53 @@ def test_long_sequences_match_triton_and_rerun_bit_identical(packing):
     assert torch.equal(o, o2) and torch.equal(fs, fs2)
 
 
+def kept_prep(x, cu, cu_pad, device):
+    """(Prep of the sequences' chunk slots the forward keeps for the backward, a mask of those slots): the
+    cuda forward with kept (the kernel on `device`, its host mirror on "cpu")."""
+    from gdn_packed.cuda.chunk import chunk_gdr_fwd_cuda, kept_shape
+    from gdn_packed.ops.chunk_table import make_chunk_table
+    from gdn_packed.triton.chunk import prep_in
+    q, k, v, g, beta, h0 = (t.to(device) for t in x)
+    table, cc = make_chunk_table(cu.to(device), None if cu_pad is None else cu_pad.to(device), q.shape[1], 64)
+    (words,) = kept_shape(q.shape[1], h0.shape[0], HV, K, K, 64, torch.device(device), q.dtype)
+    kept = torch.full((words,), float("nan"), device=device)
+    o, fs = torch.empty_like(v[0]), torch.empty(h0.shape, device=device)
+    chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, h0, K ** -0.5, 64, True, o, fs, kept=kept,
+                       host=device == "cpu")
+    prep = prep_in(kept, table.shape[0], HV, q.dtype)
+    return type(prep)(*(t.cpu() for t in prep)), (torch.arange(table.shape[0]) < int(cc[-1])), table.cpu()
+
+
+@pytest.mark.parametrize("pi", range(len(PACKINGS)), ids=IDS)
+def test_kept_prep_matches_the_mirror_and_triton_prep(pi):
+    """With kept (the forward under autograd), the kernel's prep writes its outputs of the sequences' chunk
+    slots for the backward (Ts, M unswizzled from their shared-memory tiles, the gate rows and row factors):
+    against its host mirror on the same inputs (a layout or swizzle bug shows as O(1); the same arithmetic
+    but the tensor cores' order: within 1e-2) and Triton prep's (chunk_fwd_prep, whose values the Triton
+    backward otherwise takes: within one bf16 rounding of Ts, M, 1e-4 of the rest); slots of no chunk
+    untouched."""
+    if forward_hangs():
+        pytest.fail(f"not launched: {forward_hangs()}")
+    from gdn_packed.triton import chunk as triton_chunk
+    x, cu, cu_pad, _ = inputs(PACKINGS[pi], torch.bfloat16, pi)
+    got, used, table = kept_prep(x, cu, cu_pad, "cuda")
+    mir, _, _ = kept_prep(x, cu, cu_pad, "cpu")
+    q, k, v, g, beta, _ = (t.cuda() for t in x)
+    qr, kr, _, gr, br, rws = triton_chunk._rows(q[0], k[0], v[0], g[0], beta[0])
+    tri = triton_chunk.chunk_fwd_prep(qr, kr, gr, br, table.cuda(), HV, K ** -0.5, True, rws)
+    nan_word = torch.tensor(float("nan")).view(torch.int32)
+    for name in ("ts", "mm", "gates", "rn", "eg_last"):
+        a, m, t = getattr(got, name), getattr(mir, name)[used], getattr(tri, name).cpu()[used]
+        assert (a[~used].contiguous().view(torch.int32) == nan_word).all(), name
+        assert rel_err(a[used], m) <= 1e-2, (name, rel_err(a[used], m))
+        assert rel_err(a[used], t) <= (2 ** -8 if name in ("ts", "mm") else 1e-4), (name, rel_err(a[used], t))
+
+
 def test_raw_gates_and_autograd_through_the_triton_backward():
     """With A_log, dt_bias the kernel forms the gates itself (no gate launch): o within the bf16 budget of
     backend="triton"'s; the gradients of every input for the same cotangents within the bf16 gradient
-    budget of triton's (the same backward on the same saved inputs, but for the sm_90a dS pass)."""
+    budget of triton's (the same backward on the same saved inputs, but for the sm_90a dS pass and the
+    prep outputs: the cuda forward keeps its kernel's, the triton forward Triton prep's)."""
     x, cu, cu_pad, _ = inputs(PACKINGS[2], torch.bfloat16, 3)
     dev = "cuda"
     if forward_hangs():

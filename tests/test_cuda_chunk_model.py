@@ -92,6 +92,10 @@ def test_report_rows_of_the_cuda_forward(facts):
         cuda_chunk.record(rec, ANCHOR, "bf16", _meta_inputs, _op_body)
     kinds = [type(lc).__name__ for lc in rec.launches]
     assert kinds[-1] == "CudaLaunch" and kinds.count("CudaLaunch") == 1 and "TorchOp" in kinds
+    assert rec.launches[-1].kept            # as under autograd: the forward keeps its prep outputs
+    f = facts["bf16"]
+    with_kept, without = (cuda_chunk.estimate(f, ANCHOR, "bf16", M.CONSTANTS, kept) for kept in (True, False))
+    assert with_kept["hbm_bytes"] > without["hbm_bytes"] and with_kept["est_s"] >= without["est_s"]
     rows, totals, _ = report([("cuda", "anchor", ANCHOR, "bf16", rec.launches)])
     (k,) = [r for r in rows if r["kernel"] == cuda_chunk.KERNEL]
     assert k["ctas"] == 64 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"]
@@ -140,9 +144,9 @@ print(json.dumps(dict(names=[lc.kernel for lc in rec.launches if hasattr(lc, "ke
 
 def test_report_rows_of_the_cuda_backward():
     """The backward of backend="cuda" recorded on meta tensors (in a subprocess without TRITON_INTERPRET,
-    as tests/test_sm90_report.py records): the Triton backward's launches with its dS pass (pass A,
-    combine, pass) replaced by one sm_90a kernel launch, whose row names its bound; the tiles it moves at
-    the anchor: 2.19 GB (bench/NOTES.md's count)."""
+    as tests/test_sm90_report.py records): the Triton backward's launches on the prep outputs the forward
+    kept (no prep launch) with its dS pass (pass A, combine, pass) replaced by one sm_90a kernel launch,
+    whose row names its bound; the tiles it moves at the anchor: 2.19 GB (bench/NOTES.md's count)."""
     import json
     import os
     import subprocess
@@ -155,6 +159,7 @@ def test_report_rows_of_the_cuda_backward():
     out = json.loads(p.stdout.strip().splitlines()[-1])
     names = out["names"]
     assert names.count(cuda_chunk.BWD_KERNEL) == 1 and "chunk_bwd_dstate_kernel" not in names
+    assert "chunk_fwd_prep_kernel" not in names         # on the prep outputs the forward kept
     assert "chunk_bwd_dq_kernel" in names and "chunk_bwd_dk_kernel" in names
     (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.BWD_KERNEL]
     assert k["mode"] == "bwd" and k["ctas"] == 64 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"]

@@ -40,7 +40,7 @@ dstate_step) and the producer's (r): D(n) = max(n s, n ldg / (S - 1) (the ring: 
 both CTAs' dS steps released it), n r, issue, mma) + ldg; tiles per CTA and chunk: its K-halves of k
 and q and Ts or M (multicast: counted once), its dO columns, the gate rows, the stores of dSn^T, dX'^T
 and dv; shared memory as the forward's (smem_cycles). The backward of backend="cuda" is recorded as the
-Triton backward from the saved inputs (prep again, the recompute, dq / dk / finalize) with its dS pass
+Triton backward on the prep outputs the forward kept (the recompute, dq / dk / finalize) with its dS pass
 (pass A, combine, pass) replaced by the kernel's launch: the wiring of the kernel into that backward
 (H-cuda-bwd2's patch to gdn_packed/triton/chunk.py) is what it models."""
 import collections
@@ -321,8 +321,10 @@ def smem_cycles(f, phase="fwd"):
     return own + TMA_BYTES[phase] / sass.SMEM_BYTES_PER_CYCLE
 
 
-def estimate(f, dims, dtype, const):
-    """The model's numbers of the launch at dims = (N, L, H, HV, K, V), as model.estimate's dict."""
+def estimate(f, dims, dtype, const, kept=False):
+    """The model's numbers of the launch at dims = (N, L, H, HV, K, V), as model.estimate's dict; kept:
+    with the prep outputs it writes for the backward (their bytes; its loop's SASS holds that code either
+    way, which the simulator charges as it charges both sides of any branch)."""
     N, L, H, HV, K, V = dims
     esize = 2
     ctas = 2 * HV * N
@@ -334,8 +336,11 @@ def estimate(f, dims, dtype, const):
     # its v half and o half (64 x 64) per chunk; g, beta of the chunks it preps; its half of h0 and of the
     # final state (fp32)
     per_chunk = M.CHUNK * (K + 2 * V_BLOCK) * esize + M.CHUNK * 4
-    tiles = ctas * (n * per_chunk + 2 * K * V_BLOCK * 4)
-    footprint = N * L * (2 * H * K + 2 * HV * V) * esize + N * L * HV * 8 + 2 * N * HV * K * V * 4
+    # kept: a chunk slot's Ts, M, gate rows, row factors, chunk decay, by the CTA that prepped it
+    keep = (2 * M.CHUNK * M.CHUNK * esize + 7 * M.CHUNK * 4 + 4) if kept else 0
+    tiles = ctas * (n * (per_chunk + keep / 2) + 2 * K * V_BLOCK * 4)
+    footprint = (N * L * (2 * H * K + 2 * HV * V) * esize + N * L * HV * 8 + 2 * N * HV * K * V * 4
+                 + N * n * HV * keep)
     hbm = min(tiles, footprint)
     busy = min(ctas, NUM_SMS)
     t_mem = max(hbm / HBM_BPS + (tiles - hbm) / const.l2_bps, tiles / (busy * SM_BPS))
@@ -390,10 +395,12 @@ def bwd_estimate(f, dims, dtype, const):
 
 @dataclasses.dataclass
 class CudaLaunch:
-    """A launch of one of the sm_90a kernels in a recorded case (report.py asks it for its row: row())."""
+    """A launch of one of the sm_90a kernels in a recorded case (report.py asks it for its row: row());
+    kept: the forward writes prep's outputs for the backward (kept_shape)."""
     kernel: str = KERNEL
     phase: str = "fwd"
     group: int = 0
+    kept: bool = False
 
     def config_text(self):
         return ""
@@ -401,9 +408,10 @@ class CudaLaunch:
 
 def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
     """The op bodies' launches with backend="cuda" (l2norm off, no h0, as launches.record_ours, whose
-    meta_inputs and op_body it takes) on meta tensors into `rec` (an active launches.Recorder). fwd:
-    chunk_gdr_fwd's torch operators, then a CudaLaunch for the forward kernel, which is stubbed. bwd:
-    chunk_gdr_bwd (the Triton backward from the saved inputs: the cuda forward keeps nothing) with its
+    meta_inputs and op_body it takes) on meta tensors into `rec` (an active launches.Recorder), as under
+    autograd: fwd: chunk_gdr_fwd's torch operators, then a CudaLaunch for the forward kernel, which is
+    stubbed (kept when the forward keeps its prep outputs: kept_shape). bwd: chunk_gdr_bwd on the forward's
+    kept (the Triton backward on those prep outputs, or running prep where the forward keeps none) with its
     reverse dS pass on the sm_90a dS kernel (gdn_packed.cuda.chunk.chunk_bwd_dstate_cuda, stubbed), a
     CudaLaunch: what the backward of backend="cuda" launches."""
     import torch
@@ -421,13 +429,16 @@ def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
     cuda_chunk.chunk_bwd_dstate_cuda = lambda *a, **kw: rec.launches.append(CudaLaunch(BWD_KERNEL, "bwd"))
     _dispatch.kernel.cache_clear()
     try:
+        rec.phase = "fwd"
+        start = len(rec.launches)
+        _, _, kept = op_body("chunk_gdr_fwd")(**common)
         if "fwd" in modes:
-            rec.phase = "fwd"
-            op_body("chunk_gdr_fwd")(**common)
-            rec.launches.append(CudaLaunch())
+            rec.launches.append(CudaLaunch(kept=bool(kept.numel())))
+        else:           # run for its `kept` only (what autograd hands the backward)
+            del rec.launches[start:]
         if "bwd" in modes:
             rec.phase = "bwd"
-            op_body("chunk_gdr_bwd")(**common, do=torch.empty_like(v), dht=None, kept=None)
+            op_body("chunk_gdr_bwd")(**common, do=torch.empty_like(v), dht=None, kept=kept if kept.numel() else None)
     finally:
         cuda_chunk.chunk_gdr_fwd_cuda, cuda_chunk.chunk_bwd_dstate_cuda = real_fwd, real_dstate
         _dispatch.kernel.cache_clear()
@@ -448,7 +459,7 @@ def row(name, dims, dtype, const, launch=None):
                     loop_instr="", loop_waits="", loop_bars="", step_cycles="", hbm_gb=0.0, gflop=0.0, lat_us="",
                     bytes_us="", flops_us="", smem_us="", bound="error", est_us="",
                     error=f.error or f"the kernel takes K = V = {HEAD_DIM}, bf16 / fp16 only")
-    est = (estimate if fwd else bwd_estimate)(f, dims, dtype, const)
+    est = estimate(f, dims, dtype, const, launch.kept) if fwd else bwd_estimate(f, dims, dtype, const)
     s, p = f.loops["state"], f.loops.get("prep", dict(hgmma=0, instr=0, waits=0))
     n = -(-dims[1] // M.CHUNK)
     us = lambda t: round(t * 1e6, 1)  # noqa: E731

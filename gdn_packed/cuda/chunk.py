@@ -2,8 +2,9 @@
 bf16 / fp16), warp-specialised CTAs over the device chunk table. host=True runs the kernel's host mirror
 (the same tile program with plain loops, CPU tensors; it also takes float32, which the device kernel
 does not). The backward of a cuda forward is the Triton one (gdn_packed.triton.chunk.chunk_gdr_bwd_triton,
-ops/_dispatch.py) with its reverse dS pass on csrc/chunk_gdr_bwd_sm90.cu (chunk_gdr_bwd_cuda): the op
-saves only its inputs, which is all that backward needs.
+ops/_dispatch.py) with its reverse dS pass on csrc/chunk_gdr_bwd_sm90.cu (chunk_gdr_bwd_cuda), on the
+prep outputs the forward kept (kept_shape: the kernel's prep writes them for every chunk slot when autograd
+will need them), so that backward runs no prep of its own.
 
     refusal(q, v, device)   None when backend="cuda" of the chunked op takes these inputs on `device`,
                             else the exception saying why (resolve_backend's `refuse`)
@@ -11,7 +12,9 @@ saves only its inputs, which is all that backward needs.
     chunk_bwd_dstate_cuda(...)  the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) in place of
                             the Triton one (gdn_packed.triton.chunk.chunk_bwd_dstate): the same inputs
                             (Triton prep's outputs) and outputs
-    chunk_gdr_bwd_cuda(...) the dispatch table's "bwd": the Triton backward with that dS pass
+    chunk_gdr_bwd_cuda(...) the dispatch table's "bwd": the Triton backward with that dS pass, on the kept
+                            prep
+    kept_shape(...)         the dispatch table's "kept_shape": what the forward keeps (a Prep's words)
 """
 import torch
 
@@ -50,6 +53,31 @@ def refusal(q, v, device, N=None):
     return None
 
 
+def kept_shape(T, N, HV, K, V, C, device, dtype):
+    """The shape of the forward's `kept` (the op's fake kernel calls this), fp32 flat, from shapes only:
+    prep's outputs of every chunk slot (gdn_packed.triton.chunk.Prep: Ts, M, gates, row factors, chunk
+    decays; 284 B a token and value head in bf16), which the kernel's prep writes and the Triton backward
+    then takes instead of running prep; empty where that backward runs in head slices (each slice its own
+    prep: gdn_packed.triton.chunk.keeps)."""
+    from gdn_packed.triton.chunk import keeps, prep_words
+    if not keeps(T, N, HV, K, V, dtype, device):
+        return (0,)
+    return (prep_words(T // C + N, HV, dtype),)
+
+
+def _kept_prep(kept, NC, HV, dtype):
+    """kept (kept_shape) as a Prep of views, or None when empty; a ValueError when it is not that tensor."""
+    if kept is None or kept.numel() == 0:
+        return None
+    from gdn_packed.triton.chunk import prep_in, prep_words
+    want = prep_words(NC, HV, dtype)
+    if kept.dtype != torch.float32 or kept.dim() != 1 or kept.numel() != want or not kept.is_contiguous() \
+            or kept.data_ptr() % 16:
+        raise ValueError(f"kept must be a contiguous, 16-byte aligned float32 tensor of {want} words (kept_shape), "
+                         f"got {tuple(kept.shape)} {kept.dtype}")
+    return prep_in(kept, NC, HV, dtype)
+
+
 def _aligned(x):
     """x contiguous with a 16-byte aligned base (TMA; the table's rows are read as int4)."""
     x = x.contiguous()
@@ -62,7 +90,8 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
     gdn_packed.triton.chunk.chunk_gdr_fwd_triton. q, k [T, H, K], v [T, HV, V] (bf16 / fp16; fp32 with
     host=True); g, beta [T, HV]; table int32 [NC, 4], cu_chunks int32 [N+1]. With A_log, dt_bias [HV],
     g and beta are the raw a, b and the kernel forms g = -exp(A_log) softplus(a + dt_bias),
-    beta = sigmoid(b) itself (fp32). `kept` is not used (the backward recomputes)."""
+    beta = sigmoid(b) itself (fp32). kept (kept_shape, or None / empty): prep's outputs of the sequences'
+    chunk slots are written there for the backward (its other slots are left as they are)."""
     if C != CHUNK:
         raise ValueError(f"the cuda chunked kernel is written for chunk size {CHUNK}, got {C}")
     T, H, K = q.shape
@@ -85,6 +114,8 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
         o.zero_()               # no sequence: every row is padding
         return
     raw = A_log is not None
+    prep = _kept_prep(kept, NC, HV, q.dtype)
+    keep = {f"kept_{n}": None if prep is None else getattr(prep, n) for n in ("gates", "eg_last", "rn", "ts", "mm")}
     out = o if host or o.data_ptr() % 16 == 0 else torch.empty_like(o)    # TMA stores o's whole chunks
     launch("chunk_gdr_fwd_sm90", q.device, host=host,
            reads=dict(q=_aligned(q), k=_aligned(k), v=_aligned(v), g=g.to(torch.float32),
@@ -93,7 +124,7 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
                       dt_bias=dt_bias.to(torch.float32) if raw else None,
                       table=_aligned(table), cu_chunks=cu_chunks,
                       initial_state=None if initial_state is None else initial_state.to(torch.float32)),
-           writes=dict(o=out, final_state=final_state), N=N, T=T, H=H, HV=HV, K=K, V=Vd, chunk_size=C,
+           writes=dict(o=out, final_state=final_state, **keep), N=N, T=T, H=H, HV=HV, K=K, V=Vd, chunk_size=C,
            dtype=q.dtype, scale=float(scale), l2norm=bool(use_l2norm), raw_gates=raw)
     if out is not o:
         o.copy_(out)
@@ -149,8 +180,11 @@ def _dstate_as_triton(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv,
     chunk_bwd_dstate_cuda(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta)
 
 
-def chunk_gdr_bwd_cuda(*args, **kw):
+def chunk_gdr_bwd_cuda(*args, kept=None, **kw):
     """Backward of backend="cuda": gdn_packed.triton.chunk.chunk_gdr_bwd_triton (its arguments) with the
-    reverse dS pass of csrc/chunk_gdr_bwd_sm90.cu in place of the Triton one."""
+    reverse dS pass of csrc/chunk_gdr_bwd_sm90.cu in place of the Triton one, on the prep outputs the
+    forward kept (kept_shape; without them that backward runs prep)."""
     from gdn_packed.triton.chunk import chunk_gdr_bwd_triton
-    chunk_gdr_bwd_triton(*args, **kw, dstate=_dstate_as_triton)
+    q, v, table = args[0], args[2], args[5]
+    chunk_gdr_bwd_triton(*args, **kw, prep=_kept_prep(kept, table.shape[0], v.shape[1], q.dtype),
+                         dstate=_dstate_as_triton)

@@ -25,12 +25,13 @@ TABLE = {
             "gate_bwd": "gdn_packed.triton.chunk_gate:gate_bwd_triton",
         },
         # opt-in only: "auto" does not pick it until tools/gpu_check.py has passed it on an H200
-        # (ops/chunk_gdr.py); its backward is the Triton one, which needs nothing the forward keeps, with
+        # (ops/chunk_gdr.py); its backward is the Triton one on the prep outputs the forward kept, with
         # its reverse dS pass the sm_90a kernel's (gdn_packed/cuda/chunk.py)
         "cuda": {
             "fwd": "gdn_packed.cuda.chunk:chunk_gdr_fwd_cuda",
             "fwd_raw": "gdn_packed.cuda.chunk:chunk_gdr_fwd_cuda",
             "bwd": "gdn_packed.cuda.chunk:chunk_gdr_bwd_cuda",
+            "kept_shape": "gdn_packed.cuda.chunk:kept_shape",
             "gate_fwd": "gdn_packed.triton.chunk_gate:gate_fwd_triton",
             "gate_bwd": "gdn_packed.triton.chunk_gate:gate_bwd_triton",
         },

@@ -74,10 +74,12 @@ class Prep(NamedTuple):
 
 
 def prep_shapes(NC, HV):
-    """{name: shape} of a Prep, its fields in order (ts, mm in the input dtype, the rest fp32)."""
+    """{name: shape} of a Prep in the order of its layout (prep_in): ts, mm in the input dtype first (16-byte
+    aligned where the words are: the sm_90a forward stores them 16 bytes at a time), then the fp32 gates,
+    rn, eg_last."""
     C = CHUNK
-    return dict(gates=(NC, HV, GATE_ROWS.value, C), eg_last=(NC, HV), rn=(NC, HV, 2, C), ts=(NC, HV, C, C),
-                mm=(NC, HV, C, C))
+    return dict(ts=(NC, HV, C, C), mm=(NC, HV, C, C), gates=(NC, HV, GATE_ROWS.value, C), rn=(NC, HV, 2, C),
+                eg_last=(NC, HV))
 
 
 def prep_words(NC, HV, dtype):
@@ -284,13 +286,13 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 
 
 def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
-                         do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None, dstate=None):
+                         do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None, dstate=None, prep=None):
     """Backward of backend="triton" on flattened rows: writes every row of dq, dk [T, H, K], dv [T, HV, V],
     dg, dbeta [T, HV] (0 on padding rows) and dh0 [N, HV, K, V] fp32. The op saves the inputs and
     `kept` (kept_shape: the states entering the forward's segments and prep's outputs), so the forward's
     state pass runs again (STORE_STATES, from the kept states), then the backward kernels of
-    chunk_bwd.py; without kept (the cuda forward's backward, keep=False, head slices) prep runs again
-    too. Grids depend only on T, N, the chunk slots and the shapes.
+    chunk_bwd.py; without kept (keep=False, head slices) prep runs again too, unless `prep` gives its
+    outputs (the cuda forward's kept). Grids depend only on T, N, the chunk slots and the shapes.
 
     Scratch: configs.bwd_scratch_bytes (~2.1 kB per token and value head at K = V = 128 in bf16, G = 2:
     S^T, dSn^T 512 B each and U^T, dX'^T 256 B each in the input dtype, Ts + M 256 B and gates / row
@@ -305,7 +307,9 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     slice runs its own prep and segments: the forward keeps nothing then).
 
     dstate: a replacement of chunk_bwd_dstate (its arguments; backend="cuda": the sm_90a dS pass,
-    gdn_packed.cuda.chunk), used when the backward runs in one slice (its outputs are then contiguous)."""
+    gdn_packed.cuda.chunk), used when the backward runs in one slice (its outputs are then contiguous).
+    prep: prep's outputs kept by another forward (backend="cuda": its kernel's), used where kept gives none
+    and the backward runs in one slice."""
     _check_chunk(C)
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -321,7 +325,8 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
             for x in outs]
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     dht = None if dht is None else dht.to(torch.float32).contiguous()
-    entering, ends, prep = kept_parts(kept, T, N, HV, K, V, q.dtype, q.device)
+    entering, ends, kept_prep = kept_parts(kept, T, N, HV, K, V, q.dtype, q.device)
+    prep = kept_prep if kept_prep is not None else prep
     P = bwd_head_slices(T, N, H, HV, K, V, q.dtype, bool(use_l2norm), sms=num_sms(q.device))
     if P == 1:
         _bwd_heads(q, k, v, g, beta, do, h0, dht, *work, dh0, table, cu_chunks, scale, use_l2norm, rows,
