@@ -58,8 +58,12 @@ def kept_shape(T, N, HV, K, V, C, device, dtype):
     prep's outputs of every chunk slot (gdn_packed.triton.chunk.Prep: Ts, M, gates, row factors, chunk
     decays; 284 B a token and value head in bf16), which the kernel's prep writes and the Triton backward
     then takes instead of running prep; empty where that backward runs in head slices (each slice its own
-    prep: gdn_packed.triton.chunk.keeps)."""
-    from gdn_packed.triton.chunk import keeps, prep_words
+    prep: gdn_packed.triton.chunk.keeps) or where Triton is not installed (that backward cannot run: it
+    says so then, not the forward)."""
+    try:
+        from gdn_packed.triton.chunk import keeps, prep_words
+    except ImportError:
+        return (0,)
     if not keeps(T, N, HV, K, V, dtype, device):
         return (0,)
     return (prep_words(T // C + N, HV, dtype),)
