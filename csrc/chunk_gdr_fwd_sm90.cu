@@ -9,9 +9,10 @@
 //        table int32 [NC, 4], cu_chunks int32 [N + 1] (the device chunk table); h0 [N, HV, K, V] fp32 or 0
 //   out  o [T, HV, V] (every row: the CTAs of (hv, n) write their columns of the sequence's rows and of
 //        the padding rows after them, n = 0 also those before the first sequence); ht [N, HV, K, V]
-//        fp32 (or 0)
+//        fp32 (or 0); kept_* (all or none): prep's outputs of the sequences' chunk slots for the backward
+//        (gdn_packed.triton.chunk.Prep: gates, rn, eg_last fp32, ts, mm in q's dtype)
 // Grid (V-blocks 2, HV, N) in clusters of 2: the two V-block CTAs of a (value head, sequence). CTA
-// (384 threads, 1 per SM, 225 KB shared memory):
+// (384 threads, 1 per SM, 221 KB shared memory):
 //   warpgroup 0, producer (32 registers): one warp. Per chunk: the table row (one int4, the next one a
 //        chunk ahead), g and beta of the rows for the chunks this CTA preps (plain loads: 4-byte strided
 //        columns, below TMA's 16-byte granule; with raw_gates formed from a, b here), then, once both
@@ -23,8 +24,9 @@
 //        their shadow the gate sums from strips of 8 rows and |q|^2 (row sums over K-halves); |k|^2 from
 //        the diagonal of K K^T; E, A and M in the accumulator layout; (I + A)^-1 as 16 x 16 diagonal
 //        blocks by substitution, two doubling levels (to 32 x 32, to 64 x 64) on wgmma -> Ts, M,
-//        gates in shared memory (4 buffers; never written to global memory), sent to the peer CTA's
-//        same buffer by a bulk copy over the cluster's shared memory
+//        gates in shared memory (4 buffers), sent to the peer CTA's same buffer by a bulk copy over the
+//        cluster's shared memory; with kept_* (the backward's), also stored to global memory once
+//        handed over (Ts, M unswizzled; the gate rows, row factors and chunk decay as Triton prep's)
 //   warpgroup 2, state (240 registers): S^T [64 v, 128] fp32 in registers, the chunk step of
 //        chunk_gdr_sm90.cuh (wgmma with S^T, X'^T, U^T as register A operands), O through a
 //        transposing stmatrix into the consumed v tile and a TMA store of the chunk

@@ -192,7 +192,7 @@ def mirror_as_cuda_forward(monkeypatch):
 
 @pytest.mark.parametrize("keep", [False, True], ids=["recompute", "kept-prep"])
 @pytest.mark.parametrize("gating", [False, True], ids=["g-beta", "raw-a-b"])
-def test_cuda_op_autograd_is_the_triton_backward(gating, keep, mirror_as_cuda_forward):
+def test_cuda_op_autograd_is_the_triton_backward(gating, keep, mirror_as_cuda_forward, monkeypatch):
     """gdn_packed::chunk_gdr_fwd with backend='cuda' (the host mirrors standing in for the forward kernel
     and the backward's dS pass, the rest of the Triton backward under the interpreter; fp16: the
     interpreter's bf16 is wrong): o within the fp16 budget of float64. Without keep, the backward runs
@@ -216,17 +216,14 @@ def test_cuda_op_autograd_is_the_triton_backward(gating, keep, mirror_as_cuda_fo
     do, dht = torch.randn(v.shape, generator=gen).half(), torch.randn(h0.shape, generator=gen)
     got, preps = {}, []
     real_prep = triton_chunk.chunk_fwd_prep
-    triton_chunk.chunk_fwd_prep = lambda *a, **kw: preps.append(1) or real_prep(*a, **kw)
-    try:
-        for backend in ("cuda", "triton"):
-            leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
-            gates = [x.clone().requires_grad_() for x in (A_log, dt_bias)] if gating else [None, None]
-            o, fs, kept = chunk_gdr_fwd(*leaves, cu, cu_pad, K ** -0.5, True, backend, *gates, keep)
-            n = len(preps)
-            grads = torch.autograd.grad([o, fs], leaves + [x for x in gates if x is not None], [do, dht])
-            got[backend] = (o.detach(), kept, grads, len(preps) - n)
-    finally:
-        triton_chunk.chunk_fwd_prep = real_prep
+    monkeypatch.setattr(triton_chunk, "chunk_fwd_prep", lambda *a, **kw: preps.append(1) or real_prep(*a, **kw))
+    for backend in ("cuda", "triton"):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        gates = [x.clone().requires_grad_() for x in (A_log, dt_bias)] if gating else [None, None]
+        o, fs, kept = chunk_gdr_fwd(*leaves, cu, cu_pad, K ** -0.5, True, backend, *gates, keep)
+        n = len(preps)          # the backward's prep launches
+        grads = torch.autograd.grad([o, fs], leaves + [x for x in gates if x is not None], [do, dht])
+        got[backend] = (o.detach(), kept, grads, len(preps) - n)
     fwd_kw = sorted((["A_log", "dt_bias"] if gating else []) + (["kept"] if keep else []))
     assert mirror_as_cuda_forward == [fwd_kw, "dS pass"]
     if not gating:
@@ -241,9 +238,10 @@ def test_cuda_op_autograd_is_the_triton_backward(gating, keep, mirror_as_cuda_fo
     ref = [x.detach().double().requires_grad_() for x in (q, k, v, g, beta, h0)]
     ref_gates = [x.double().requires_grad_() for x in (A_log, dt_bias)] if gating else []
     rg, rb = ref[3], ref[4]
-    if gating:      # the gates as the op forms them from the raw a, b (the torch backend's formula)
-        rg = -torch.exp(ref_gates[0]) * torch.nn.functional.softplus(ref[3] + ref_gates[1])
-        rb = torch.sigmoid(ref[4])
+    if gating:      # the gates as the op forms them from the raw a, b (the torch backend's, in float64)
+        from gdn_packed.torch_ref.chunk import gate_fwd_torch
+        rg, rb = gate_fwd_torch(ref[3][0], ref[4][0], *ref_gates)
+        rg, rb = rg[None], rb[None]
     pad = ~real_rows(cu, cu_pad, q.shape[1])
     clean = [torch.where(pad[None, :, None, None], 0.0, x) for x in ref[:3]]
     ro2, rf2 = reference_gdr(*clean, torch.where(pad[None, :, None], 0.0, rg), torch.where(pad[None, :, None], 0.0, rb),

@@ -4,6 +4,7 @@ and simulated at the model's constants, the per-CTA combination of the warp-spec
 body's torch operators with backend="cuda", and its row beside FLA's in the totals; the backward's reverse
 dS pass (csrc/chunk_gdr_bwd_sm90.cu) the same way, in the backward of backend="cuda". No GPU needed."""
 import math
+import re
 
 import pytest
 
@@ -67,19 +68,23 @@ def test_estimate_schedules_the_ctas_on_the_sms(facts):
 
 @pytest.mark.parametrize("phase", ["fwd", "bwd"])
 def test_shared_memory_counts_every_role_and_the_tma_traffic(facts, phase):
-    """A CTA's shared-memory cycles a chunk: each role's warps times one warp's wavefronts (with the bank
-    conflicts banks.py resolves) plus its MMA operand reads, prep's every other chunk, and the TMA /
-    bulk-copy bytes at 128 a cycle; the term is those cycles of every CTA's chunks over the busy SMs (at the
-    anchor 64 CTAs of 512 chunks on 64 SMs)."""
+    """A CTA's shared-memory cycles a chunk (smem_cycles): the warpgroup MMAs' operand reads are the tile
+    program's, counted by hand at 128 bytes a cycle (forward state: [K; Q] 32 KB, Ts, M 8 KB each, K 16 KB;
+    prep: the two Grams' A and B 64 KB, two doubling levels' B operands 32 KB; the dS step 80 KB); the TMA
+    bytes the model charges are the kernel's own expect-tx counts (the stage, and the forward's bulk copy
+    to the peer: immediates in its SASS); every role's warps add wavefronts on top; and the term is those
+    cycles of every CTA's chunks over the busy SMs (at the anchor 64 CTAs of 512 chunks on 64 SMs)."""
     f = facts["bf16"] if phase == "fwd" else cuda_chunk.facts("bf16", M.CONSTANTS, "bwd")
-    share = {"state": 1, "prep": 0.5, "producer": 1}
-    want = sum(share[r] * (cuda_chunk.ROLE_WARPS[r] * x["smem"] + x["smem_mma"]) for r, x in f.loops.items())
-    want += cuda_chunk.TMA_BYTES[phase] / 128
-    assert math.isclose(cuda_chunk.smem_cycles(f, phase), want)
-    # the state loop's MMAs read their B operands (and prep's Grams both operands) from shared memory
-    assert f.loops["state"]["smem_mma"] > 0 and all(x["smem"] > 0 for x in f.loops.values())
+    mma = {"fwd": {"state": 64 * 1024 / 128, "prep": 96 * 1024 / 128}, "bwd": {"state": 80 * 1024 / 128}}[phase]
+    assert {r: f.loops[r]["smem_mma"] for r in mma} == mma
+    source, kernel, _ = cuda_chunk.KERNELS[phase]
+    body = cuda_chunk._kernel_sass(cuda_chunk.build(source)["sass"], "bf16", kernel)
+    counts = [cuda_chunk.STAGE_BYTES[phase]] + ([cuda_chunk.PEER_BYTES] if phase == "fwd" else [])
+    assert all(re.search(rf"\b{hex(n)}\b", body) for n in counts), [hex(n) for n in counts]
+    floor = mma["state"] + mma.get("prep", 0) / 2 + cuda_chunk.TMA_BYTES[phase] / 128
+    assert cuda_chunk.smem_cycles(f, phase) > floor and all(x["smem"] > 0 for x in f.loops.values())
     est = (cuda_chunk.estimate if phase == "fwd" else cuda_chunk.bwd_estimate)(f, ANCHOR, "bf16", M.CONSTANTS)
-    assert math.isclose(est["t_smem"], est["ctas"] * 512 * want / est["ctas"] / M.CLOCK_HZ)
+    assert math.isclose(est["t_smem"], 512 * cuda_chunk.smem_cycles(f, phase) / M.CLOCK_HZ)
 
 
 def test_report_rows_of_the_cuda_forward(facts):

@@ -72,11 +72,13 @@ BWD_THREADS = 256
 KERNELS = {"fwd": (SOURCE, KERNEL, {"state", "prep", "producer"}), "bwd": (BWD_SOURCE, BWD_KERNEL, {"state", "producer"})}
 THREADS, V_BLOCK, HEAD_DIM, STAGES = 384, 64, 128, 3     # STAGES: the k / q / v ring (kStages)
 BLOCK = 64 * 64 * 2                # kBlock: one [64 rows, 64 columns] 16-bit block of shared memory
-# per chunk and CTA, the bytes the TMA / bulk copies move through its shared memory (csrc constants): the
-# forward's stage (kStageBytes: k, q, v), O's store, and Ts / M / gates (kPrepBytes, every other chunk sent
-# to the peer and every other one received from it); the dS pass's stage (kBwdStageBytes: k, q, Ts, M,
-# dO, the gate rows) and its stores (dSn^T, dX'^T, dv)
-TMA_BYTES = {"fwd": 5 * BLOCK + BLOCK + (2 * BLOCK + 1040), "bwd": 7 * BLOCK + 1280 + 4 * BLOCK}
+# per chunk and CTA, the bytes the TMA / bulk copies move through its shared memory: a stage of the ring
+# (the kernels' expect-tx counts, kStageBytes: k, q, v; kBwdStageBytes: k, q, Ts, M, dO, the gate rows),
+# the stores (O; dSn^T, dX'^T, dv) and the forward's Ts / M / gates bulk copy to the peer (kPrepBytes: every
+# other chunk sent, every other one received; tests/test_cuda_chunk_model.py finds both counts in the SASS)
+STAGE_BYTES = {"fwd": 5 * BLOCK, "bwd": 7 * BLOCK + 1280}
+PEER_BYTES = 2 * BLOCK + 1040
+TMA_BYTES = {"fwd": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "bwd": STAGE_BYTES["bwd"] + 4 * BLOCK}
 ROLE_WARPS = {"state": 4, "prep": 4, "producer": 1}     # the warps that run each role's loop
 DTYPES = ("bf16", "fp16")          # the kernel's inputs (fp32: refused, no row)
 
