@@ -85,6 +85,10 @@ struct ChunkSm90Params {
   // prep's outputs of every chunk slot for the backward (gdn_packed.triton.chunk.Prep), all or none:
   // gates [NC, HV, 5, C], eg_last [NC, HV], rn [NC, HV, 2, C] float32; ts, mm [NC, HV, C, C] q's dtype
   std::uintptr_t kept_gates = 0, kept_eg_last = 0, kept_rn = 0, kept_ts = 0, kept_mm = 0;
+  // the state entering each of the kept_segments segments of every sequence (the Triton state pass's:
+  // gdn_packed.triton.common.segment_chunks), [N kept_segments, HV, K, V] float32, or 0
+  std::uintptr_t kept_entering = 0;
+  int64_t kept_segments = 0;
   int64_t N = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, chunk_size = 0;
   int dtype = 0;                          // 1 float16, 2 bfloat16 (0 float32: host mirror only)
   float scale = 1.f;

@@ -10,7 +10,9 @@
 //   out  o [T, HV, V] (every row: the CTAs of (hv, n) write their columns of the sequence's rows and of
 //        the padding rows after them, n = 0 also those before the first sequence); ht [N, HV, K, V]
 //        fp32 (or 0); kept_* (all or none): prep's outputs of the sequences' chunk slots for the backward
-//        (gdn_packed.triton.chunk.Prep: gates, rn, eg_last fp32, ts, mm in q's dtype)
+//        (gdn_packed.triton.chunk.Prep: gates, rn, eg_last fp32, ts, mm in q's dtype); kept_entering
+//        [N kept_segments, HV, K, V] fp32 (or 0): the state entering each segment of the Triton state
+//        pass (segment_slots), from which the backward's recompute starts them
 // Grid (V-blocks 2, HV, N) in clusters of 2: the two V-block CTAs of a (value head, sequence). CTA
 // (384 threads, 1 per SM, 221 KB shared memory):
 //   warpgroup 0, producer (32 registers): one warp. Per chunk: the table row (one int4, the next one a
@@ -70,6 +72,8 @@ struct Args {
   float* ht;
   float *kept_gates, *kept_eg_last, *kept_rn;   // the backward's Prep (ChunkSm90Params), or all 0
   void *kept_ts, *kept_mm;
+  float* kept_entering;                       // [N kept_segments, HV, K, V] (ChunkSm90Params), or 0
+  int kept_segments;
   int64_t N, T, H, HV;
   float scale;
   bool l2norm, raw_gates;
@@ -149,7 +153,16 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
   const typename P::Smem q_a{kq.data() + kC * kK, kK, true};
   const typename P::Smem ts_s{ts.data(), kC, true}, m_s{mm.data(), kC, true};
   const typename P::Smem at_s{at.data(), kC, true}, dt_s{dt.data(), kC, true};
-  for (int64_t j = a.cu_chunks[n]; j < a.cu_chunks[n + 1]; ++j) {
+  // the states entering the segments (the kernel's walk: chunk_gdr_fwd_sm90_device.cuh)
+  const int64_t c0 = a.cu_chunks[n], c1 = a.cu_chunks[n + 1];
+  const int nchunks = static_cast<int>(c1 - c0), segs = a.kept_entering ? a.kept_segments : 1;
+  const int per = segment_slots(nchunks, segs);
+  auto keep_entering = [&](int s) {
+    if (a.kept_entering)
+      for (int wg = 0; wg < kVBlocks; ++wg) store_state<P>(S[wg], a.kept_entering, (n * segs + s) * HV + hv, wg);
+  };
+  for (int64_t j = c0; j < c1; ++j) {
+    if ((j - c0) % per == 0) keep_entering(static_cast<int>((j - c0) / per));
     const int64_t start = a.table[j * 4 + 2];
     const int length = a.table[j * 4 + 3];
     // the TMA boxes: rows past T are 0; then prep zeroes the rows of other sequences (dead rows)
@@ -186,9 +199,10 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
       });
     }
   }
+  for (int s = 0; s < segs; ++s)
+    if (s * per >= nchunks) keep_entering(s);       // the empty segments: the final state
   if (a.ht)
-    for (int wg = 0; wg < kVBlocks; ++wg)
-      P::for_each(S[wg], [&](int r, int c, float& x) { a.ht[((n * HV + hv) * kK + c) * kV + wg * kVB + r] = x; });
+    for (int wg = 0; wg < kVBlocks; ++wg) store_state<P>(S[wg], a.ht, n * HV + hv, wg);
   int64_t pa, pb;
   padding_after(a.table, a.cu_chunks, n, a.N, a.T, &pa, &pb);
   const int64_t first = n == 0 ? padding_before_first(a.table, a.cu_chunks, a.N, a.T) : 0;
@@ -225,6 +239,8 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
                    (p.kept_mm != 0);
   if (kept != 0 && kept != 5)
     return bad("kept_gates, kept_eg_last, kept_rn, kept_ts and kept_mm come together or not at all");
+  if (p.kept_entering != 0 && (p.kept_segments < 1 || p.kept_segments > kInt32Max))
+    return bad("kept_entering needs kept_segments >= 1");
   sm90::Args a{};
   a.q = reinterpret_cast<const void*>(p.q);
   a.k = reinterpret_cast<const void*>(p.k);
@@ -243,6 +259,8 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
   a.kept_rn = reinterpret_cast<float*>(p.kept_rn);
   a.kept_ts = reinterpret_cast<void*>(p.kept_ts);
   a.kept_mm = reinterpret_cast<void*>(p.kept_mm);
+  a.kept_entering = reinterpret_cast<float*>(p.kept_entering);
+  a.kept_segments = static_cast<int>(p.kept_segments);
   a.N = p.N;
   a.T = p.T;
   a.H = p.H;

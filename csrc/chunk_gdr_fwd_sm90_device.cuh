@@ -299,16 +299,25 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
         if (kLast && length < kC) release_held();   // (no store in flight: wait_group.read returns at once)
       }
     };
-    for (int it = 0; it + 1 < nchunks; ++it) step(it, std::false_type{});
+    // the chunks segment by segment (one segment unless the backward keeps their entering states: then
+    // S^T is stored as each one starts, and the final state for the empty ones)
+    const int segs = a.kept_entering ? a.kept_segments : 1, per = segment_slots(nchunks, segs);
+    auto keep_entering = [&](int s) {
+      if (a.kept_entering) store_state<P>(S, a.kept_entering, (n * segs + s) * HV + hv, vb);
+    };
+    int it = 0, s = 0;
+    for (; s < segs && s * per < nchunks; ++s) {
+      keep_entering(s);
+      const int end = s * per + per < nchunks ? s * per + per : nchunks - 1;    // (the last chunk: below)
+      for (; it < end; ++it) step(it, std::false_type{});
+    }
     if (nchunks > 0) step(nchunks - 1, std::true_type{});
+    for (; s < segs; ++s) keep_entering(s);
     if (wtid == 0) {
       release_held();
       asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");   // the last stores done before exit
     }
-    if (a.ht) {
-      float* ht = a.ht + (n * HV + hv) * kK * kV;
-      P::for_each(S, [&](int r, int c, float& x) { ht[c * kV + vb * kVB + r] = x; });
-    }
+    if (a.ht) store_state<P>(S, a.ht, n * HV + hv, vb);
     int64_t pa, pb;
     padding_after(a.table, a.cu_chunks, n, a.N, a.T, &pa, &pb);
     const int64_t first = n == 0 ? padding_before_first(a.table, a.cu_chunks, a.N, a.T) : 0;

@@ -375,6 +375,22 @@ GDN_HD void keep_gate_row(const Gates& g, const PrepScratch& s, int r, int lengt
   if (r == 0) *eg_last = g.eg_last;
 }
 
+// The segments of the forward's Triton state pass (gdn_packed.triton.common.segment_chunks), whose entering
+// states the backward's recompute starts from: a sequence's nchunks chunk slots in S consecutive segments of
+// segment_slots(nchunks, S) slots, segment s from chunk min(s segment_slots, nchunks) (the last ones shorter
+// or empty).
+GDN_HD int segment_slots(int nchunks, int S) { return (nchunks + S - 1) / S; }
+
+// S^T of V-block vb (fp32, the accumulator layout) as state `slot` of a [slots, K, V] fp32 tensor: the final
+// state (ht) and the states entering the segments (kept_entering).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P>
+GDN_HD void store_state(typename P::template Frag<kK>& S, float* dst, int64_t slot, int vb) {
+  P::for_each(S, [&](int r, int c, float& x) { dst[(slot * kK + c) * kV + vb * kVB + r] = x; });
+}
+
 // dS: dS^T [64 v, K] fp32 (accumulator layout), in: the gradient of the state leaving the chunk, out: that
 // of the state entering it. gates: the chunk's kGateRows x 64 gate rows; eg_last: e^gam_last. k_b: K as the
 // K-major B [c, K] (N = 64: dS^T K^T); k_mn, q_mn: K, Q as MN-major B operands [c, K] (N = K: the dS

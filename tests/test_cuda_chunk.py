@@ -190,9 +190,10 @@ def mirror_as_cuda_forward(monkeypatch):
     _dispatch.kernel.cache_clear()
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["recompute", "kept-prep"])
+@pytest.mark.parametrize("keep, segments", [(False, 1), (True, 1), (True, 3)],
+                         ids=["recompute", "kept-prep", "kept-segments"])
 @pytest.mark.parametrize("gating", [False, True], ids=["g-beta", "raw-a-b"])
-def test_cuda_op_autograd_is_the_triton_backward(gating, keep, mirror_as_cuda_forward, monkeypatch):
+def test_cuda_op_autograd_is_the_triton_backward(gating, keep, segments, mirror_as_cuda_forward, monkeypatch):
     """gdn_packed::chunk_gdr_fwd with backend='cuda' (the host mirrors standing in for the forward kernel
     and the backward's dS pass, the rest of the Triton backward under the interpreter; fp16: the
     interpreter's bf16 is wrong): o within the fp16 budget of float64. Without keep, the backward runs
@@ -203,7 +204,9 @@ def test_cuda_op_autograd_is_the_triton_backward(gating, keep, mirror_as_cuda_fo
     fp16 budget of float64, and within 2x backend='triton''s error there (the mirror rounds the inverse's
     doubling operands to fp16 as the kernel does, where Triton prep under the interpreter rounds nothing:
     on a GPU its tf32 dots round as much; measured 1.13x on dg with g, beta given, 1.00-1.02x elsewhere,
-    every error under 4.1e-4)."""
+    every error under 4.1e-4). With the Triton state pass in 3 segments (state_segments forced), the forward
+    also keeps the state entering each segment, and the backward's recompute starts from them: no pass A
+    (entering_states) in the backward, the same bounds."""
     from gdn_packed.ops.chunk_gdr import chunk_gdr_fwd
     from gdn_packed.ops._common import triton_usable
     from gdn_packed.triton import chunk as triton_chunk
@@ -214,16 +217,19 @@ def test_cuda_op_autograd_is_the_triton_backward(gating, keep, mirror_as_cuda_fo
     A_log, dt_bias = (torch.tensor([0.3, -1.0]), torch.tensor([0.5, 1.5])) if gating else (None, None)
     gen = torch.Generator().manual_seed(7)
     do, dht = torch.randn(v.shape, generator=gen).half(), torch.randn(h0.shape, generator=gen)
-    got, preps = {}, []
-    real_prep = triton_chunk.chunk_fwd_prep
+    got, preps, passes_a = {}, [], []
+    real_prep, real_entering = triton_chunk.chunk_fwd_prep, triton_chunk.entering_states
     monkeypatch.setattr(triton_chunk, "chunk_fwd_prep", lambda *a, **kw: preps.append(1) or real_prep(*a, **kw))
+    monkeypatch.setattr(triton_chunk, "entering_states",
+                        lambda *a, **kw: passes_a.append(1) or real_entering(*a, **kw))
+    monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, **kw: segments)
     for backend in ("cuda", "triton"):
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
         gates = [x.clone().requires_grad_() for x in (A_log, dt_bias)] if gating else [None, None]
         o, fs, kept = chunk_gdr_fwd(*leaves, cu, cu_pad, K ** -0.5, True, backend, *gates, keep)
-        n = len(preps)          # the backward's prep launches
+        n, m = len(preps), len(passes_a)          # the backward's prep launches and passes A
         grads = torch.autograd.grad([o, fs], leaves + [x for x in gates if x is not None], [do, dht])
-        got[backend] = (o.detach(), kept, grads, len(preps) - n)
+        got[backend] = (o.detach(), kept, grads, len(preps) - n, len(passes_a) - m)
     fwd_kw = sorted((["A_log", "dt_bias"] if gating else []) + (["kept"] if keep else []))
     assert mirror_as_cuda_forward == [fwd_kw, "dS pass"]
     if not gating:
@@ -233,8 +239,10 @@ def test_cuda_op_autograd_is_the_triton_backward(gating, keep, mirror_as_cuda_fo
         for a, b in zip(got["cuda"][2], got["triton"][2]):
             assert rel_err(a, b.double()) <= 1e-4
         return
-    NC = cu.numel() - 1 + q.shape[1] // 64
-    assert got["cuda"][1].numel() == triton_chunk.prep_words(NC, HV, torch.float16) and got["cuda"][3] == 0
+    NC, N = cu.numel() - 1 + q.shape[1] // 64, cu.numel() - 1
+    entering = N * segments * HV * K * K if segments > 1 else 0
+    assert got["cuda"][1].numel() == entering + triton_chunk.prep_words(NC, HV, torch.float16)
+    assert got["cuda"][3] == 0 and got["cuda"][4] == 0        # neither prep nor pass A in the backward
     ref = [x.detach().double().requires_grad_() for x in (q, k, v, g, beta, h0)]
     ref_gates = [x.double().requires_grad_() for x in (A_log, dt_bias)] if gating else []
     rg, rb = ref[3], ref[4]
@@ -301,6 +309,52 @@ def test_mirror_keeps_triton_preps_outputs(pi, dtype):
         assert (x.permute(0, 2, 1, 3)[dead] == 0).all()
 
 
+@pytest.mark.parametrize("pi", [1, 2, 5, 6], ids=[IDS[i] for i in (1, 2, 5, 6)])
+def test_mirror_keeps_the_segments_entering_states(pi, monkeypatch):
+    """With kept and the Triton state pass in S = 3 segments (fwd_segments forced: these sequences are too
+    short for the shapes to choose it), kept starts with the state entering every segment of every
+    sequence ([N S, HV, K, V], the segments of gdn_packed.triton.common.segment_chunks: cdiv(chunks, 3)
+    chunk slots each, the last ones shorter or empty), which the backward's recompute starts from:
+    each within the fp32 state budget of the float64 recurrence run over the sequence's chunks before the
+    segment (h0 for the first, the final state for the empty ones after the last chunk; zero-length
+    sequences: h0 throughout), every word written."""
+    from gdn_packed.ops._common import triton_usable
+    if triton_usable(torch.device("cpu")):
+        pytest.skip(f"Triton's Prep layout cannot be imported here: {triton_usable(torch.device('cpu'))}")
+    from gdn_packed.cuda.chunk import kept_shape
+    from gdn_packed.triton import chunk as triton_chunk
+    S = 3
+    monkeypatch.setattr(triton_chunk, "fwd_segments", lambda *a, **kw: S)
+    p = PACKINGS[pi]
+    cu, cu_pad, rows = p.layout()
+    N = len(p.lengths)
+    q, k, v, g, beta, h0 = gdr_inputs(rows, H, HV, K, K, torch.float32, N=N, initial_state=True, unit_k=False,
+                                      seed=pi)
+    table, cc = make_chunk_table(cu, cu_pad, rows, 64)
+    (words,) = kept_shape(rows, N, HV, K, K, 64, torch.device("cpu"), torch.float32)
+    assert words == N * S * HV * K * K + triton_chunk.prep_words(table.shape[0], HV, torch.float32)
+    kept = torch.full((words,), float("nan"))
+    o, fs = torch.empty_like(v[0]), torch.empty(N, HV, K, K)
+    chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, h0, K ** -0.5, 64, True, o, fs, kept=kept,
+                       host=True)
+    entering = kept[:N * S * HV * K * K].view(N, S, HV, K, K)
+    assert not entering.isnan().any()
+    for n in range(N):
+        c0, c1 = int(cc[n]), int(cc[n + 1])
+        per = -(-(c1 - c0) // S)
+        for s in range(S):
+            done = min(s * per, c1 - c0)                  # the sequence's chunks before segment s
+            if done == 0:
+                want = h0[n].double()
+            else:
+                r0, r1 = int(table[c0, 2]), int(table[c0 + done - 1, 2] + table[c0 + done - 1, 3])
+                x = [t[:, r0:r1].double() for t in (q, k, v, g, beta)]
+                _, want = reference_gdr(*x, scale=K ** -0.5, initial_state=h0[n:n + 1].double(),
+                                        cu_seqlens=torch.tensor([0, r1 - r0]), use_qk_l2norm_in_kernel=True)
+                want = want[0]
+            assert rel_err(entering[n, s], want) <= BUDGETS[torch.float32]["state"], (n, s)
+
+
 def _entry_args(T=5, N=1, H=1, HV=2, raw=False):
     """A complete, valid argument set of _C.chunk_gdr_fwd_sm90_host (float32: the mirror), and the tensors."""
     cu = torch.tensor([0, T], dtype=torch.int32)
@@ -310,16 +364,18 @@ def _entry_args(T=5, N=1, H=1, HV=2, raw=False):
     ts = dict(q=z(T, H, K), k=z(T, H, K), v=z(T, HV, K), g=z(T, HV), beta=z(T, HV), A_log=z(HV), dt_bias=z(HV),
               table=table, cu_chunks=cc, initial_state=z(N, HV, K, K), final_state=z(N, HV, K, K), o=z(T, HV, K),
               kept_gates=z(NC, HV, 5, 64), kept_eg_last=z(NC, HV), kept_rn=z(NC, HV, 2, 64),
-              kept_ts=z(NC, HV, 64, 64), kept_mm=z(NC, HV, 64, 64))
+              kept_ts=z(NC, HV, 64, 64), kept_mm=z(NC, HV, 64, 64), kept_entering=z(2 * N, HV, K, K))
     args = {n: t.data_ptr() for n, t in ts.items()}
-    args.update(N=N, T=T, H=H, HV=HV, K=K, V=K, chunk_size=64, dtype=0, scale=0.1, l2norm=True, raw_gates=raw)
+    args.update(kept_segments=2, N=N, T=T, H=H, HV=HV, K=K, V=K, chunk_size=64, dtype=0, scale=0.1, l2norm=True,
+                raw_gates=raw)
     return args, ts
 
 
 def test_entry_point_names_its_arguments():
     """_C.chunk_gdr_fwd_sm90(_host) takes the declared keywords only; a required pointer passed as None is
     a ValueError naming it before anything runs (A_log, dt_bias only with raw_gates; initial_state and
-    final_state are optional; the five kept_* pointers are too, but come together or not at all)."""
+    final_state are optional; the five kept_* pointers of prep are too, but come together or not at all;
+    kept_entering is too, with kept_segments >= 1)."""
     C = _cext.get_C()
     args, keep = _entry_args()
     doc = "chunk_gdr_fwd_sm90_host(*, " + ", ".join(args) + ")"
@@ -333,8 +389,11 @@ def test_entry_point_names_its_arguments():
         with pytest.raises(ValueError, match=f"argument '{name}' "):
             C.chunk_gdr_fwd_sm90_host(**dict(args, raw_gates=True, **{name: None}))
     C.chunk_gdr_fwd_sm90_host(**dict(args, initial_state=None, final_state=None))
-    kept = [n for n in args if n.startswith("kept_")]
+    kept = [n for n in args if n.startswith("kept_") and n not in ("kept_entering", "kept_segments")]
     C.chunk_gdr_fwd_sm90_host(**dict(args, **{n: None for n in kept}))
+    C.chunk_gdr_fwd_sm90_host(**dict(args, kept_entering=None, kept_segments=0))
+    with pytest.raises(ValueError, match="kept_entering needs kept_segments >= 1"):
+        C.chunk_gdr_fwd_sm90_host(**dict(args, kept_segments=0))
     for name in kept:
         with pytest.raises(ValueError, match="kept_gates, kept_eg_last, kept_rn, kept_ts and kept_mm come together"):
             C.chunk_gdr_fwd_sm90_host(**dict(args, **{name: None}))

@@ -137,20 +137,22 @@ def test_long_sequences_match_triton_and_rerun_bit_identical(packing):
 
 
 def kept_prep(x, cu, cu_pad, device):
-    """(Prep of the sequences' chunk slots the forward keeps for the backward, a mask of those slots): the
-    cuda forward with kept (the kernel on `device`, its host mirror on "cpu")."""
-    from gdn_packed.cuda.chunk import chunk_gdr_fwd_cuda, kept_shape
+    """(Prep of the sequences' chunk slots the forward keeps for the backward, a mask of those slots, the
+    chunk table, the states entering the segments [N S, HV, K, V] or None): the cuda forward with kept (the
+    kernel on `device`, its host mirror on "cpu")."""
+    from gdn_packed.cuda.chunk import _kept_parts, chunk_gdr_fwd_cuda, kept_shape
     from gdn_packed.ops.chunk_table import make_chunk_table
-    from gdn_packed.triton.chunk import prep_in
     q, k, v, g, beta, h0 = (t.to(device) for t in x)
     table, cc = make_chunk_table(cu.to(device), None if cu_pad is None else cu_pad.to(device), q.shape[1], 64)
-    (words,) = kept_shape(q.shape[1], h0.shape[0], HV, K, K, 64, torch.device(device), q.dtype)
+    N = h0.shape[0]
+    (words,) = kept_shape(q.shape[1], N, HV, K, K, 64, torch.device(device), q.dtype)
     kept = torch.full((words,), float("nan"), device=device)
     o, fs = torch.empty_like(v[0]), torch.empty(h0.shape, device=device)
     chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, h0, K ** -0.5, 64, True, o, fs, kept=kept,
                        host=device == "cpu")
-    prep = prep_in(kept, table.shape[0], HV, q.dtype)
-    return type(prep)(*(t.cpu() for t in prep)), (torch.arange(table.shape[0]) < int(cc[-1])), table.cpu()
+    entering, prep = _kept_parts(kept, q.shape[1], N, table.shape[0], HV, q.dtype, torch.device(device))
+    return (type(prep)(*(t.cpu() for t in prep)), (torch.arange(table.shape[0]) < int(cc[-1])), table.cpu(),
+            None if entering is None else entering.cpu())
 
 
 @pytest.mark.parametrize("pi", range(len(PACKINGS)), ids=IDS)
@@ -165,8 +167,8 @@ def test_kept_prep_matches_the_mirror_and_triton_prep(pi):
         pytest.fail(f"not launched: {forward_hangs()}")
     from gdn_packed.triton import chunk as triton_chunk
     x, cu, cu_pad, _ = inputs(PACKINGS[pi], torch.bfloat16, pi)
-    got, used, table = kept_prep(x, cu, cu_pad, "cuda")
-    mir, _, _ = kept_prep(x, cu, cu_pad, "cpu")
+    got, used, table, _ = kept_prep(x, cu, cu_pad, "cuda")
+    mir, _, _, _ = kept_prep(x, cu, cu_pad, "cpu")
     q, k, v, g, beta, _ = (t.cuda() for t in x)
     qr, kr, _, gr, br, rws = triton_chunk._rows(q[0], k[0], v[0], g[0], beta[0])
     tri = triton_chunk.chunk_fwd_prep(qr, kr, gr, br, table.cuda(), HV, K ** -0.5, True, rws)
@@ -176,6 +178,23 @@ def test_kept_prep_matches_the_mirror_and_triton_prep(pi):
         assert (a[~used].contiguous().view(torch.int32) == nan_word).all(), name
         assert rel_err(a[used], m) <= 1e-2, (name, rel_err(a[used], m))
         assert rel_err(a[used], t) <= (2 ** -8 if name in ("ts", "mm") else 1e-4), (name, rel_err(a[used], t))
+
+
+@pytest.mark.parametrize("pi", [1, 2, 5, 6], ids=[IDS[i] for i in (1, 2, 5, 6)])
+def test_kept_entering_states_match_the_mirror(pi, monkeypatch):
+    """With kept and the Triton state pass in 3 segments (fwd_segments forced), the kernel's state
+    warpgroups store the state entering every segment of every sequence (the final state for the empty
+    ones), from which the backward's recompute starts them: against the host mirror's (within the fp32
+    state budget's 2e-2 of bf16 inputs: the same arithmetic, the tensor cores' order), every word written."""
+    if forward_hangs():
+        pytest.fail(f"not launched: {forward_hangs()}")
+    from gdn_packed.triton import chunk as triton_chunk
+    monkeypatch.setattr(triton_chunk, "fwd_segments", lambda *a, **kw: 3)
+    x, cu, cu_pad, _ = inputs(PACKINGS[pi], torch.bfloat16, pi)
+    *_, got = kept_prep(x, cu, cu_pad, "cuda")
+    *_, mir = kept_prep(x, cu, cu_pad, "cpu")
+    assert got.shape == mir.shape == (3 * x[5].shape[0], HV, K, K) and not got.isnan().any()
+    assert rel_err(got, mir.double()) <= 2e-2
 
 
 def test_raw_gates_and_autograd_through_the_triton_backward():

@@ -150,7 +150,8 @@ print(json.dumps(dict(names=[lc.kernel for lc in rec.launches if hasattr(lc, "ke
 def test_report_rows_of_the_cuda_backward():
     """The backward of backend="cuda" recorded on meta tensors (in a subprocess without TRITON_INTERPRET,
     as tests/test_sm90_report.py records): the Triton backward's launches on the prep outputs the forward
-    kept (no prep launch) with its dS pass (pass A, combine, pass) replaced by one sm_90a kernel launch,
+    kept (no prep launch; the recompute from the kept entering states of its segments: no pass A, no
+    combine) with its dS pass (pass A, combine, pass) replaced by one sm_90a kernel launch,
     whose row names its bound; the tiles it moves at the anchor: 2.19 GB (bench/NOTES.md's count)."""
     import json
     import os
@@ -165,6 +166,9 @@ def test_report_rows_of_the_cuda_backward():
     names = out["names"]
     assert names.count(cuda_chunk.BWD_KERNEL) == 1 and "chunk_bwd_dstate_kernel" not in names
     assert "chunk_fwd_prep_kernel" not in names         # on the prep outputs the forward kept
+    # the recompute from the states entering the segments the forward kept (3 at the anchor): no pass A, no
+    # combine
+    assert names.count("chunk_fwd_state_kernel") == 1 and "chunk_combine_kernel" not in names
     assert "chunk_bwd_dq_kernel" in names and "chunk_bwd_dk_kernel" in names
     (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.BWD_KERNEL]
     assert k["mode"] == "bwd" and k["ctas"] == 64 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"]

@@ -3,8 +3,8 @@ bf16 / fp16), warp-specialised CTAs over the device chunk table. host=True runs 
 (the same tile program with plain loops, CPU tensors; it also takes float32, which the device kernel
 does not). The backward of a cuda forward is the Triton one (gdn_packed.triton.chunk.chunk_gdr_bwd_triton,
 ops/_dispatch.py) with its reverse dS pass on csrc/chunk_gdr_bwd_sm90.cu (chunk_gdr_bwd_cuda), on the
-prep outputs the forward kept (kept_shape: the kernel's prep writes them for every chunk slot when autograd
-will need them), so that backward runs no prep of its own.
+segments' entering states and prep outputs the forward kept (kept_shape: the kernel writes them when
+autograd will need them), so that backward runs neither pass A nor prep of its own.
 
     refusal(q, v, device)   None when backend="cuda" of the chunked op takes these inputs on `device`,
                             else the exception saying why (resolve_backend's `refuse`)
@@ -14,7 +14,8 @@ will need them), so that backward runs no prep of its own.
                             (Triton prep's outputs) and outputs
     chunk_gdr_bwd_cuda(...) the dispatch table's "bwd": the Triton backward with that dS pass, on the kept
                             prep
-    kept_shape(...)         the dispatch table's "kept_shape": what the forward keeps (a Prep's words)
+    kept_shape(...)         the dispatch table's "kept_shape": what the forward keeps (the segments'
+                            entering states, a Prep's words)
 """
 import torch
 
@@ -55,31 +56,43 @@ def refusal(q, v, device, N=None):
 
 def kept_shape(T, N, HV, K, V, C, device, dtype):
     """The shape of the forward's `kept` (the op's fake kernel calls this), fp32 flat, from shapes only:
-    prep's outputs of every chunk slot (gdn_packed.triton.chunk.Prep: Ts, M, gates, row factors, chunk
-    decays; 284 B a token and value head in bf16), which the kernel's prep writes and the Triton backward
-    then takes instead of running prep; empty where that backward runs in head slices (each slice its own
-    prep: gdn_packed.triton.chunk.keeps) or where Triton is not installed (that backward cannot run: it
-    says so then, not the forward)."""
+    when the Triton state pass runs in S > 1 segments (gdn_packed.triton.chunk.fwd_segments: few long
+    sequences), the state entering every segment ([N S, HV, K, V], which the kernel's state warpgroup
+    stores as each segment starts), so that the backward's recompute of the states starts every segment
+    from it (no pass A, no combine); then prep's outputs of every chunk slot (gdn_packed.triton.chunk.Prep:
+    Ts, M, gates, row factors, chunk decays; 284 B a token and value head in bf16), which the kernel's prep
+    writes and the Triton backward then takes instead of running prep. Empty where that backward runs in
+    head slices (each slice its own prep and segments: gdn_packed.triton.chunk.keeps) or where Triton is
+    not installed (that backward cannot run: it says so then, not the forward)."""
     try:
-        from gdn_packed.triton.chunk import keeps, prep_words
+        from gdn_packed.triton.chunk import fwd_segments, keeps, prep_words
     except ImportError:
         return (0,)
     if not keeps(T, N, HV, K, V, dtype, device):
         return (0,)
-    return (prep_words(T // C + N, HV, dtype),)
+    S = fwd_segments(T, N, HV, K, V, dtype, device)
+    return (_entering_words(N, S, HV, K, V) + prep_words(T // C + N, HV, dtype),)
 
 
-def _kept_prep(kept, NC, HV, dtype):
-    """kept (kept_shape) as a Prep of views, or None when empty; a ValueError when it is not that tensor."""
+def _entering_words(N, S, HV, K, V):
+    """The floats of kept's entering states: [N S, HV, K, V] with S > 1 segments, none with one."""
+    return N * S * HV * K * V if S > 1 else 0
+
+
+def _kept_parts(kept, T, N, NC, HV, dtype, device):
+    """kept (kept_shape) as (entering states [N S, HV, K, V], None with one segment; a Prep of views), or
+    (None, None) when empty; a ValueError when it is not that tensor."""
     if kept is None or kept.numel() == 0:
-        return None
-    from gdn_packed.triton.chunk import prep_in, prep_words
-    want = prep_words(NC, HV, dtype)
+        return None, None
+    from gdn_packed.triton.chunk import fwd_segments, prep_in, prep_words
+    K = HEAD_DIM
+    n = _entering_words(N, fwd_segments(T, N, HV, K, K, dtype, device), HV, K, K)
+    want = n + prep_words(NC, HV, dtype)
     if kept.dtype != torch.float32 or kept.dim() != 1 or kept.numel() != want or not kept.is_contiguous() \
             or kept.data_ptr() % 16:
         raise ValueError(f"kept must be a contiguous, 16-byte aligned float32 tensor of {want} words (kept_shape), "
                          f"got {tuple(kept.shape)} {kept.dtype}")
-    return prep_in(kept, NC, HV, dtype)
+    return (kept[:n].view(-1, HV, K, K) if n else None), prep_in(kept[n:], NC, HV, dtype)
 
 
 def _aligned(x):
@@ -94,8 +107,9 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
     gdn_packed.triton.chunk.chunk_gdr_fwd_triton. q, k [T, H, K], v [T, HV, V] (bf16 / fp16; fp32 with
     host=True); g, beta [T, HV]; table int32 [NC, 4], cu_chunks int32 [N+1]. With A_log, dt_bias [HV],
     g and beta are the raw a, b and the kernel forms g = -exp(A_log) softplus(a + dt_bias),
-    beta = sigmoid(b) itself (fp32). kept (kept_shape, or None / empty): prep's outputs of the sequences'
-    chunk slots are written there for the backward (its other slots are left as they are)."""
+    beta = sigmoid(b) itself (fp32). kept (kept_shape, or None / empty): the states entering the segments
+    and prep's outputs of the sequences' chunk slots are written there for the backward (its other slots
+    are left as they are)."""
     if C != CHUNK:
         raise ValueError(f"the cuda chunked kernel is written for chunk size {CHUNK}, got {C}")
     T, H, K = q.shape
@@ -118,8 +132,9 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
         o.zero_()               # no sequence: every row is padding
         return
     raw = A_log is not None
-    prep = _kept_prep(kept, NC, HV, q.dtype)
+    entering, prep = _kept_parts(kept, T, N, NC, HV, q.dtype, q.device)
     keep = {f"kept_{n}": None if prep is None else getattr(prep, n) for n in ("gates", "eg_last", "rn", "ts", "mm")}
+    segments = 0 if entering is None else entering.shape[0] // N
     out = o if host or o.data_ptr() % 16 == 0 else torch.empty_like(o)    # TMA stores o's whole chunks
     launch("chunk_gdr_fwd_sm90", q.device, host=host,
            reads=dict(q=_aligned(q), k=_aligned(k), v=_aligned(v), g=g.to(torch.float32),
@@ -128,8 +143,9 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
                       dt_bias=dt_bias.to(torch.float32) if raw else None,
                       table=_aligned(table), cu_chunks=cu_chunks,
                       initial_state=None if initial_state is None else initial_state.to(torch.float32)),
-           writes=dict(o=out, final_state=final_state, **keep), N=N, T=T, H=H, HV=HV, K=K, V=Vd, chunk_size=C,
-           dtype=q.dtype, scale=float(scale), l2norm=bool(use_l2norm), raw_gates=raw)
+           writes=dict(o=out, final_state=final_state, kept_entering=entering, **keep), kept_segments=segments,
+           N=N, T=T, H=H, HV=HV, K=K, V=Vd, chunk_size=C, dtype=q.dtype, scale=float(scale),
+           l2norm=bool(use_l2norm), raw_gates=raw)
     if out is not o:
         o.copy_(out)
 
@@ -186,9 +202,11 @@ def _dstate_as_triton(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv,
 
 def chunk_gdr_bwd_cuda(*args, kept=None, **kw):
     """Backward of backend="cuda": gdn_packed.triton.chunk.chunk_gdr_bwd_triton (its arguments) with the
-    reverse dS pass of csrc/chunk_gdr_bwd_sm90.cu in place of the Triton one, on the prep outputs the
-    forward kept (kept_shape; without them that backward runs prep)."""
+    reverse dS pass of csrc/chunk_gdr_bwd_sm90.cu in place of the Triton one, on the segments' entering
+    states and prep outputs the forward kept (kept_shape; without them that backward runs pass A and
+    prep)."""
     from gdn_packed.triton.chunk import chunk_gdr_bwd_triton
-    q, v, table = args[0], args[2], args[5]
-    chunk_gdr_bwd_triton(*args, **kw, prep=_kept_prep(kept, table.shape[0], v.shape[1], q.dtype),
-                         dstate=_dstate_as_triton)
+    q, v, table, cu_chunks = args[0], args[2], args[5], args[6]
+    entering, prep = _kept_parts(kept, q.shape[0], cu_chunks.numel() - 1, table.shape[0], v.shape[1], q.dtype,
+                                 q.device)
+    chunk_gdr_bwd_triton(*args, **kw, entering=entering, prep=prep, dstate=_dstate_as_triton)

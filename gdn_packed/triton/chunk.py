@@ -286,7 +286,7 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 
 
 def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
-                         do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None, dstate=None, prep=None):
+                         do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None, dstate=None, prep=None, entering=None):
     """Backward of backend="triton" on flattened rows: writes every row of dq, dk [T, H, K], dv [T, HV, V],
     dg, dbeta [T, HV] (0 on padding rows) and dh0 [N, HV, K, V] fp32. The op saves the inputs and
     `kept` (kept_shape: the states entering the forward's segments and prep's outputs), so the forward's
@@ -308,8 +308,9 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 
     dstate: a replacement of chunk_bwd_dstate (its arguments; backend="cuda": the sm_90a dS pass,
     gdn_packed.cuda.chunk), used when the backward runs in one slice (its outputs are then contiguous).
-    prep: prep's outputs kept by another forward (backend="cuda": its kernel's), used where kept gives none
-    and the backward runs in one slice."""
+    prep, entering: prep's outputs and the states entering the segments of the state pass (fwd_segments;
+    [N S, HV, K, V] fp32) kept by another forward (backend="cuda": its kernel's), used where kept gives
+    none and the backward runs in one slice."""
     _check_chunk(C)
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -325,8 +326,9 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
             for x in outs]
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     dht = None if dht is None else dht.to(torch.float32).contiguous()
-    entering, ends, kept_prep = kept_parts(kept, T, N, HV, K, V, q.dtype, q.device)
+    kept_entering, ends, kept_prep = kept_parts(kept, T, N, HV, K, V, q.dtype, q.device)
     prep = kept_prep if kept_prep is not None else prep
+    entering = kept_entering if kept_entering is not None else entering
     P = bwd_head_slices(T, N, H, HV, K, V, q.dtype, bool(use_l2norm), sms=num_sms(q.device))
     if P == 1:
         _bwd_heads(q, k, v, g, beta, do, h0, dht, *work, dh0, table, cu_chunks, scale, use_l2norm, rows,
