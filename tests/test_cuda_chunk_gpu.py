@@ -197,11 +197,16 @@ def test_kept_entering_states_match_the_mirror(pi, monkeypatch):
     assert rel_err(got, mir.double()) <= 2e-2
 
 
-def test_raw_gates_and_autograd_through_the_triton_backward():
+@pytest.mark.parametrize("segments", [1, 3])
+def test_raw_gates_and_autograd_through_the_triton_backward(segments, monkeypatch):
     """With A_log, dt_bias the kernel forms the gates itself (no gate launch): o within the bf16 budget of
     backend="triton"'s; the gradients of every input for the same cotangents within the bf16 gradient
     budget of triton's (the same backward on the same saved inputs, but for the sm_90a dS pass and the
-    prep outputs: the cuda forward keeps its kernel's, the triton forward Triton prep's)."""
+    prep outputs: the cuda forward keeps its kernel's, the triton forward Triton prep's). With the Triton
+    state pass in 3 segments (forced), the cuda forward keeps the segments' entering states too and the
+    backward's recompute starts from them."""
+    from gdn_packed.triton import chunk as triton_chunk
+    monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, **kw: segments)
     x, cu, cu_pad, _ = inputs(PACKINGS[2], torch.bfloat16, 3)
     dev = "cuda"
     if forward_hangs():
