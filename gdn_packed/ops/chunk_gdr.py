@@ -13,11 +13,13 @@ first (the "gate_fwd" kernel), and its backward returns da, db in g's / beta's s
 
 `kept` is what the forward keeps for its backward beyond the inputs: with keep on the torch backend's
 host schedule (CPU tensors) the state entering each chunk and its Vnew (torch_ref/chunk.py, kept_shape:
-its size follows from the shapes alone); on the triton backend, when its state pass runs in segments
-(few long sequences: triton/chunk.py, kept_shape), the state entering every segment, so the backward's
-recompute needs no segment pass of its own (S K V floats per sequence and value head); elsewhere, or
-with keep=False, an empty tensor and the backward recomputes from the inputs. The public function
-asks for kept only when autograd will need it and drops it from what it returns.
+its size follows from the shapes alone); on the triton backend (triton/chunk.py, kept_shape) prep's
+outputs and, when its state pass runs in segments (few long sequences), the state entering every segment
+and the segments' transitions, so that the backward runs no prep and no pass A of its own; on the cuda
+backend (cuda/chunk.py, kept_shape) the same but the transitions, written by its kernel; where the
+backward runs in head slices, or with keep=False, an empty tensor and the backward recomputes from the
+inputs. The public function asks for kept only when autograd will need it and drops it from what it
+returns.
 The segments are worked out once per call: the public function builds the chunk table (the
 gdn_packed::chunk_table op, on the device, no host sync) and, with the gating on packed rows, the token
 mask `real` [T] (segments.real_rows, the mask every op takes), hands them to the forward, which saves
