@@ -240,7 +240,7 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
   if (kept != 0 && kept != 5)
     return bad("kept_gates, kept_eg_last, kept_rn, kept_ts and kept_mm come together or not at all");
   if (p.kept_entering != 0 && (p.kept_segments < 1 || p.kept_segments > kInt32Max))
-    return bad("kept_entering needs kept_segments >= 1");
+    return bad("kept_entering needs kept_segments in [1, 2^31)");
   sm90::Args a{};
   a.q = reinterpret_cast<const void*>(p.q);
   a.k = reinterpret_cast<const void*>(p.k);

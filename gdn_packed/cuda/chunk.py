@@ -13,7 +13,7 @@ autograd will need them), so that backward runs neither pass A nor prep of its o
                             the Triton one (gdn_packed.triton.chunk.chunk_bwd_dstate): the same inputs
                             (Triton prep's outputs) and outputs
     chunk_gdr_bwd_cuda(...) the dispatch table's "bwd": the Triton backward with that dS pass, on the kept
-                            prep
+                            entering states and prep
     kept_shape(...)         the dispatch table's "kept_shape": what the forward keeps (the segments'
                             entering states, a Prep's words)
 """
