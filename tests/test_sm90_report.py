@@ -561,3 +561,22 @@ def test_shared_memory_joins_bytes_on_the_memory_side():
     t2, bound2 = M.bounded({"latency": 1.0, "bytes": 0.5, "FLOPs": 0.1, "narrow": 0.0}, 1, const)
     assert bound2 == "latency" and t2 == pytest.approx((1.0 ** p + 0.5 ** p) ** (1 / p)) and t2 < t
     assert M.bounded({"latency": 1.0, "bytes": 3.0, "smem": 2.0}, 1, const)[1] == "bytes"
+
+
+def test_compile_cache_key_leaves_the_venv_path_out():
+    """The sm_90 compile cache (bench/sm90/toolchain.py) keys a launch by what its compile depends on: the
+    same kernel and options in two clones' venvs (libdevice at two absolute paths) share one cache file,
+    while any other option still tells two compiles apart."""
+    import types
+
+    from bench.sm90 import launches, toolchain
+
+    def launch(libdevice, **options):
+        fn = types.SimpleNamespace(__module__="gdn_packed.triton.chunk_fwd", cache_key="k")
+        return launches.Launch(kernel="chunk_fwd_prep_kernel", phase="fwd", fn=fn, signature={"q": "*bf16"},
+                               constexprs={}, attrs={}, grid=(1,), scalars={}, tensors={},
+                               options=dict(num_warps=4, extern_libs=(("libdevice", libdevice),), **options))
+    a = launch("/work/a/.venv/lib/triton/backends/nvidia/lib/libdevice.10.bc")
+    b = launch("/tmp/clone/.venv/lib/triton/backends/nvidia/lib/libdevice.10.bc")
+    assert toolchain._disk_path(a) == toolchain._disk_path(b)
+    assert toolchain._disk_path(a) != toolchain._disk_path(launch(a.options["extern_libs"][0][1], maxnreg=168))

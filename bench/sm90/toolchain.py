@@ -62,9 +62,14 @@ _BUILDS, _READS, _PROGS = {}, {}, {}
 
 
 def _build_key(launch):
+    """What a compile depends on besides triton's version and the kernel's source. The options' extern
+    libraries (libdevice) enter by file name: their absolute paths are the venv's, and with them in the key
+    every clone's venv compiled everything again (tests/test_sm90_aot.py: ~100 s instead of ~20)."""
+    options = {k: tuple((name, os.path.basename(path)) for name, path in v) if k == "extern_libs" else v
+               for k, v in launch.options.items()}
     return (launch.fn.__module__, launch.kernel, repr(sorted(launch.signature.items())),
             repr(sorted(launch.constexprs.items())), repr(sorted(launch.attrs.items())),
-            repr(sorted(launch.options.items())))
+            repr(sorted(options.items())))
 
 
 CACHE_ENV = "GDN_PACKED_SM90_CACHE"
