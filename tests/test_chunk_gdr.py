@@ -451,7 +451,8 @@ def test_forward_keeps_segment_states_and_prep(segments, monkeypatch):
     rows (the segment transitions the dS pass takes) when it runs in segments, then prep's outputs (Ts,
     M, gates, row factors): the backward started from them gives the gradients of the backward that
     recomputes them bit for bit, and reads each part (kept perturbed: other gradients). Both ops pass
-    opcheck with the segments' kept (prep's alone: test_chunk_gdr_op.py's opcheck with kept given)."""
+    opcheck with the segments' kept (on the one-token case; prep's alone: test_chunk_gdr_op.py's opcheck with
+    kept given)."""
     if "triton" not in [p.values[0] for p in BACKENDS]:
         pytest.skip("the triton backend cannot run here")
     from gdn_packed.ops.chunk_gdr import chunk_gdr_bwd, chunk_gdr_fwd
@@ -478,9 +479,13 @@ def test_forward_keeps_segment_states_and_prep(segments, monkeypatch):
         off[part] *= 1.001
         changed = chunk_gdr_bwd(*bwd, None, None, off)
         assert not all(torch.equal(a, b) for a, b in zip(changed, from_kept) if a is not None), ("kept not read", part)
-    if segments > 1:
+    if segments > 1:        # opcheck runs each op several times: on the one-token case (its kept is as laid out)
+        x, cu, cu_pad, rows, do, dht = inputs(4, torch.float32)
+        args = (*x, cu, cu_pad, GDR_CASES[4].K ** -0.5, GDR_CASES[4].l2, "triton")
+        kept = chunk_gdr_fwd(*args, None, None, True)[2]
+        assert kept.numel() > triton_chunk.prep_words(rows // 64 + 1, GDR_CASES[4].HV, torch.float32)
         torch.library.opcheck(chunk_gdr_fwd, args + (None, None, True))
-        torch.library.opcheck(chunk_gdr_bwd, bwd + (None, None, kept))
+        torch.library.opcheck(chunk_gdr_bwd, args[:8] + (do, dht) + args[8:] + (None, None, kept))
 
 
 class _NanEmpty:
