@@ -25,9 +25,6 @@ namespace py = pybind11;
 #ifndef GDN_SM90_WATCHDOG_SPINS   // CMakeLists.txt: the spin count of a watchdog build (GDN_PACKED_SM90_WATCHDOG)
 #define GDN_SM90_WATCHDOG_SPINS 0
 #endif
-#ifndef GDN_SM90_PREP_ARRIVALS_COUNT   // CMakeLists.txt: 128 in the per-thread prep arrivals build
-#define GDN_SM90_PREP_ARRIVALS_COUNT 1
-#endif
 
 namespace {
 
@@ -350,9 +347,10 @@ PYBIND11_MODULE(_C, m) {
              "Recurrent gated delta rule forward (gdn_packed/cuda/recurrent.py).");
   // the sm_90a kernels' barrier watchdog (a debug build: GDN_PACKED_SM90_WATCHDOG, setup.py): its spin count, 0 off
   m.attr("sm90_watchdog") = static_cast<int64_t>(GDN_SM90_WATCHDOG_SPINS);
-  // the arrivals that publish a prep buffer of the sm_90a forward (GDN_PACKED_SM90_PREP_ARRIVALS, setup.py)
-  m.attr("sm90_prep_arrivals") = static_cast<int64_t>(GDN_SM90_PREP_ARRIVALS_COUNT);
 #if defined(GDN_HAVE_SM90)
+  // the arrivals that publish a prep buffer of the sm_90a forward (128 with GDN_PACKED_SM90_PREP_ARRIVALS=1,
+  // setup.py; else 1)
+  m.attr("sm90_prep_arrivals") = gdn::chunk_gdr_fwd_sm90_prep_arrivals();
   m.attr("chunk_gdr_fwd_sm90_missing") = std::string();
   m.attr("chunk_gdr_fwd_sm90_smem_bytes") = gdn::chunk_gdr_fwd_sm90_smem_bytes();
   def_kernel(m, "chunk_gdr_fwd_sm90", chunk_sm90_args(), &gdn::chunk_gdr_fwd_sm90,

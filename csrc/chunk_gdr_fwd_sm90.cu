@@ -228,6 +228,7 @@ void run_mirror(const Args& a) {
 namespace gdn {
 
 int chunk_gdr_fwd_sm90_smem_bytes() { return sm90::kSmemBytes; }
+int chunk_gdr_fwd_sm90_prep_arrivals() { return sm90::kPrepArrivals; }
 
 Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::uintptr_t stream) {
   auto bad = [](const std::string& m) { return Status::invalid("chunk_gdr_fwd_sm90: " + m); };

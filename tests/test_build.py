@@ -276,7 +276,12 @@ def test_sm90_prep_arrivals_build_keeps_the_kernels_budget(report_table):
     compute-sanitizer's racecheck follows, waiting for a GPU before it becomes the default) compiles with
     the default build's budget: 168 launch registers, no spill or stack, the setmaxnreg split 32 / 232 /
     240, the prep loop's wgmma; and its prep loop's arrival on the local prepped[b] after the named barrier
-    is reached by every thread, where the default's is skipped by thread 0's branch."""
+    is reached by every thread, where the default's is skipped by thread 0's branch. _C (built as this
+    environment asks: make venv) reports its kernel's count, 1 by default."""
+    from gdn_packed import _cext
+    C = _cext.get_C()
+    if C is not None and not getattr(C, "chunk_gdr_fwd_sm90_missing", "no sm_90a kernel"):
+        assert C.sm90_prep_arrivals == (128 if os.environ.get("GDN_PACKED_SM90_PREP_ARRIVALS") == "1" else 1)
     src = os.path.join(CSRC, "chunk_gdr_fwd_sm90.cu")
     keys = glob.glob(os.path.join(CSRC, "*.cu*")) + glob.glob(os.path.join(CSRC, "*.h"))
     out = cuda_chunk.nvcc_cached("cuda_chunk_prep_arrivals", src, prep_arrivals_command, keys)
