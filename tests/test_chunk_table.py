@@ -297,3 +297,52 @@ def test_cuda_kernel_graph_capture_and_side_stream():
     torch.cuda.synchronize()
     ref_t, ref_cc = chunk_table_torch(cu_t.cpu(), pad_t.cpu(), T, 64)
     assert torch.equal(table.cpu(), ref_t) and torch.equal(cc.cpu(), ref_cc)
+
+
+# ---- the Triton kernels' rows of a run of slots without the table in the loop -------------------------
+try:
+    import triton
+    import triton.language as tl
+
+    from gdn_packed.triton.common import chunk_at, run_rows, segment_chunks
+except ImportError:     # the test below says why it skips
+    triton = None
+else:
+    @triton.jit
+    def run_rows_kernel(table, cu_chunks, out, T_rows, S, C: tl.constexpr):
+        n, s = tl.program_id(0), tl.program_id(1)
+        lo, hi = segment_chunks(cu_chunks, n, s, S)
+        first, end = run_rows(table, lo, hi, T_rows)
+        for i in range(0, hi - lo):
+            start, length = chunk_at(first, end, i, T_rows, C)
+            j = (lo + i).to(tl.int64)
+            tl.store(out + j * 2, start)
+            tl.store(out + j * 2 + 1, length.to(tl.int64))
+
+
+@pytest.mark.parametrize("cu,pad,T,C", [pytest.param(*p.values, C, id=f"{p.id}-{C}")
+                                        for C, groups in ((64, [SANE, CORRUPT, HUGE64]), (16, [CORRUPT]))
+                                        for p in _cases(groups) if p.id != "many_seqs"])
+def test_triton_run_rows_reproduce_the_table(cu, pad, T, C):
+    """gdn_packed.triton.common.run_rows / chunk_at (pass A's rows of a segment's slots from two table rows,
+    gdn_packed/triton/chunk_fwd.py) against the table itself, on every packing here, corrupt ones too, each
+    sequence split into 1, 2, 3 and 5 segments (empty segments among them): every slot's length exactly,
+    its start where it has rows. A slot nobody visits keeps the sentinel; every visited slot is a real one.
+    (many_seqs, the CUDA table's scan tiles, is left out: 700 sequences take ~20 s in the interpreter.)"""
+    from gdn_packed.ops._common import triton_usable
+    if triton_usable(torch.device("cpu")):
+        pytest.skip(triton_usable(torch.device("cpu")))
+    if T > 2**16:
+        pytest.skip("a T of 2^20 rows: 2^14+ slots through the interpreter (the int32 clamp case runs at T = 1000)")
+    table, cc = chunk_table_torch(_t(cu, torch.int64), _t(pad, torch.int64), T, C)
+    N = len(cu) - 1
+    for S in (1, 2, 3, 5):
+        out = torch.full((table.shape[0], 2), SENTINEL, dtype=torch.int64)
+        if N:
+            run_rows_kernel[(N, S)](table, cc, out, T, S, C=C)
+        real = int(cc[N])
+        assert (out[real:] == SENTINEL).all()
+        got, want = out[:real], table[:real, 2:].to(torch.int64)
+        assert torch.equal(got[:, 1], want[:, 1]), (S, (got[:, 1] != want[:, 1]).nonzero()[:5].tolist())
+        rows = want[:, 1] > 0
+        assert torch.equal(got[rows, 0], want[rows, 0]), S

@@ -187,8 +187,9 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, 
     nor ht.
 
     Segments (configs.state_segments, from shapes): with S > 1 every sequence's chunk slots are split
-    into S segments: pass A (the kernel with PROPAGATE, grid (cdiv(V + K, BV), HV, N (S - 1))) gives
-    each of the first S - 1 segments its end state from zero and its K x K transition,
+    into S segments: pass A (the kernel with PROPAGATE, grid (N x the row blocks of [S^T; P^T] of S - 1
+    segments, HV, 1), segment 0's blocks of P^T only with h0) gives each of the first S - 1 segments
+    its end state from zero and its K x K transition (segment 0's: 0 without h0),
     chunk_combine_kernel the state entering every segment (entering_states), and the pass (grid (cdiv(V,
     BV), HV, N S)) runs every segment from its entering state (into kept [N S, HV, K, V] when given: the
     forward's). `entering` (the backward: those kept) gives those states: no pass A, no combine, S = its
@@ -210,10 +211,12 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, 
                   ts=prep.ts, mm=prep.mm, T_rows=T, segments=S, H=H, HV=HV, K=K, V=V, C=CHUNK,
                   **rows.of("S_QK", "S_V", "S_O"))
 
-    def pass_a(programs, ends):
-        chunk_fwd_state_kernel[(triton.cdiv(V + K, cfg_a["BV"]), HV, programs)](
+    def pass_a(programs, ends):     # the row blocks of N (S - 1) segments, segment 0's of P^T only with h0
+        nb, nv = triton.cdiv(V + K, cfg_a["BV"]), triton.cdiv(V, cfg_a["BV"])
+        per_seq = programs // N * nb - (0 if h0 is not None else nb - nv)
+        chunk_fwd_state_kernel[(N * per_seq, HV, 1)](
             **inputs, h0=None, o=None, ht=None, st=None, ut=None, ends=ends,
-            HAS_H0=False, STORE_STATES=False, PROPAGATE=True, **cfg_a)
+            HAS_H0=h0 is not None, STORE_STATES=False, PROPAGATE=True, **cfg_a)
     if entering is not None:
         h0 = entering.view(N * S, HV, K, V) if S > 1 else h0
     elif S > 1:

@@ -32,7 +32,9 @@ first):
       dS^T_prev = dS^T P~ + ..., so with S > 1 a pass A with PROPAGATE over the last S - 1 segments
       carries K identity rows to each segment's transition and chunk_combine_kernel with REVERSE
       gives the dS entering every segment; P~ of a segment is the forward's transition transposed,
-      so given the forward's, pass A forms at most the last segment's: LAST_TRANSITION), dS^T [BV,
+      so given the forward's, pass A forms at most the last segment's: LAST_TRANSITION; as the
+      forward's pass A, it takes its chunks' rows from two table rows, common.run_rows / chunk_at, and
+      the chunk decay as a vector beside the tiles), dS^T [BV,
       K] fp32 in registers (transposed: it is the register A operand of dS^T K^T). Writes dSn^T [NC,
       HV, V, K] and dX'^T [NC, HV, V, C] per chunk
       slot and dv = beta dX', all in the input dtype, dh0 (fp32, the first segment); and exact zeros
@@ -85,8 +87,9 @@ import triton
 import triton.language as tl
 
 from gdn_packed.triton.common import (GATE_BEGK, GATE_BETA, GATE_EGK, GATE_EGQ, GATE_WK,
-                                      block_offsets, chunk_rows, gate_row, group_rows, head_of, padding_after,
-                                      padding_before_first, segment_chunks, segment_decay, zero_rows)
+                                      block_offsets, chunk_at, chunk_rows, gate_row, group_rows, head_of,
+                                      padding_after, padding_before_first, run_rows, segment_chunks,
+                                      segment_decay, zero_rows)
 
 
 @triton.jit
@@ -147,9 +150,14 @@ def chunk_bwd_dstate_kernel(q, k, do, gates, eg_last, ts, mm, dht, dsn, dxp, dv,
     else:
         b_ds = tl.zeros([BV, BK], dtype=tl.float32)
     j0, j1 = segment_chunks(cu_chunks, i_n, i_s, segments)
+    if PROPAGATE:       # the rows of the segment's chunks from two table rows read here (run_rows)
+        first, end = run_rows(table, j0, j1, T_rows)
     for i_t in range(0, j1 - j0):
         j = (j1 - 1 - i_t).to(tl.int64)
-        start, length = chunk_rows(table, j, C)
+        if PROPAGATE:   # the tile addresses from i_t alone: the pipeliner loads them two chunks ahead
+            start, length = chunk_at(first, end, j1 - j0 - 1 - i_t, T_rows, C)
+        else:           # (the same here costs registers the pass lacks: spills)
+            start, length = chunk_rows(table, j, C)
         m_c = o_c < length
         p_slot = j * HV + i_h
         if not PROPAGATE:
@@ -169,6 +177,11 @@ def chunk_bwd_dstate_kernel(q, k, do, gates, eg_last, ts, mm, dht, dsn, dxp, dv,
         b_dot = tl.load(do + p_vt, mask=m_vt, other=0.)               # dO^T
         b_beta = gate_row(gates, p_slot, GATE_BETA, C)
         b_wk = gate_row(gates, p_slot, GATE_WK, C)
+        if PROPAGATE:   # the chunk decay broadcast over the K columns: a vector load, copied with the
+            # tiles (a scalar load is waited for by the fence before the dS update's wgmma; in the pass,
+            # which waits there for its stores anyway, the scalar is loaded late: the fence before the
+            # first wgmma would wait for it)
+            b_dec = tl.load(eg_last + p_slot + 0 * o_k)[None, :]
         # dU^T = dO^T M + (dS^T K^T) (w rk);  dX'^T = dU^T + dU^T Ts
         b_du = tl.dot(b_ds.to(DT), tl.trans(b_k), tl.zeros([BV, C], dtype=tl.float32))
         b_du = tl.dot(b_dot, _cc(mm, j, i_h, HV, C), b_du * b_wk[None, :])
@@ -180,7 +193,11 @@ def chunk_bwd_dstate_kernel(q, k, do, gates, eg_last, ts, mm, dht, dsn, dxp, dv,
         # dS^T <- egL dS^T + (dO^T (scale eg rq)) Q - (dX'^T (beta eg rk)) K
         b_ag = b_dot.to(tl.float32) * gate_row(gates, p_slot, GATE_EGQ, C)[None, :]
         b_a = b_ag.to(DT)
-        b_ds = tl.dot(b_a, b_q, b_ds * tl.load(eg_last + p_slot))
+        if PROPAGATE:
+            b_ds = b_ds * b_dec
+        else:
+            b_ds = b_ds * tl.load(eg_last + p_slot)
+        b_ds = tl.dot(b_a, b_q, b_ds)
         if DT != tl.float32:    # the rounding of the gated dO^T, taken back by a second product
             b_ds = tl.dot((b_ag - b_a.to(tl.float32)).to(DT), b_q, b_ds)
         b_b = (b_dx * gate_row(gates, p_slot, GATE_BEGK, C)[None, :]).to(DT)

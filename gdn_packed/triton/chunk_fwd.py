@@ -45,7 +45,13 @@ as in FLA and chunk_bwd.py):
       P = e^gam_last I - K^T diag(beta e^gam rk) (I + Ts)^T diag(w rk) K. Grid axis 2 is then
       (sequence, segment); PROPAGATE (pass A) walks one of the first segments - 1 segments with
       cdiv(V + K, BV) blocks of the rows of [S^T; P^T] (S^T from 0, P^T from I, v = 0 on those rows)
-      and writes its end rows [V + K, K] fp32 to ends; the pass proper starts each segment from the state
+      and writes its end rows [V + K, K] fp32 to ends; its grid is (sequences x their segments' row
+      blocks, HV, 1), and without an h0 (HAS_H0: the combine's) the first segment's blocks of P^T alone
+      are left out (that transition would only carry h0) and its P^T rows written 0. Pass A takes its
+      chunks' rows from two table rows (common.run_rows / chunk_at), so its tile addresses depend on
+      the loop index alone and the pipeliner loads them two chunks ahead, and V^T through a dot with I
+      (exact), a copied tile read in the dot's layout; the other variants have no registers left for
+      either (spills: bench/NOTES.md). The pass proper starts each segment from the state
       chunk_combine_kernel formed, and the last segment writes the final state and the padding zeros.
   chunk_combine_kernel    grid (cdiv(V, BV), HV, N): the state entering every segment from pass A's
       end rows, one fp32 product [BV, K] x [K, K] per segment boundary (also the backward's dS pass,
@@ -62,8 +68,8 @@ import triton
 import triton.language as tl
 
 from gdn_packed.triton.common import (GATE_BEGK, GATE_BETA, GATE_EGK, GATE_EGQ, GATE_ROWS, GATE_WK,
-                                      block_offsets, chunk_gate_sums, chunk_rows, gate_row,
-                                      group_rows, head_of, padding_after, padding_before_first,
+                                      block_offsets, chunk_at, chunk_gate_sums, chunk_rows, gate_row,
+                                      group_rows, head_of, padding_after, padding_before_first, run_rows,
                                       segment_chunks, segment_decay, zero_rows)
 
 
@@ -223,13 +229,22 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                            S_QK: tl.constexpr, S_V: tl.constexpr, S_O: tl.constexpr, HAS_H0: tl.constexpr,
                            STORE_STATES: tl.constexpr, PROPAGATE: tl.constexpr, SPLIT_K: tl.constexpr):
-    i_v, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # sequence i_n, segment i_s of `segments` (pass A: of the first segments - 1)
-    per_seq = segments
-    if PROPAGATE:
-        per_seq = segments - 1
-    i_n, i_s = i_p // per_seq, i_p % per_seq
-    N = tl.num_programs(2) // per_seq
+    # sequence i_n, segment i_s of `segments` (pass A: of the first segments - 1), i_p = the two as one index
+    NB: tl.constexpr = (V + K + BV - 1) // BV       # pass A's row blocks of [S^T; P^T] a segment
+    NV: tl.constexpr = (V + BV - 1) // BV           # those of S^T
+    if PROPAGATE:   # axis 0: the sequence, then the row blocks of its first segments - 1 segments, segment
+        # major; without h0 (HAS_H0 here: whether the combine carries an h0) the first segment's blocks of
+        # P^T alone are left out: the combine never reads that transition then
+        SKIP: tl.constexpr = 0 if HAS_H0 else NB - NV
+        per_seq = (segments - 1) * NB - SKIP
+        i_h, i_n, i_a = tl.program_id(1), tl.program_id(0) // per_seq, tl.program_id(0) % per_seq
+        i_a = tl.where(i_a >= NB - SKIP, i_a + SKIP, i_a)
+        i_s, i_v = i_a // NB, i_a % NB
+        i_p = i_n * (segments - 1) + i_s
+    else:
+        i_v, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_n, i_s = i_p // segments, i_p % segments
+        N = tl.num_programs(2) // segments
     i_qh = i_h // (HV // H)
     DT = k.dtype.element_ty
     R: tl.constexpr = V + K if PROPAGATE else V     # rows of the carried block S^T (pass A: and P^T)
@@ -249,9 +264,14 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
         b_st = tl.zeros([BV, BK], dtype=tl.float32)
 
     c0, c1 = segment_chunks(cu_chunks, i_n, i_s, segments)
+    if PROPAGATE:       # the rows of the segment's chunks from two table rows read here (run_rows)
+        first, end = run_rows(table, c0, c1, T_rows)
     for i_t in range(0, c1 - c0):
         j = (c0 + i_t).to(tl.int64)
-        start, length = chunk_rows(table, j, C)
+        if PROPAGATE:   # the tile addresses from i_t alone: the pipeliner loads them two chunks ahead
+            start, length = chunk_at(first, end, i_t, T_rows, C)
+        else:           # (the same here costs registers the other variants lack: spills)
+            start, length = chunk_rows(table, j, C)
         p_slot = j * HV + i_h
         m_c = o_c < length
         # scalar int64 bases, int32 tile offsets (no per-element 64-bit address arithmetic)
@@ -274,7 +294,12 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
             b_kst = _split_dot_t(b_st_in, p_k, o_c * S_QK, m_c, K, BK)
         else:
             b_kst = tl.dot(b_st_in, tl.trans(b_k))                  # (K S)^T   [BV, C]
-        b_xt = b_beta[None, :] * (b_vt.to(tl.float32) - b_egk[None, :] * b_kst)    # X'^T      [BV, C]
+        if PROPAGATE and DT != tl.float32:  # V^T times I on the tensor core (exact): a copied tile read in
+            # the dot's layout, not a register load converted to it through shared memory
+            b_vx = tl.dot(b_vt, tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0).to(DT))
+        else:
+            b_vx = b_vt.to(tl.float32)
+        b_xt = b_beta[None, :] * (b_vx - b_egk[None, :] * b_kst)    # X'^T      [BV, C]
         b_xt_in = b_xt.to(DT)
         b_ts = tl.load(ts + p_slot * (C * C) + o_cc)
         b_ut = tl.dot(b_xt_in, tl.trans(b_ts), b_xt)    # U^T = X'^T (I + Ts)^T
@@ -306,6 +331,12 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
     if PROPAGATE:       # the segment's end rows: S^T from a zero entering state, then P^T
         p_e = (i_p * HV + i_h).to(tl.int64) * (R * K) + o_v[:, None] * K + o_k[None, :]
         tl.store(ends + p_e, b_st, mask=(o_v < R)[:, None] & m_k[None, :])
+        if not HAS_H0:  # the first segment's rows nobody formed: 0, so that every word of kept is written
+            if (i_s == 0) & (i_v == 0):
+                for b in tl.static_range(NV, NB):
+                    o_r = b * BV + tl.arange(0, BV)
+                    tl.store(ends + (i_p * HV + i_h).to(tl.int64) * (R * K) + o_r[:, None] * K + o_k[None, :],
+                             tl.zeros([BV, BK], dtype=tl.float32), mask=(o_r < R)[:, None] & m_k[None, :])
     elif not STORE_STATES and i_s == segments - 1:
         tl.store(ht + (i_n * HV + i_h).to(tl.int64) * (K * V) + o_k[None, :] * V + o_v[:, None], b_st,
                  mask=m_s)

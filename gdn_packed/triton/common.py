@@ -31,6 +31,32 @@ def chunk_rows(table, j, C: tl.constexpr):
 
 
 @triton.jit
+def run_rows(table, lo, hi, T_rows):
+    """The rows of the consecutive chunk slots [lo, hi) of one sequence (a segment of it), read from the
+    table once: (start row of slot lo, end) int64, for chunk_at. Slot lo + i starts at the first slot's
+    start_row + i C (the table's start_row = base + chunk_idx C); end is where the real rows stop:
+    min(base + len, T) when the sequence's last slot here has a real row (its start_row + length), else
+    T_rows (its start_row is outside [0, T): at or past T, or every start before it is negative). No
+    slot is read when hi <= lo."""
+    some = hi > lo
+    first = tl.load(table + lo.to(tl.int64) * 4 + 2, mask=some, other=0).to(tl.int64)
+    last = tl.maximum(hi - 1, lo).to(tl.int64)
+    s_last = tl.load(table + last * 4 + 2, mask=some, other=0).to(tl.int64)
+    n_last = tl.load(table + last * 4 + 3, mask=some, other=0)
+    return first, tl.where(n_last > 0, s_last + n_last, T_rows.to(tl.int64))
+
+
+@triton.jit
+def chunk_at(first, end, i, T_rows, C: tl.constexpr):
+    """(start row int64, length int32) of slot lo + i of run_rows(table, lo, hi): the table's row
+    without a load in the loop (so a pipelined loop's tile addresses depend on its index alone):
+    start = first + i C, length = clamp(min(C, end - start), 0, C), 0 where start is outside [0, T)."""
+    start = first + i * C
+    n = tl.minimum(tl.maximum(end - start, 0), C)
+    return start, tl.where((start >= 0) & (start < T_rows), n, 0).to(tl.int32)
+
+
+@triton.jit
 def gate_row(gates, p_slot, r: tl.constexpr, C: tl.constexpr):
     """Gate row r (GATE_*) [C] of `gates` at p_slot = chunk slot * HV + value head."""
     return tl.load(gates + p_slot * (GATE_ROWS * C) + tl.arange(0, C) + r * C)     # (a common base: CSE)
