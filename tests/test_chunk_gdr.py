@@ -493,6 +493,44 @@ def test_forward_keeps_segment_states_and_prep(segments, h0, monkeypatch):
         torch.library.opcheck(chunk_gdr_bwd, args[:8] + (do, dht) + args[8:] + (None, None, kept))
 
 
+def test_training_forward_runs_in_the_segments_it_keeps(monkeypatch):
+    """A forward that keeps its segments for the backward (autograd recording) picks S for both directions
+    (configs.state_segments with the backward's configs: triton/chunk.py fwd_segments(training=True));
+    one that does not, for itself. Forced apart here (2 for inference, 3 for training, on gaps-and-empties:
+    zero-length and one-token sequences, h0): under autograd pass A runs over 2 segments and the backward
+    runs none (it starts from the kept states), without autograd over 1; o, state and every gradient
+    within the fp32 budgets of float64, padding rows 0. And the choice itself at the anchor (1 x 32768,
+    32 value heads, K = V = 128, bf16): 3 segments for inference, 4 for a training step."""
+    if "triton" not in [p.values[0] for p in BACKENDS]:
+        pytest.skip("the triton backend cannot run here")
+    from gdn_packed.triton import chunk as triton_chunk
+    from gdn_packed.triton import configs
+    dev = torch.device("cuda") if DEV == "cuda" else torch.device("cpu")
+    assert triton_chunk.fwd_segments(32768, 1, 32, 128, 128, torch.bfloat16, dev) == 3
+    assert triton_chunk.fwd_segments(32768, 1, 32, 128, 128, torch.bfloat16, dev, training=True) == 4
+    real = configs.state_segments(32768, 4, 32, 128, 128, configs.state_config(128, 128, torch.bfloat16))
+    assert real == 1            # many value heads x sequences fill the GPU: no segments either way
+    monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, bwd=None, **kw: 3 if bwd else 2)
+    passes_a = []
+    real_entering = triton_chunk.entering_states
+    monkeypatch.setattr(triton_chunk, "entering_states", lambda pass_a, cu_chunks, N, HV, K, V, S, *a, **kw:
+                        passes_a.append(S) or real_entering(pass_a, cu_chunks, N, HV, K, V, S, *a, **kw))
+    ci = RERUN
+    got, ref, names = run(ci, torch.float32, "triton"), reference(ci, torch.float32), ("o", "state") + GRADS
+    err = errors(got, ref, names)
+    assert not over_budget(err, torch.float32), over_budget(err, torch.float32)
+    assert passes_a == [3, 3], passes_a     # the forward's pass A in 3 segments; the dS pass's (none in the recompute)
+    passes_a.clear()
+    x, cu, cu_pad, _, _, _ = inputs(ci, torch.float32)
+    with torch.no_grad():
+        o, fs = gdn_packed.chunk_gated_delta_rule(*x[:5], initial_state=x[5], output_final_state=True, cu_seqlens=cu,
+                                                  cu_seqlens_padded=cu_pad, backend="triton")
+    assert passes_a == [2], passes_a
+    inf = errors(dict(o=o, state=fs), ref, ("o", "state"))
+    assert not over_budget(inf, torch.float32), over_budget(inf, torch.float32)
+    assert (o[0, padding(ci)] == 0).all()
+
+
 class _NanEmpty:
     """torch, except that torch.empty of a floating dtype is NaN-filled (scratch nobody writes shows)."""
 

@@ -70,7 +70,7 @@ def kept_shape(T, N, HV, K, V, C, device, dtype):
         return (0,)
     if not keeps(T, N, HV, K, V, dtype, device):
         return (0,)
-    S = fwd_segments(T, N, HV, K, V, dtype, device)
+    S = fwd_segments(T, N, HV, K, V, dtype, device, training=True)
     return (_entering_words(N, S, HV, K, V) + prep_words(T // C + N, HV, dtype),)
 
 
@@ -86,7 +86,7 @@ def _kept_parts(kept, T, N, NC, HV, dtype, device):
         return None, None
     from gdn_packed.triton.chunk import fwd_segments, prep_in, prep_words
     K = HEAD_DIM
-    n = _entering_words(N, fwd_segments(T, N, HV, K, K, dtype, device), HV, K, K)
+    n = _entering_words(N, fwd_segments(T, N, HV, K, K, dtype, device, training=True), HV, K, K)
     want = n + prep_words(NC, HV, dtype)
     if kept.dtype != torch.float32 or kept.dim() != 1 or kept.numel() != want or not kept.is_contiguous() \
             or kept.data_ptr() % 16:

@@ -114,10 +114,14 @@ def chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, rows, out=None):
     return prep
 
 
-def fwd_segments(T, N, HV, K, V, dtype, device):
-    """The segments per sequence of the forward's state pass (configs.state_segments), from shapes."""
-    cfg = state_config(K, V, dtype, smem_kb(device))
-    return state_segments(T, N, HV, K, V, cfg, num_sms(device))
+def fwd_segments(T, N, HV, K, V, dtype, device, training=False):
+    """The segments per sequence of the forward's state pass (configs.state_segments), from shapes;
+    training: for a forward that keeps them for its backward (kept_shape), whose recompute and dS pass
+    then run in the same segments: S minimises the cost of both directions."""
+    smem = smem_kb(device)
+    cfg = state_config(K, V, dtype, smem)
+    bwd = (state_config(K, V, dtype, smem, store_states=True), bwd_configs(K, V, dtype, smem)["dstate"])
+    return state_segments(T, N, HV, K, V, cfg, num_sms(device), bwd=bwd if training else None)
 
 
 def keeps(T, N, HV, K, V, dtype, device):
@@ -144,7 +148,7 @@ def kept_shape(T, N, HV, K, V, C, device, dtype):
     that the backward runs no prep. Empty when the backward may run in head slices (keeps)."""
     if not keeps(T, N, HV, K, V, dtype, device):
         return (0,)
-    S = fwd_segments(T, N, HV, K, V, dtype, device)
+    S = fwd_segments(T, N, HV, K, V, dtype, device, training=True)
     return (_segment_words(N, S, HV, K, V) + prep_words(T // C + N, HV, dtype),)
 
 
@@ -153,7 +157,7 @@ def kept_parts(kept, T, N, HV, K, V, dtype, device):
     `kept` (kept_shape); (None, None, None) for an empty kept, the first two None when S = 1."""
     if kept is None or kept.numel() == 0:
         return None, None, None
-    S = fwd_segments(T, N, HV, K, V, dtype, device)
+    S = fwd_segments(T, N, HV, K, V, dtype, device, training=True)
     n = _segment_words(N, S, HV, K, V)
     prep = prep_in(kept[n:], T // CHUNK + N, HV, dtype)
     if not n:
@@ -180,16 +184,16 @@ def entering_states(pass_a, cu_chunks, N, HV, K, V, S, h0, dtype, device, revers
 
 
 def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, st=None, ut=None, kept=None,
-                    entering=None, ends=None):
+                    entering=None, ends=None, S=None):
     """Launches chunk_fwd_state_kernel on chunk_fwd_prep's outputs `prep`. Forward: writes o [T, HV, V]
     (every row) and ht [N, HV, K, V] fp32. With st [NC, HV, V, K] and ut [NC, HV, V, C] in the input
     dtype (the backward's recompute) it writes S^T entering each chunk and U^T instead, and neither o
     nor ht.
 
-    Segments (configs.state_segments, from shapes): with S > 1 every sequence's chunk slots are split
-    into S segments: pass A (the kernel with PROPAGATE, grid (N x the row blocks of [S^T; P^T] of S - 1
-    segments, HV, 1), segment 0's blocks of P^T only with h0) gives each of the first S - 1 segments
-    its end state from zero and its K x K transition (segment 0's: 0 without h0),
+    Segments (S; else configs.state_segments, from shapes): with S > 1 every sequence's chunk slots are
+    split into S segments: pass A (the kernel with PROPAGATE, grid (N x the row blocks of [S^T; P^T] of
+    S - 1 segments, HV, 1), segment 0's blocks of P^T only with h0) gives each of the first S - 1
+    segments its end state from zero and its K x K transition (segment 0's: 0 without h0),
     chunk_combine_kernel the state entering every segment (entering_states), and the pass (grid (cdiv(V,
     BV), HV, N S)) runs every segment from its entering state (into kept [N S, HV, K, V] when given: the
     forward's). `entering` (the backward: those kept) gives those states: no pass A, no combine, S = its
@@ -205,8 +209,11 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, 
     cfg_a = state_config(K, V, q.dtype, smem_kb(q.device))     # pass A stores no states
     if entering is not None:
         S = entering.numel() // max(1, N * HV * K * V)
-    else:
+    elif S is None:
         S = state_segments(T, N, HV, K, V, cfg, num_sms(q.device), cfg_a=cfg_a)
+    if kept is not None and kept.numel() != N * S * HV * K * V:    # (a forward in other segments than kept's)
+        raise ValueError(f"kept's entering states hold {kept.numel()} floats, not the {N * S * HV * K * V} "
+                         f"of {S} segments")
     inputs = dict(q=q, k=k, v=v, table=table, cu_chunks=cu_chunks, gates=prep.gates, eg_last=prep.eg_last,
                   ts=prep.ts, mm=prep.mm, T_rows=T, segments=S, H=H, HV=HV, K=K, V=V, C=CHUNK,
                   **rows.of("S_QK", "S_V", "S_O"))
@@ -282,10 +289,13 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
         return
     q, k, v, g, beta, rows = _rows(q, k, v, g, beta)
     h0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    entering, ends, prep = kept_parts(kept, q.shape[0], N, HV, q.shape[2], v.shape[2], q.dtype, q.device)
+    T, K, V = q.shape[0], q.shape[2], v.shape[2]
+    entering, ends, prep = kept_parts(kept, T, N, HV, K, V, q.dtype, q.device)
     prep = chunk_fwd_prep(q, k, g, beta, table, HV, scale, use_l2norm, rows, out=prep)
-    if HV > 0:
-        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=o, ht=final_state, kept=entering, ends=ends)
+    if HV > 0:      # in the segments kept_shape has room for when it keeps (a training step's)
+        S = fwd_segments(T, N, HV, K, V, q.dtype, q.device, training=kept is not None and kept.numel() > 0)
+        chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=o, ht=final_state, kept=entering, ends=ends,
+                        S=S)
 
 
 def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,

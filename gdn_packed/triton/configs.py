@@ -140,7 +140,7 @@ def num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def state_segments(T, N, HV, K, V, cfg, sms=132, dots=(5, 3), cfg_a=None):
+def state_segments(T, N, HV, K, V, cfg, sms=132, dots=(5, 3), cfg_a=None, bwd=None):
     """Segments per sequence of the forward state pass (docs/DESIGN.md section 11). With few sequences
     the pass has fewer programs (cdiv(V, BV) x HV x N) than the GPU has CTA slots, and its time is the
     sequence's chunk count times one chunk step. Splitting every sequence into S segments runs pass A
@@ -153,18 +153,32 @@ def state_segments(T, N, HV, K, V, cfg, sms=132, dots=(5, 3), cfg_a=None):
     T / N rows; never the values of cu_seqlens), with at least MIN_SEGMENT_CHUNKS chunks per segment;
     1 when the state block is wider than 128 (the combine holds the whole K x K transition in one tile).
     cfg / cfg_a: the launch configs of the pass and of pass A (default cfg): their warps give the CTA
-    slots (2 per SM at 4 warps, 1 at 8: the registers of the state block)."""
+    slots (2 per SM at 4 warps, 1 at 8: the registers of the state block).
+    bwd = (cfg_r, cfg_d), the configs of the backward's recompute and dS pass: S for a training step,
+    whose backward runs in the forward's segments (it keeps the entering states and transitions, so
+    the recompute is the pass alone, at 5 dots, and the dS pass's pass A carries no transition rows:
+    cdiv(V, BV) blocks, 6 dots, as its pass): the sum of the forward's cost and those."""
     if N == 0 or pow2(K) > 128:
         return 1
     cfg_a = cfg if cfg_a is None else cfg_a
-    slots, slots_a = (sms * (2 if c["num_warps"] == 4 else 1) for c in (cfg, cfg_a))
-    nv, na = triton.cdiv(V, cfg["BV"]), triton.cdiv(V + K, cfg_a["BV"])
+
+    def slots(c):
+        return sms * (2 if c["num_warps"] == 4 else 1)
+
+    def blocks(c, rows):
+        return triton.cdiv(rows, c["BV"])
     chunks = triton.cdiv(T, CHUNK * N)
 
     def cost(S):        # + the combine: S - 1 sequential steps, each about one chunk step
         steps = triton.cdiv(chunks, S)
-        return (triton.cdiv(N * HV * nv * S, slots) * steps * dots[0]
-                + triton.cdiv(N * HV * na * (S - 1), slots_a) * steps * dots[1] + (S - 1) * dots[0])
+
+        def walk(c, rows, segs, d):     # a pass over `segs` segments of every sequence at d dots a chunk
+            return triton.cdiv(N * HV * blocks(c, rows) * segs, slots(c)) * steps * d
+        total = walk(cfg, V, S, dots[0]) + walk(cfg_a, V + K, S - 1, dots[1]) + (S - 1) * dots[0]
+        if bwd is not None:
+            cfg_r, cfg_d = bwd
+            total += walk(cfg_r, V, S, 5) + walk(cfg_d, V, S, 6) + walk(cfg_d, V, S - 1, 6) + (S - 1) * 6
+        return total
     best = 1
     for S in range(2, 65):
         if triton.cdiv(chunks, S) < MIN_SEGMENT_CHUNKS:
