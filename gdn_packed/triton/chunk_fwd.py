@@ -12,8 +12,11 @@ Kernels (`b_` block values, `p_` / `o_` pointers / offsets, `m_` masks, `i_` pro
 as in FLA and chunk_bwd.py):
   chunk_fwd_prep_kernel   grid (H, NC): one program per qk head and chunk slot, all parallel, for the
       G = HV / H value heads of the head's group: q, k read and K K^T, Q K^T, the row norms formed once
-      for the group; then M for every value head of the group, then T for every one (so that Q K^T is
-      dead before the inverses: no register spills at G > 1).
+      for the group; then every value head's gate rows and row factors, M for every one, and T for
+      every one from the last head down (so that neither Q K^T nor the rows' inputs are live in the
+      inverses: no register spills at G > 1, l2norm included), the last head's decay E formed once for
+      its M and its T (segment_decay's C x C scan, ~1300 instructions, is the costliest step after the
+      dots: bench/NOTES.md).
       in  q, k [T, H, K], g, beta [T, HV], table [NC, 4]
       out gates fp32 [NC, HV, GATE_ROWS, C]: the rows common.GATE_* (beta, e^gam rk, scale e^gam rq,
           w rk, beta e^gam rk; 0 on dead rows); eg_last fp32 [NC, HV] (1 for an empty slot);
@@ -68,7 +71,7 @@ import triton
 import triton.language as tl
 
 from gdn_packed.triton.common import (GATE_BEGK, GATE_BETA, GATE_EGK, GATE_EGQ, GATE_ROWS, GATE_WK,
-                                      block_offsets, chunk_at, chunk_gate_sums, chunk_rows, gate_row,
+                                      block_offsets, chunk_at, chunk_row_sums, chunk_rows, gate_row,
                                       group_rows, head_of, padding_after, padding_before_first, run_rows,
                                       segment_chunks, segment_decay, zero_rows)
 
@@ -156,24 +159,16 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scal
     else:
         b_rk = tl.where(m_c, 1.0, 0.0)
         b_rq = b_rk
-    m_strict = o_c[:, None] > o_c[None, :]
     m_causal = o_c[:, None] >= o_c[None, :]
-    m_eye = o_c[:, None] == o_c[None, :]
     o_cc = block_offsets(C, C)                  # a [C, C] tile of a value head's Ts / M
     b_kk = (b_rk[:, None] * b_kk) * b_rk[None, :]
     b_qk = ((scale * b_rq)[:, None] * b_qk) * b_rk[None, :]
 
-    for i_g in range(0, G):     # M per value head first, so Q K^T is dead before the inverses
-        i_h = i_qh * G + i_g
-        b_m = tl.where(m_causal, b_qk * segment_decay(head_of(b_gns, i_g), C), 0.0)
-        tl.store(mm + (j * HV + i_h) * (C * C) + o_cc, b_m.to(mm.dtype.element_ty))
-    for i_g in range(0, G):
-        i_h = i_qh * G + i_g
-        b_gam, b_suf, b_tot, b_dec = chunk_gate_sums(head_of(b_gs, i_g), head_of(b_gns, i_g), C)
+    for i_g in range(0, G):     # every value head's rows first: none of their inputs is live in the inverses
+        p_slot = j * HV + i_qh * G + i_g
+        b_gam, b_suf, b_tot = chunk_row_sums(head_of(b_gs, i_g), head_of(b_gns, i_g))
         b_beta = head_of(b_betas, i_g)
         b_eg = tl.where(m_c, tl.exp(b_gam), 0.0)
-        p_slot = j * HV + i_h
-        b_t = inv_unit_lower(tl.where(m_strict, b_beta[:, None] * b_kk * b_dec, 0.0), PREC, C)
         p_g = gates + p_slot * (GATE_ROWS * C) + o_c
         tl.store(p_g + GATE_BETA * C, b_beta)
         tl.store(p_g + GATE_EGK * C, b_eg * b_rk)
@@ -183,7 +178,29 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scal
         tl.store(eg_last + p_slot, tl.exp(b_tot))
         tl.store(rn + p_slot * (2 * C) + o_c, b_rq)
         tl.store(rn + p_slot * (2 * C) + C + o_c, b_rk)
-        tl.store(ts + p_slot * (C * C) + o_cc, tl.where(m_eye, 0.0, b_t).to(ts.dtype.element_ty))
+    # then M per value head, so that Q K^T is dead before the inverses; then T per value head from the last
+    # one down: the last head's decay E, formed for its M, serves its T too (one C x C scan less)
+    for i_g in range(0, G - 1):
+        b_m = tl.where(m_causal, b_qk * segment_decay(head_of(b_gns, i_g), C), 0.0)
+        tl.store(mm + (j * HV + i_qh * G + i_g) * (C * C) + o_cc, b_m.to(mm.dtype.element_ty))
+    b_dec = segment_decay(head_of(b_gns, G - 1), C)
+    tl.store(mm + (j * HV + i_qh * G + G - 1) * (C * C) + o_cc,
+             tl.where(m_causal, b_qk * b_dec, 0.0).to(mm.dtype.element_ty))
+    _store_t(G - 1, b_dec, b_betas, b_kk, ts, j * HV + i_qh * G, C, PREC)
+    for i_r in range(1, G):
+        _store_t(G - 1 - i_r, segment_decay(head_of(b_gns, G - 1 - i_r), C), b_betas, b_kk, ts, j * HV + i_qh * G,
+                 C, PREC)
+
+
+@triton.jit
+def _store_t(i_g, b_dec, b_betas, b_kk, ts, slot0, C: tl.constexpr, PREC: tl.constexpr):
+    """Ts = T - I of value head i_g of the group (T = (I + A)^-1, A = beta E K K^T strictly lower, E the
+    head's decay b_dec) at chunk slot x HV + the group's first head, slot0."""
+    o_c = tl.arange(0, C)
+    b_a = tl.where(o_c[:, None] > o_c[None, :], head_of(b_betas, i_g)[:, None] * b_kk * b_dec, 0.0)
+    b_t = inv_unit_lower(b_a, PREC, C)
+    tl.store(ts + (slot0 + i_g) * (C * C) + block_offsets(C, C),
+             tl.where(o_c[:, None] == o_c[None, :], 0.0, b_t).to(ts.dtype.element_ty))
 
 
 @triton.jit

@@ -148,6 +148,12 @@ def segment_decay(g_next, C: tl.constexpr):
 
 
 @triton.jit
+def chunk_row_sums(b_g, g_next):
+    """gam, suf, tot of chunk_gate_sums (its row sums, without the C x C decay)."""
+    return tl.cumsum(b_g, axis=0), tl.cumsum(g_next, axis=0, reverse=True), tl.sum(b_g, axis=0)
+
+
+@triton.jit
 def chunk_gate_sums(b_g, g_next, C: tl.constexpr):
     """Gate sums of one chunk from its g [C] and g_next [C] (fp32; g of row i, of row i + 1; 0 on and
     past the chunk's dead rows: masked loads), none formed as a difference of cumulative sums (so
@@ -156,9 +162,7 @@ def chunk_gate_sums(b_g, g_next, C: tl.constexpr):
       suf [C]  sum of g over rows (i, length)       (w_i = exp(suf_i), the state-update row weights)
       tot      sum of g over the chunk               (exp(tot) = decay of the whole chunk)
       dec [C, C] segment_decay (E)."""
-    gam = tl.cumsum(b_g, axis=0)
-    suf = tl.cumsum(g_next, axis=0, reverse=True)
-    tot = tl.sum(b_g, axis=0)
+    gam, suf, tot = chunk_row_sums(b_g, g_next)
     return gam, suf, tot, segment_decay(g_next, C)
 
 
