@@ -4,16 +4,17 @@
 The launches are not listed here: bench/sm90/launches.py runs the op bodies (backend="triton") on meta
 tensors with JITFunction.run recording each launch (kernel, signature, constexprs, options, grid) instead of
 running it, for every case below at two shapes (HOT: many programs, every sequence one pass; LONG: few
-long sequences, the segmented passes with their pass A and combine kernels), and compiles each
-distinct launch with triton.compile for sm_90 (in a subprocess without TRITON_INTERPRET, which
-replaces @triton.jit with something AOT cannot compile).
+long sequences, the segmented passes with their pass A and combine kernels; of LONG only the launches
+HOT does not make at its own head counts, _config_key), and compiles each distinct launch with
+triton.compile for sm_90 (in a subprocess without TRITON_INTERPRET, which replaces @triton.jit with
+something AOT cannot compile).
 Cases (cases()): the full sweep (GDN_PACKED_AOT=full, `make test-aot`) is every variant (l2norm,
 initial state, final-state gradient dht, gates from raw a/b: all 16 combinations) in bf16, fp16 and
 fp32 at K = V = 128; the default and the all-on variant at K = V in {16, 64, 256}; the all-on variant
 at (K, V) = (16, 256), (256, 16), (64, 128), and in fp32 at (192, 64) (a K > 128 that is not a power of
 two: masked state columns), and the backward in head slices (SLICED): every block/warp/stage config the
-dispatcher picks for head sizes 16 to 256, about 250 distinct kernels (~10 minutes cold on 2 cores). `make test` runs a subset that
-still reaches every config (see cases()). Asserted per case: every kernel compiles,
+dispatcher picks for head sizes 16 to 256, 401 distinct kernels (~5 minutes cold on 2 cores). `make test`
+runs a subset that still reaches every config (see cases()). Asserted per case: every kernel compiles,
 shared memory <= 227 KB, no register spills, warpgroup MMA (HGMMA) in the bf16/fp16 kernels of the
 K = V = 128 path, no 1-2 byte global load / store in a tile kernel at K = V = 128 (one head slice); and
 the fp32 kernels' dots use the input precision that the launcher declares."""
@@ -44,10 +45,11 @@ def _case_id(dt, K, V, flags, sliced=False):
 
 
 def cases(full=None):
-    """(dtype, K, V, flags) of every case, flags a tuple of bools in FLAGS order. The full sweep (~250
-    distinct kernels, ~10 minutes cold on 2 cores) runs with GDN_PACKED_AOT=full (`make test-aot`);
+    """(dtype, K, V, flags) of every case, flags a tuple of bools in FLAGS order. The full sweep (401
+    distinct kernels, ~5 minutes cold on 2 cores) runs with GDN_PACKED_AOT=full (`make test-aot`);
     `make test` compiles the anchor path's 16 variants in bf16 and the plain and all-on variants of the
-    other dtypes and head sizes (every block/warp/stage config the dispatcher picks, ~90 kernels)."""
+    other dtypes and head sizes (every block/warp/stage config the dispatcher picks; 266 distinct kernels,
+    210 s cold on 2 cores, ~20 s from the compile cache)."""
     if full is None:
         full = os.environ.get("GDN_PACKED_AOT") == "full"
     plain_on = ((False,) * 4, (True,) * 4)
@@ -66,6 +68,19 @@ def cases(full=None):
 SLICED = [(dt, 128, 128, (True,) * 4, True) for dt in ("bf16", "fp32")]
 
 
+def _config_key(lc):
+    """A recorded launch without its head counts and the strides made of them (H, HV, S_*: constexprs that
+    only change index constants). HOT and LONG launch most kernels with the same config at other head
+    counts, and each was compiled twice (`make test`: 440 distinct kernels instead of 266, 348 s cold
+    on 2 cores instead of 210). One set of head counts for both would lose the configs that depend on
+    them (the gate kernels' head block at HV = 32, the segmented passes' 16-row blocks in fp32 at
+    HV = 4)."""
+    names = lc.fn.arg_names
+    ce = {names[k[0]] if isinstance(k, tuple) else k: v for k, v in lc.constexprs.items()}
+    return repr((lc.kernel, sorted((k, v) for k, v in ce.items() if k not in ("H", "HV") and not k.startswith("S_")),
+                 sorted(lc.options.items()), sorted((k, v) for k, v in lc.signature.items() if v != "constexpr")))
+
+
 def _compile_all():
     """Runs in the subprocess: one JSON line per (case, launch)."""
     import torch
@@ -77,12 +92,15 @@ def _compile_all():
     budget = configs.BWD_SCRATCH_BUDGET
     with launches.fake_hopper(), rec.active():
         for dt, K, V, flags, *sliced in cases():
-            rec.launches = []
             configs.BWD_SCRATCH_BUDGET = 1 if sliced else budget
-            for shape in (HOT, LONG):
+            seen = set()
+            for shape in (HOT, LONG):   # LONG's launches that HOT made at its head counts: not again
+                rec.launches = []
                 launches.record_ours(rec, shape + (K, V), getattr(torch, launches.DTYPES[dt]), ("fwd", "bwd"),
                                      **dict(zip(FLAGS, flags)))
-            recorded += [(_case_id(dt, K, V, flags, *sliced), lc) for lc in rec.launches]
+                recorded += [(_case_id(dt, K, V, flags, *sliced), lc) for lc in rec.launches
+                             if shape == HOT or _config_key(lc) not in seen]
+                seen.update(map(_config_key, rec.launches))
     configs.BWD_SCRATCH_BUDGET = budget
     toolchain.compile_all([lc for _, lc in recorded], log=lambda m: print(m, file=sys.stderr),
                           workers=max(1, min(4, os.cpu_count() or 1)))
