@@ -63,7 +63,8 @@ as in FLA and chunk_bwd.py):
 Numerics: q, k, v enter the dots exactly (input dtype, fp32 accumulation); gate sums, exponentials,
 the row factors and the state are fp32; the state and X', U enter their dots rounded to the input
 dtype (bf16: 2^-9 relative, the price of one tensor-core pass per product); T is formed from
-fp32 operands (configs.dot_precision) and stored once in the input dtype, as is M (an fp32 product
+fp32 operands (configs.dot_precision; bf16 inputs: its two whole-tile doubling levels from bf16
+operands, configs.prep_config) and stored once in the input dtype, as is M (an fp32 product
 of the bf16 q, k, rounded once). fp32 inputs: every dot in
 fp32 operands (tf32 on the GPU, exact under the interpreter). o is rounded to v's dtype once.
 """
@@ -95,10 +96,12 @@ def block_diagonal(d, C: tl.constexpr, B: tl.constexpr):
 
 
 @triton.jit
-def inv_unit_lower(a, PREC: tl.constexpr, C: tl.constexpr):
+def inv_unit_lower(a, PREC: tl.constexpr, C: tl.constexpr, OP: tl.constexpr):
     """(I + a)^-1 for a strictly lower [C, C] fp32 a, by block doubling (see the module docstring): the
-    levels up to block size 16 on the C / 16 diagonal 16 x 16 blocks (batched dots), the levels
-    above on the whole tile."""
+    levels up to block size 16 on the C / 16 diagonal 16 x 16 blocks (batched dots, fp32 operands at
+    PREC), the levels above on the whole tile with operands of type OP (fp32 at PREC, or a 16-bit type:
+    one tensor-core pass of half the operand bytes; a level changes only the off-diagonal blocks, so
+    the rounding of its operands enters there alone)."""
     B: tl.constexpr = 16
     rb = tl.arange(0, B)
     odd_r, even_c = (rb % 2)[:, None] == 1, (rb % 2)[None, :] == 0
@@ -116,8 +119,13 @@ def inv_unit_lower(a, PREC: tl.constexpr, C: tl.constexpr):
     for lvl in tl.static_range(4, 6):      # b = 16, 32 on the whole tile
         lower_left = (((rc >> (lvl + 1))[:, None] == (rc >> (lvl + 1))[None, :])
                       & (((rc >> lvl) & 1)[:, None] == 1) & (((rc >> lvl) & 1)[None, :] == 0))
-        ta = tl.dot(t, tl.where(lower_left, a, 0.0), input_precision=PREC)
-        t = t - tl.dot(ta, t, input_precision=PREC)
+        if OP == tl.float32:
+            ta = tl.dot(t, tl.where(lower_left, a, 0.0), input_precision=PREC)
+            t = t - tl.dot(ta, t, input_precision=PREC)
+        else:
+            t_in = t.to(OP)
+            ta = tl.dot(t_in, tl.where(lower_left, a, 0.0).to(OP))
+            t = t - tl.dot(ta.to(OP), t_in)
     return t
 
 
@@ -125,7 +133,7 @@ def inv_unit_lower(a, PREC: tl.constexpr, C: tl.constexpr):
 def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scale,
                           H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                           C: tl.constexpr, S_QK: tl.constexpr, S_G: tl.constexpr, USE_L2: tl.constexpr,
-                          PREC: tl.constexpr):
+                          PREC: tl.constexpr, DOUBLING_16: tl.constexpr):
     i_qh = tl.program_id(0)
     j = tl.program_id(1).to(tl.int64)
     start, length = chunk_rows(table, j, C)
@@ -186,19 +194,24 @@ def chunk_fwd_prep_kernel(q, k, g, beta, table, gates, eg_last, rn, ts, mm, scal
     b_dec = segment_decay(head_of(b_gns, G - 1), C)
     tl.store(mm + (j * HV + i_qh * G + G - 1) * (C * C) + o_cc,
              tl.where(m_causal, b_qk * b_dec, 0.0).to(mm.dtype.element_ty))
-    _store_t(G - 1, b_dec, b_betas, b_kk, ts, j * HV + i_qh * G, C, PREC)
+    _store_t(G - 1, b_dec, b_betas, b_kk, ts, j * HV + i_qh * G, C, PREC, DOUBLING_16)
     for i_r in range(1, G):
         _store_t(G - 1 - i_r, segment_decay(head_of(b_gns, G - 1 - i_r), C), b_betas, b_kk, ts, j * HV + i_qh * G,
-                 C, PREC)
+                 C, PREC, DOUBLING_16)
 
 
 @triton.jit
-def _store_t(i_g, b_dec, b_betas, b_kk, ts, slot0, C: tl.constexpr, PREC: tl.constexpr):
+def _store_t(i_g, b_dec, b_betas, b_kk, ts, slot0, C: tl.constexpr, PREC: tl.constexpr,
+             DOUBLING_16: tl.constexpr):
     """Ts = T - I of value head i_g of the group (T = (I + A)^-1, A = beta E K K^T strictly lower, E the
-    head's decay b_dec) at chunk slot x HV + the group's first head, slot0."""
+    head's decay b_dec) at chunk slot x HV + the group's first head, slot0; DOUBLING_16: the inverse's
+    whole-tile levels in Ts's (16-bit) dtype (configs.prep_config)."""
     o_c = tl.arange(0, C)
     b_a = tl.where(o_c[:, None] > o_c[None, :], head_of(b_betas, i_g)[:, None] * b_kk * b_dec, 0.0)
-    b_t = inv_unit_lower(b_a, PREC, C)
+    if DOUBLING_16:
+        b_t = inv_unit_lower(b_a, PREC, C, ts.dtype.element_ty)
+    else:
+        b_t = inv_unit_lower(b_a, PREC, C, tl.float32)
     tl.store(ts + (slot0 + i_g) * (C * C) + block_offsets(C, C),
              tl.where(o_c[:, None] == o_c[None, :], 0.0, b_t).to(ts.dtype.element_ty))
 

@@ -39,9 +39,16 @@ def prep_config(K, dtype):
     """chunk_fwd_prep_kernel: K K^T and Q K^T over K-blocks of BK (128, so at K <= 128 the q and k tiles
     load in one go with the group's gate columns; 32 for fp32 inputs, whose tiles are twice the bytes),
     4 warps, 2 CTAs per SM, 1 stage (the loop is short and the C x C tiles dominate). The model's
-    numbers for these choices: bench/NOTES.md, "The group's gate columns loaded once"."""
+    numbers for these choices: bench/NOTES.md, "The group's gate columns loaded once".
+    DOUBLING_16 (bf16 inputs): the inverse's two whole-tile doubling levels take bf16 operands, not fp32
+    at PREC: half the operand bytes and one bf16 tensor-core pass (prep 288.5 -> 232.7 us at the anchor in
+    the model); their rounding (2^-9) is that of the Ts they produce, stored in bf16, and the bf16 errors
+    against float64 stay where they were (bench/NOTES.md, "Prep's whole-tile doubling in bf16, pass A in
+    halves"). fp16 inputs keep fp32 operands: in fp16 the same change took one FLA comparison over 1.1x
+    (dg, chunk-multiples: 7.00e-4 against FLA's 6.27e-4), and fp16's range would bound T's entries."""
     BK = min(pow2(K), 32 if dtype == torch.float32 else 128)
-    return dict(BK=BK, PREC=dot_precision(dtype), num_warps=4, num_stages=1)
+    return dict(BK=BK, PREC=dot_precision(dtype), DOUBLING_16=dtype == torch.bfloat16, num_warps=4,
+                num_stages=1)
 
 
 def _stage_kb(BK, BV, esize):
