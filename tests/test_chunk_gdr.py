@@ -417,6 +417,60 @@ def test_segmented_state_pass_without_h0(monkeypatch):
     run_in_segments(3, torch.float32, 3, monkeypatch)
 
 
+@pytest.mark.parametrize("dtype, segments, h0", [(torch.float32, 3, False), (torch.float32, 3, True),
+                                                 (torch.bfloat16, 2, True)],
+                         ids=["fp32-S3", "fp32-S3-h0", "bf16-S2-h0"])
+def test_pass_a_in_halves(dtype, segments, h0, monkeypatch):
+    """Pass A with its transition blocks walking the two halves of each segment (configs.pass_a_plan picks
+    that only for few long sequences on many SMs, so it is forced here), the halves' transitions
+    multiplied by chunk_compose_kernel, on one-long (300 tokens: 5 chunks, in segments of 2, 2, 1 or 3, 2
+    chunks; without h0 the first segment's transition is neither formed nor composed; with h0 it is),
+    with a decay 50x slower than the cases' own (over a segment their transitions are ~0, and leaving
+    the second halves out passed): o, state and every gradient within the budgets of float64 (the
+    backward's dS pass takes the composed transitions), and against pass A over whole segments: fp32
+    within 1e-6 of it, bf16 within 1.1x its error. Without the compose it fails (tried)."""
+    if "triton" not in [p.values[0] for p in BACKENDS]:
+        pytest.skip("the triton backend cannot run here")
+    from gdn_packed.triton import chunk as triton_chunk
+    ci, c = 0, CASES[0]
+    x, cu, cu_pad, _, do, dht = inputs(ci, dtype)
+    gen = torch.Generator().manual_seed(7)
+    h = on_dev(torch.randn(1, c.HV, c.K, c.V, generator=gen) * 0.1) if h0 else None
+    x = list(x[:3]) + [x[3] * 0.02, x[4], h]
+    rs = [None if t is None else t.detach().cpu().double().requires_grad_() for t in x]
+    ro, rf = reference_gdr(*rs[:5], initial_state=rs[5], cu_seqlens=cu.cpu(),
+                           cu_seqlens_padded=None if cu_pad is None else cu_pad.cpu(),
+                           use_qk_l2norm_in_kernel=CASES[ci].l2)
+    ref, names = with_grads(rs, ro, rf, do.cpu().double(), dht.cpu().double()), ("o", "state") + GRADS
+    monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, **kw: segments)
+    plans, pad = [], padding(ci)
+
+    def halves(N, HV, K, V, S, steps, cfg_a, sms, has_h0=False):
+        plans.append(1 if V % cfg_a["BV"] else 2)
+        return plans[-1], 0
+    out = {}
+    for split in (False, True):
+        if split:
+            monkeypatch.setattr(triton_chunk, "pass_a_plan", halves)
+        leaves = leaves_of(x)
+        with poisoned_outputs():
+            o, fs = call(leaves, cu, cu_pad, CASES[ci].l2, "triton")
+            out[split] = with_grads(leaves, o, fs, do, dht)
+        for n in ("o",) + GRADS[:5]:
+            assert torch.isfinite(out[split][n]).all() and (out[split][n][0, pad] == 0).all(), n
+    assert plans and set(plans) == {2}, plans
+    err = errors(out[True], ref, names)
+    assert not over_budget(err, dtype), over_budget(err, dtype)
+    if dtype == torch.float32:
+        far = {n: f"{rel_err(out[True][n].cpu(), out[False][n].cpu()):.2e}" for n in names
+               if ref[n] is not None and rel_err(out[True][n].cpu(), out[False][n].cpu()) > 1e-6}
+        assert not far, far
+    else:
+        base = errors(out[False], ref, names)
+        worse = {n: f"{err[n]:.2e} > 1.1 x {base[n]:.2e}" for n in err if err[n] > 1.1 * base[n]}
+        assert not worse, worse
+
+
 @pytest.mark.parametrize("segments", [1, 3])
 def test_wide_state_blocks_triton(segments, monkeypatch, report_table):
     """V = 128 in bf16 (case WIDE: h0, l2norm, GVA 2, padding between and after the sequences): the
@@ -507,14 +561,20 @@ def test_training_forward_runs_in_the_segments_it_keeps(monkeypatch):
     zero-length and one-token sequences, h0): under autograd pass A runs over 2 segments and the backward
     runs none (it starts from the kept states), without autograd over 1; o, state and every gradient
     within the fp32 budgets of float64, padding rows 0. And the choice itself at the anchor (1 x 32768,
-    32 value heads, K = V = 128, bf16): 3 segments for inference, 4 for a training step."""
+    32 value heads, K = V = 128, bf16): 4 segments for inference and for a training step, pass A's
+    transition blocks in halves (configs.pass_a_plan; over whole segments S = 4 would take it two waves, and
+    inference chose 3)."""
     if "triton" not in [p.values[0] for p in BACKENDS]:
         pytest.skip("the triton backend cannot run here")
     from gdn_packed.triton import chunk as triton_chunk
     from gdn_packed.triton import configs
     h200 = torch.device("cpu")      # off CUDA the configs plan for an H200 (132 SMs, 227 KB of shared memory)
-    assert triton_chunk.fwd_segments(32768, 1, 32, 128, 128, torch.bfloat16, h200) == 3
+    assert triton_chunk.fwd_segments(32768, 1, 32, 128, 128, torch.bfloat16, h200) == 4
     assert triton_chunk.fwd_segments(32768, 1, 32, 128, 128, torch.bfloat16, h200, training=True) == 4
+    cfg_a = configs.state_config(128, 128, torch.bfloat16)
+    assert configs.pass_a_plan(1, 32, 128, 128, 4, 128, cfg_a, 132) == (2, 128 + 64)
+    assert configs.pass_a_plan(1, 32, 128, 128, 4, 128, cfg_a, 132, has_h0=True)[0] == 1     # 96 + 192 CTAs: no gain
+    assert configs.pass_a_plan(1, 32, 128, 128, 3, 171, cfg_a, 132) == (1, 171)    # 96 CTAs: one wave
     real = configs.state_segments(32768, 4, 32, 128, 128, configs.state_config(128, 128, torch.bfloat16))
     assert real == 1            # many value heads x sequences fill the GPU: no segments either way
     monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, bwd=None, **kw: 3 if bwd else 2)

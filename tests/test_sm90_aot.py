@@ -88,20 +88,24 @@ def _compile_all():
     from bench.sm90 import launches, toolchain
     rec = launches.Recorder()
     recorded = []
-    from gdn_packed.triton import configs
-    budget = configs.BWD_SCRATCH_BUDGET
+    from gdn_packed.triton import chunk, configs
+    budget, plan = configs.BWD_SCRATCH_BUDGET, chunk.pass_a_plan
+
+    def halves(N, HV, K, V, S, steps, cfg_a, sms, has_h0=False):    # LONG: pass A in halves where it can
+        return 1 if V % cfg_a["BV"] else 2, 0
     with launches.fake_hopper(), rec.active():
         for dt, K, V, flags, *sliced in cases():
             configs.BWD_SCRATCH_BUDGET = 1 if sliced else budget
             seen = set()
             for shape in (HOT, LONG):   # LONG's launches that HOT made at its head counts: not again
                 rec.launches = []
+                chunk.pass_a_plan = halves if shape == LONG else plan
                 launches.record_ours(rec, shape + (K, V), getattr(torch, launches.DTYPES[dt]), ("fwd", "bwd"),
                                      **dict(zip(FLAGS, flags)))
                 recorded += [(_case_id(dt, K, V, flags, *sliced), lc) for lc in rec.launches
                              if shape == HOT or _config_key(lc) not in seen]
                 seen.update(map(_config_key, rec.launches))
-    configs.BWD_SCRATCH_BUDGET = budget
+    configs.BWD_SCRATCH_BUDGET, chunk.pass_a_plan = budget, plan
     toolchain.compile_all([lc for _, lc in recorded], log=lambda m: print(m, file=sys.stderr),
                           workers=max(1, min(4, os.cpu_count() or 1)))
     for case, lc in recorded:

@@ -128,8 +128,10 @@ def compile_launch(launch, seq_chunks):
     """Compiles one recorded launch for sm_90 and reads it (see Compiled). seq_chunks: the trip count
     assumed for a data-dependent loop that holds a dot (chunks per sequence at the report's shape); a
     kernel that splits every sequence into segments says so with a run-time scalar argument named
-    `segments`, and its data-dependent chunk loop counts cdiv(seq_chunks, segments) trips."""
-    chunks, seq_chunks = seq_chunks, -(-seq_chunks // max(1, int(launch.scalars.get("segments", 1))))
+    `segments`, and its data-dependent chunk loop counts cdiv(seq_chunks, segments) trips (cdiv of that by
+    `pieces`, a scalar of that name: the forward's pass A walking halves of the segments)."""
+    seg = -(-seq_chunks // max(1, int(launch.scalars.get("segments", 1))))
+    chunks, seq_chunks = seq_chunks, -(-seg // max(1, int(launch.scalars.get("pieces", 1))))
     key = (_build_key(launch), chunks, seq_chunks, repr(sorted(launch.scalars.items())))
     if key in _READS:
         return _READS[key]

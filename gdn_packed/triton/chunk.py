@@ -11,10 +11,13 @@ import triton
 
 from gdn_packed.triton.chunk_bwd import (chunk_bwd_a_kernel, chunk_bwd_dk_kernel, chunk_bwd_dq_kernel,
                                         chunk_bwd_dstate_kernel, chunk_bwd_finalize_kernel, chunk_bwd_p_kernel)
-from gdn_packed.triton.chunk_fwd import chunk_combine_kernel, chunk_fwd_prep_kernel, chunk_fwd_state_kernel
+from gdn_packed.triton.chunk_fwd import (chunk_combine_kernel, chunk_compose_kernel, chunk_fwd_prep_kernel,
+                                         chunk_fwd_state_kernel)
 from gdn_packed.triton.common import GATE_ROWS
-from gdn_packed.triton.configs import (CHUNK, bwd_configs, bwd_head_slices, combine_config, dot_precision,
-                                      num_sms, prep_config, smem_kb, state_config, state_segments)
+from gdn_packed.triton.configs import (CHUNK, bwd_configs, bwd_head_slices, combine_config, compose_config,
+                                      dot_precision,
+                                      num_sms, pass_a_plan, prep_config, smem_kb, state_config,
+                                      state_segments)
 
 # input_precision of every dot with fp32 operands in the fp32 path (configs.dot_precision: tf32, so
 # fp32 inputs are held to the GPU fp32 budgets on a GPU); tests/test_sm90_aot.py reads the compiled
@@ -176,7 +179,7 @@ def entering_states(pass_a, cu_chunks, N, HV, K, V, S, h0, dtype, device, revers
         ends = torch.empty(N * (S - 1), HV, V + K, K, dtype=torch.float32, device=device)
     pass_a(N * (S - 1), ends)
     ent = torch.empty(N * S, HV, K, V, dtype=torch.float32, device=device) if out is None else out
-    cfg = combine_config(K, V, dtype)
+    cfg = combine_config(K, V, dtype, h0 is not None)
     chunk_combine_kernel[(triton.cdiv(V, cfg["BV"]), HV, N)](
         ends=ends, h0=h0, ent=ent, cu_chunks=cu_chunks, segments=S, HV=HV, K=K, V=V, HAS_H0=h0 is not None,
         REVERSE=reverse, **cfg)
@@ -192,7 +195,9 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, 
 
     Segments (S; else configs.state_segments, from shapes): with S > 1 every sequence's chunk slots are
     split into S segments: pass A (the kernel with PROPAGATE, grid (N x the row blocks of [S^T; P^T] of
-    S - 1 segments, HV, 1), segment 0's blocks of P^T only with h0) gives each of the first S - 1
+    S - 1 segments, HV, 1), segment 0's blocks of P^T only with h0; where configs.pass_a_plan says so,
+    the S^T blocks in one launch and the P^T blocks over the halves of their segments in a second, the
+    halves' transitions multiplied by chunk_compose_kernel) gives each of the first S - 1
     segments its end state from zero and its K x K transition (segment 0's: 0 without h0),
     chunk_combine_kernel the state entering every segment (entering_states), and the pass (grid (cdiv(V,
     BV), HV, N S)) runs every segment from its entering state (into kept [N S, HV, K, V] when given: the
@@ -220,16 +225,26 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, 
 
     def pass_a(programs, ends):     # the row blocks of N (S - 1) segments, segment 0's of P^T only with h0
         nb, nv = triton.cdiv(V + K, cfg_a["BV"]), triton.cdiv(V, cfg_a["BV"])
-        per_seq = programs // N * nb - (0 if h0 is not None else nb - nv)
-        chunk_fwd_state_kernel[(N * per_seq, HV, 1)](
-            **inputs, h0=None, o=None, ht=None, st=None, ut=None, ends=ends,
-            HAS_H0=h0 is not None, STORE_STATES=False, PROPAGATE=True, **cfg_a)
+        pieces, _ = pass_a_plan(N, HV, K, V, S, triton.cdiv(triton.cdiv(T, CHUNK * N), S), cfg_a,
+                                num_sms(q.device), has_h0=h0 is not None)
+        # (one launch: no program writes halves, but the kernel must compile with a pointer there)
+        halves = ends.new_empty(N * (S - 1), HV, K, K) if pieces > 1 else ends
+        launches = [(0, nb, 1)] if pieces == 1 else [(0, nv, 1), (nv, nb - nv, 2)]    # long walks first
+        for block0, blocks, n in launches:
+            skip = 0 if h0 is not None else max(block0 + blocks - max(block0, nv), 0) * n
+            chunk_fwd_state_kernel[(N * ((S - 1) * blocks * n - skip), HV, 1)](
+                **inputs, h0=None, o=None, ht=None, st=None, ut=None, ends=ends, halves=halves, block0=block0,
+                blocks=blocks, pieces=n, HAS_H0=h0 is not None, STORE_STATES=False, PROPAGATE=True, **cfg_a)
+        if pieces > 1:      # P = P_first P_second
+            cfg_c = compose_config(K, q.dtype)
+            chunk_compose_kernel[(triton.cdiv(K, cfg_c["BR"]), HV, N * (S - 1))](
+                ends=ends, halves=halves, segments=S, HV=HV, K=K, V=V, HAS_H0=h0 is not None, **cfg_c)
     if entering is not None:
         h0 = entering.view(N * S, HV, K, V) if S > 1 else h0
     elif S > 1:
         h0, ends = entering_states(pass_a, cu_chunks, N, HV, K, V, S, h0, q.dtype, q.device, out=kept, ends=ends)
     chunk_fwd_state_kernel[(triton.cdiv(V, cfg["BV"]), HV, N * S)](
-        **inputs, h0=h0, o=o, ht=ht, st=st, ut=ut, ends=None,
+        **inputs, h0=h0, o=o, ht=ht, st=st, ut=ut, ends=None, halves=None, block0=0, blocks=0, pieces=1,
         HAS_H0=h0 is not None, STORE_STATES=store, PROPAGATE=False, **cfg)
     return ends if S > 1 else None
 
@@ -252,7 +267,7 @@ def chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, 
     HV, V = do.shape[1], do.shape[2]
     N = cu_chunks.numel() - 1
     S = (fwd_ends.shape[0] // N + 1 if fwd_ends is not None else
-         state_segments(T, N, HV, K, V, cfg, num_sms(q.device), dots=(6, 6)))
+         state_segments(T, N, HV, K, V, cfg, num_sms(q.device), dots=(6, 6), fwd_pass_a=False))
     inputs = dict(q=q, k=k, do=do, gates=prep.gates, eg_last=prep.eg_last, ts=prep.ts, mm=prep.mm, table=table,
                   cu_chunks=cu_chunks, T_rows=T, segments=S, H=H, HV=HV, K=K, V=V, C=CHUNK,
                   **rows.of("S_QK", "S_O", "S_DQK", "S_G"), **cfg)

@@ -50,7 +50,11 @@ as in FLA and chunk_bwd.py):
       cdiv(V + K, BV) blocks of the rows of [S^T; P^T] (S^T from 0, P^T from I, v = 0 on those rows)
       and writes its end rows [V + K, K] fp32 to ends; its grid is (sequences x their segments' row
       blocks, HV, 1), and without an h0 (HAS_H0: the combine's) the first segment's blocks of P^T alone
-      are left out (that transition would only carry h0) and its P^T rows written 0. Pass A takes its
+      are left out (that transition would only carry h0) and its P^T rows written 0. Two launches where
+      configs.pass_a_plan says so (the run-time block0, blocks, pieces: the row blocks a launch covers,
+      and the pieces each of its segments is walked in): the S^T blocks over whole segments, then the
+      P^T blocks over halves (pieces = 2; the second half's P^T rows to halves), whose transitions
+      chunk_compose_kernel multiplies. Pass A takes its
       chunks' rows from two table rows (common.run_rows / chunk_at), so its tile addresses depend on
       the loop index alone and the pipeliner loads them two chunks ahead, and V^T through a dot with I
       (exact), a copied tile read in the dot's layout; the other variants have no registers left for
@@ -59,6 +63,8 @@ as in FLA and chunk_bwd.py):
   chunk_combine_kernel    grid (cdiv(V, BV), HV, N): the state entering every segment from pass A's
       end rows, one fp32 product [BV, K] x [K, K] per segment boundary (also the backward's dS pass,
       walking the segments in reverse).
+  chunk_compose_kernel    grid (cdiv(K, BR), HV, N (S - 1)): P = P_first P_second of the segments whose
+      pass A walked halves, over the first half's rows in ends.
 
 Numerics: q, k, v enter the dots exactly (input dtype, fp32 accumulation); gate sums, exponentials,
 the row factors and the state are fp32; the state and X', U enter their dots rounded to the input
@@ -253,23 +259,25 @@ def _split_dot(a, p, o_r, m_r, K: tl.constexpr, BK: tl.constexpr):
     return tl.reshape(tl.permute(tl.join(tl.dot(a, t0), tl.dot(a, t1)), (0, 2, 1)), [a.shape[0], BK])
 
 
-@triton.jit(do_not_specialize=["T_rows", "segments"])
-def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0, o, ht, st, ut, ends,
-                           T_rows, segments, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+@triton.jit(do_not_specialize=["T_rows", "segments", "block0", "blocks", "pieces"])
+def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0, o, ht, st, ut, ends, halves,
+                           T_rows, segments, block0, blocks, pieces, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                            V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                            S_QK: tl.constexpr, S_V: tl.constexpr, S_O: tl.constexpr, HAS_H0: tl.constexpr,
                            STORE_STATES: tl.constexpr, PROPAGATE: tl.constexpr, SPLIT_K: tl.constexpr):
     # sequence i_n, segment i_s of `segments` (pass A: of the first segments - 1), i_p = the two as one index
     NB: tl.constexpr = (V + K + BV - 1) // BV       # pass A's row blocks of [S^T; P^T] a segment
     NV: tl.constexpr = (V + BV - 1) // BV           # those of S^T
-    if PROPAGATE:   # axis 0: the sequence, then the row blocks of its first segments - 1 segments, segment
-        # major; without h0 (HAS_H0 here: whether the combine carries an h0) the first segment's blocks of
-        # P^T alone are left out: the combine never reads that transition then
-        SKIP: tl.constexpr = 0 if HAS_H0 else NB - NV
-        per_seq = (segments - 1) * NB - SKIP
+    if PROPAGATE:   # axis 0: the sequence, then its first segments - 1 segments, then row blocks block0 ..
+        # block0 + blocks - 1, then the pieces of the segment each walks; without h0 (HAS_H0 here: whether
+        # the combine carries an h0) the first segment's blocks of P^T (the last ones) are left out: the
+        # combine never reads that transition then
+        units = blocks * pieces
+        skip = 0 if HAS_H0 else tl.maximum(block0 + blocks - tl.maximum(block0, NV), 0) * pieces
+        per_seq = (segments - 1) * units - skip
         i_h, i_n, i_a = tl.program_id(1), tl.program_id(0) // per_seq, tl.program_id(0) % per_seq
-        i_a = tl.where(i_a >= NB - SKIP, i_a + SKIP, i_a)
-        i_s, i_v = i_a // NB, i_a % NB
+        i_a = tl.where(i_a >= units - skip, i_a + skip, i_a)
+        i_s, i_v, piece = i_a // units, block0 + (i_a % units) // pieces, i_a % pieces
         i_p = i_n * (segments - 1) + i_s
     else:
         i_v, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -294,7 +302,11 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
         b_st = tl.zeros([BV, BK], dtype=tl.float32)
 
     c0, c1 = segment_chunks(cu_chunks, i_n, i_s, segments)
-    if PROPAGATE:       # the rows of the segment's chunks from two table rows read here (run_rows)
+    if PROPAGATE:       # the piece's chunks (the first or second half of the segment's); their rows from two
+        # table rows read here (run_rows)
+        if pieces > 1:
+            half = tl.cdiv(c1 - c0, 2)
+            c0, c1 = tl.where(piece == 0, c0, c0 + half), tl.where(piece == 0, c0 + half, c1)
         first, end = run_rows(table, c0, c1, T_rows)
     for i_t in range(0, c1 - c0):
         j = (c0 + i_t).to(tl.int64)
@@ -358,9 +370,14 @@ def chunk_fwd_state_kernel(q, k, v, table, cu_chunks, gates, eg_last, ts, mm, h0
             else:
                 o_st = o_v[:, None] * K + o_k[None, :]
             tl.store(st + p_slot * (K * V) + o_st, b_st_in, mask=m_s)
-    if PROPAGATE:       # the segment's end rows: S^T from a zero entering state, then P^T
-        p_e = (i_p * HV + i_h).to(tl.int64) * (R * K) + o_v[:, None] * K + o_k[None, :]
-        tl.store(ends + p_e, b_st, mask=(o_v < R)[:, None] & m_k[None, :])
+    if PROPAGATE:       # the segment's end rows: S^T from a zero entering state, then P^T (a second piece's
+        # P^T rows, o_v >= V, to halves [N (segments - 1), HV, K, K])
+        if piece == 0:
+            p_e = (i_p * HV + i_h).to(tl.int64) * (R * K) + o_v[:, None] * K + o_k[None, :]
+            tl.store(ends + p_e, b_st, mask=(o_v < R)[:, None] & m_k[None, :])
+        else:
+            p_e = (i_p * HV + i_h).to(tl.int64) * (K * K) + (o_v - V)[:, None] * K + o_k[None, :]
+            tl.store(halves + p_e, b_st, mask=((o_v >= V) & (o_v < R))[:, None] & m_k[None, :])
         if not HAS_H0:  # the first segment's rows nobody formed: 0, so that every word of kept is written
             if (i_s == 0) & (i_v == 0):
                 for b in tl.static_range(NV, NB):
@@ -421,3 +438,26 @@ def chunk_combine_kernel(ends, h0, ent, cu_chunks, segments, HV: tl.constexpr, K
     if REVERSE:
         i_s = 0
     tl.store(ent + ((i_n * segments + i_s) * HV + i_h).to(tl.int64) * (K * V) + o_kv, b_st, mask=m_s)
+
+
+
+@triton.jit(do_not_specialize=["segments"])
+def chunk_compose_kernel(ends, halves, segments, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BK: tl.constexpr, BR: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr):
+    """The transitions of the segments whose pass A walked two halves (pass_a_plan; grid (cdiv(K, BR), HV,
+    N (segments - 1))): P = P_first P_second [K, K] fp32 from the first half's P^T rows (ends: rows V ..
+    V + K - 1 of the segment's [V + K, K] end rows) and the second's (halves [N (segments - 1), HV, K,
+    K]), written over the first's: each program its BR rows, which no other program reads. Without h0
+    the first segment of every sequence has no transition (pass A formed none): left as it is (0)."""
+    i_r, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if HAS_H0 or i_p % (segments - 1) != 0:
+        o_r = i_r * BR + tl.arange(0, BR)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        m_r = (o_r < K)[:, None] & m_k[None, :]
+        base = (i_p * HV + i_h).to(tl.int64)
+        p_a = ends + base * ((V + K) * K) + (V + o_r)[:, None] * K + o_k[None, :]
+        b_a = tl.load(p_a, mask=m_r, other=0.0)
+        b_b = tl.load(halves + base * (K * K) + o_k[:, None] * K + o_k[None, :],
+                      mask=m_k[:, None] & m_k[None, :], other=0.0)
+        tl.store(p_a, tl.dot(b_a, b_b, input_precision=PREC), mask=m_r)

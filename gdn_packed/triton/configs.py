@@ -147,7 +147,7 @@ def num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def state_segments(T, N, HV, K, V, cfg, sms=132, dots=(5, 3), cfg_a=None, bwd=None):
+def state_segments(T, N, HV, K, V, cfg, sms=132, dots=(5, 3), cfg_a=None, bwd=None, fwd_pass_a=True):
     """Segments per sequence of the forward state pass (docs/DESIGN.md section 11). With few sequences
     the pass has fewer programs (cdiv(V, BV) x HV x N) than the GPU has CTA slots, and its time is the
     sequence's chunk count times one chunk step. Splitting every sequence into S segments runs pass A
@@ -155,8 +155,8 @@ def state_segments(T, N, HV, K, V, cfg, sms=132, dots=(5, 3), cfg_a=None, bwd=No
     segments, a short sequential combine of the segment boundary states, and the pass itself on all S
     segments from their true entering states. dots = (per chunk of the pass, of pass A): (5, 3) for the
     forward state pass, (6, 6) for the backward's dS pass. S minimises waves x chunks per segment x dots
-    over both passes plus the combine's S - 1 steps (a larger S only for a 5% gain), from shapes only
-    (T, N: an average sequence of
+    over both passes plus the combine's S - 1 steps (a larger S only for a 5% gain; the forward's pass A,
+    fwd_pass_a, as pass_a_plan plans it without h0), from shapes only (T, N: an average sequence of
     T / N rows; never the values of cu_seqlens), with at least MIN_SEGMENT_CHUNKS chunks per segment;
     1 when the state block is wider than 128 (the combine holds the whole K x K transition in one tile).
     cfg / cfg_a: the launch configs of the pass and of pass A (default cfg): their warps give the CTA
@@ -169,9 +169,6 @@ def state_segments(T, N, HV, K, V, cfg, sms=132, dots=(5, 3), cfg_a=None, bwd=No
         return 1
     cfg_a = cfg if cfg_a is None else cfg_a
 
-    def slots(c):
-        return sms * (2 if c["num_warps"] == 4 else 1)
-
     def blocks(c, rows):
         return triton.cdiv(rows, c["BV"])
     chunks = triton.cdiv(T, CHUNK * N)
@@ -180,8 +177,10 @@ def state_segments(T, N, HV, K, V, cfg, sms=132, dots=(5, 3), cfg_a=None, bwd=No
         steps = triton.cdiv(chunks, S)
 
         def walk(c, rows, segs, d):     # a pass over `segs` segments of every sequence at d dots a chunk
-            return triton.cdiv(N * HV * blocks(c, rows) * segs, slots(c)) * steps * d
-        total = walk(cfg, V, S, dots[0]) + walk(cfg_a, V + K, S - 1, dots[1]) + (S - 1) * dots[0]
+            return triton.cdiv(N * HV * blocks(c, rows) * segs, _slots(c, sms)) * steps * d
+        total = (walk(cfg, V, S, dots[0]) + (S - 1) * dots[0]
+                 + (pass_a_plan(N, HV, K, V, S, steps, cfg_a, sms)[1] * dots[1] if fwd_pass_a else
+                    walk(cfg_a, V + K, S - 1, dots[1])))
         if bwd is not None:
             cfg_r, cfg_d = bwd
             total += walk(cfg_r, V, S, 5) + walk(cfg_d, V, S, 6) + walk(cfg_d, V, S - 1, 6) + (S - 1) * 6
@@ -195,9 +194,47 @@ def state_segments(T, N, HV, K, V, cfg, sms=132, dots=(5, 3), cfg_a=None, bwd=No
     return best
 
 
-def combine_config(K, V, dtype):
-    """chunk_combine_kernel: S^T blocks of BV = 16 rows times the whole K x K transition (fp32)."""
-    return dict(BK=pow2(K), BV=min(16, pow2(V)), PREC=dot_precision(dtype), num_warps=4, num_stages=1)
+def _slots(cfg, sms):
+    """CTA slots of a state pass's launch: 2 per SM at 4 warps, 1 at 8 (the registers of the state block)."""
+    return sms * (2 if cfg["num_warps"] == 4 else 1)
+
+
+def pass_a_plan(N, HV, K, V, S, steps, cfg_a, sms, has_h0=False):
+    """(pieces, cost) of the forward's pass A over the first S - 1 segments of N sequences (segments of
+    `steps` chunks; cost in chunk steps on the critical path: waves x chunks a CTA). pieces = 1: one
+    launch over every row block of [S^T; P^T] (the first segment's blocks of P^T only with h0). pieces =
+    2: the S^T blocks in one launch, then the P^T blocks in a second one, each walking one half of its
+    segment (chunk_fwd_state: the halves' transitions are multiplied after it, P = P_first P_second),
+    when V is a multiple of the block rows (no block holds rows of both) and it shortens the critical
+    path: at the anchor (1 x 32768, 32 value heads, S = 4) one launch is 160 CTAs of 128 chunks at one
+    CTA per SM, two waves (256), the split 96 CTAs of 128 and then 128 of 64 (192). The cost model of
+    state_segments assumes no h0 (S is a function of shapes only)."""
+    if S <= 1:
+        return 1, 0
+    slots, nb, nv = _slots(cfg_a, sms), triton.cdiv(V + K, cfg_a["BV"]), triton.cdiv(V, cfg_a["BV"])
+    p_blocks = (S - 1 - (0 if has_h0 else 1)) * (nb - nv)
+    one = triton.cdiv(N * HV * ((S - 1) * nv + p_blocks), slots) * steps
+    if V % cfg_a["BV"] or not p_blocks:
+        return 1, one
+    two = (triton.cdiv(N * HV * (S - 1) * nv, slots) * steps
+           + triton.cdiv(N * HV * p_blocks * 2, slots) * triton.cdiv(steps, 2))
+    return (2, two) if two < one else (1, one)
+
+
+def combine_config(K, V, dtype, has_h0=False):
+    """chunk_combine_kernel: S^T blocks of BV = 32 rows times the whole K x K transition (fp32), 16 with
+    an h0 (the dS pass: dht) to start from (at 32 that variant spills 288 B at K = 128). Every program
+    reads the whole transition, so its bytes go with cdiv(V, BV): at the anchor 20.5 us at BV = 16, 13.4
+    at 32 (bytes-bound), 19.2 at 64 (shared-memory-bound) in the model."""
+    return dict(BK=pow2(K), BV=min(16 if has_h0 else 32, pow2(V)), PREC=dot_precision(dtype), num_warps=4,
+                num_stages=1)
+
+
+def compose_config(K, dtype):
+    """chunk_compose_kernel: BR = 64 rows of the first half's transition times the second's whole K x K
+    (fp32; the combine's precision). Each program reads the whole second transition: at the anchor 12.7
+    us at BR = 32 (bytes), 9.7 at 64 (shared memory) in the model."""
+    return dict(BK=pow2(K), BR=min(64, pow2(K)), PREC=dot_precision(dtype), num_warps=4, num_stages=1)
 
 
 def gate_config(HV):
@@ -241,7 +278,8 @@ def bwd_scratch_bytes(T, N, H, HV, K, V, dtype, l2, sms=132):
       + T HV 2 (2 + nq + nk) 4                            dg / dbeta partials
       + T H 2 K 4 with l2norm                             dq, dk before the l2norm backward
       + the segmented passes' boundary rows: N (S - 1) HV (V + K) K 4 + N S HV K V 4 for the recompute
-        and for the dS pass (S from state_segments)
+        and for the dS pass (S from state_segments), + N (S - 1) HV K K 4 for the recompute's pass A
+        (its second halves' transitions: pass_a_plan)
     (~2.1 kB per token and value head at K = V = 128, bf16, G = 2: ~71 GB at T = 1M, HV = 32; +17 GB with
     l2norm)."""
     e, C, NC = torch.finfo(dtype).bits // 8, CHUNK, T // CHUNK + N
@@ -250,8 +288,9 @@ def bwd_scratch_bytes(T, N, H, HV, K, V, dtype, l2, sms=132):
     total = NC * HV * (2 * V * K * e + 2 * V * C * e + 2 * C * C * e + 7 * C * 4 + 4) + 2 * NC * H * C * C * 4
     total += T * HV * 2 * (2 + nq + nk) * 4 + (T * H * 2 * K * 4 if l2 else 0)
     for c, dots in ((state_config(K, V, dtype, store_states=True), (5, 3)), (cfg["dstate"], (6, 6))):
-        S = state_segments(T, N, HV, K, V, c, sms, dots=dots)
-        total += N * (S - 1) * HV * (V + K) * K * 4 + (N * S * HV * K * V * 4 if S > 1 else 0)
+        fwd = dots == (5, 3)
+        S = state_segments(T, N, HV, K, V, c, sms, dots=dots, fwd_pass_a=fwd)
+        total += N * (S - 1) * HV * (V + (2 if fwd else 1) * K) * K * 4 + (N * S * HV * K * V * 4 if S > 1 else 0)
     return total
 
 
