@@ -418,13 +418,14 @@ def test_segmented_state_pass_without_h0(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype, segments, h0", [(torch.float32, 3, False), (torch.float32, 3, True),
-                                                 (torch.bfloat16, 2, True)],
-                         ids=["fp32-S3", "fp32-S3-h0", "bf16-S2-h0"])
+                                                 (torch.bfloat16, 2, True), (torch.float32, 2, False)],
+                         ids=["fp32-S3", "fp32-S3-h0", "bf16-S2-h0", "fp32-S2-no-transition"])
 def test_pass_a_in_halves(dtype, segments, h0, monkeypatch):
     """Pass A with its transition blocks walking the two halves of each segment (configs.pass_a_plan picks
     that only for few long sequences on many SMs, so it is forced here), the halves' transitions
     multiplied by chunk_compose_kernel, on one-long (300 tokens: 5 chunks, in segments of 2, 2, 1 or 3, 2
-    chunks; without h0 the first segment's transition is neither formed nor composed; with h0 it is),
+    chunks; without h0 the first segment's transition is neither formed nor composed, and at S = 2 no
+    transition block is walked at all; with h0 it is),
     with a decay 50x slower than the cases' own (over a segment their transitions are ~0, and leaving
     the second halves out passed): o, state and every gradient within the budgets of float64 (the
     backward's dS pass takes the composed transitions), and against pass A over whole segments: fp32

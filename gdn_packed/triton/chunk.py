@@ -232,6 +232,8 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, 
         launches = [(0, nb, 1)] if pieces == 1 else [(0, nv, 1), (nv, nb - nv, 2)]    # long walks first
         for block0, blocks, n in launches:
             skip = 0 if h0 is not None else max(block0 + blocks - max(block0, nv), 0) * n
+            if (S - 1) * blocks * n == skip:    # (forced halves of S = 2 without h0: nothing to walk)
+                continue
             chunk_fwd_state_kernel[(N * ((S - 1) * blocks * n - skip), HV, 1)](
                 **inputs, h0=None, o=None, ht=None, st=None, ut=None, ends=ends, halves=halves, block0=block0,
                 blocks=blocks, pieces=n, HAS_H0=h0 is not None, STORE_STATES=False, PROPAGATE=True, **cfg_a)
