@@ -417,26 +417,29 @@ def test_segmented_state_pass_without_h0(monkeypatch):
     run_in_segments(3, torch.float32, 3, monkeypatch)
 
 
-@pytest.mark.parametrize("dtype, segments, h0", [(torch.float32, 3, False), (torch.float32, 3, True),
-                                                 (torch.bfloat16, 2, True), (torch.float32, 2, False)],
-                         ids=["fp32-S3", "fp32-S3-h0", "bf16-S2-h0", "fp32-S2-no-transition"])
-def test_pass_a_in_halves(dtype, segments, h0, monkeypatch):
+@pytest.mark.parametrize("ci, dtype, segments, h0", [(0, torch.float32, 3, False), (0, torch.float32, 3, True),
+                                                     (0, torch.bfloat16, 2, True), (0, torch.float32, 2, False),
+                                                     (1, torch.float32, 3, False)],
+                         ids=["fp32-S3", "fp32-S3-h0", "bf16-S2-h0", "fp32-S2-no-transition", "mixed-fp32-S3"])
+def test_pass_a_in_halves(ci, dtype, segments, h0, monkeypatch):
     """Pass A with its transition blocks walking the two halves of each segment (configs.pass_a_plan picks
     that only for few long sequences on many SMs, so it is forced here), the halves' transitions
     multiplied by chunk_compose_kernel, on one-long (300 tokens: 5 chunks, in segments of 2, 2, 1 or 3, 2
     chunks; without h0 the first segment's transition is neither formed nor composed, and at S = 2 no
-    transition block is walked at all; with h0 it is),
+    transition block is walked at all; with h0 it is) and on mixed (GVA 4, l2norm; sequences of 0, 1
+    and up to 5 chunks: empty segments, halves of 0 and 1 chunks),
     with a decay 50x slower than the cases' own (over a segment their transitions are ~0, and leaving
     the second halves out passed): o, state and every gradient within the budgets of float64 (the
     backward's dS pass takes the composed transitions), and against pass A over whole segments: fp32
-    within 1e-6 of it, bf16 within 1.1x its error. Without the compose it fails (tried)."""
+    within 1e-6 of it, bf16 within 1.1x its error. Without the compose, or with P_second transposed in it,
+    it fails (tried: one-long and mixed)."""
     if "triton" not in [p.values[0] for p in BACKENDS]:
         pytest.skip("the triton backend cannot run here")
     from gdn_packed.triton import chunk as triton_chunk
-    ci, c = 0, CASES[0]
+    c = CASES[ci]
     x, cu, cu_pad, _, do, dht = inputs(ci, dtype)
     gen = torch.Generator().manual_seed(7)
-    h = on_dev(torch.randn(1, c.HV, c.K, c.V, generator=gen) * 0.1) if h0 else None
+    h = on_dev(torch.randn(len(c.packing.lengths), c.HV, c.K, c.V, generator=gen) * 0.1) if h0 else None
     x = list(x[:3]) + [x[3] * 0.02, x[4], h]
     rs = [None if t is None else t.detach().cpu().double().requires_grad_() for t in x]
     ro, rf = reference_gdr(*rs[:5], initial_state=rs[5], cu_seqlens=cu.cpu(),

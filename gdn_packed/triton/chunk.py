@@ -173,7 +173,8 @@ def entering_states(pass_a, cu_chunks, N, HV, K, V, S, h0, dtype, device, revers
     """The state entering every segment of a segmented sequential pass, [N S, HV, K, V] fp32 (written to
     out when given), and pass A's end rows (into ends when given): launches `pass_a(programs, ends)`
     (the pass with PROPAGATE over the segments the walk leaves, writing each one's end rows [V + K, K]
-    to ends) and chunk_combine_kernel (grid (cdiv(V, BV'), HV, N)). h0 [N, HV, K, V] (or None: 0)
+    to ends; programs = N (S - 1), one per segment walked, which the forward's pass A, with grids of its
+    own from configs.pass_a_plan, does not need) and chunk_combine_kernel (grid (cdiv(V, BV'), HV, N)). h0 [N, HV, K, V] (or None: 0)
     enters the first segment walked (the last one when reverse)."""
     if ends is None:
         ends = torch.empty(N * (S - 1), HV, V + K, K, dtype=torch.float32, device=device)
@@ -227,6 +228,8 @@ def chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, o=None, ht=None, 
         nb, nv = triton.cdiv(V + K, cfg_a["BV"]), triton.cdiv(V, cfg_a["BV"])
         pieces, _ = pass_a_plan(N, HV, K, V, S, triton.cdiv(triton.cdiv(T, CHUNK * N), S), cfg_a,
                                 num_sms(q.device), has_h0=h0 is not None)
+        if pieces > 1 and V % cfg_a["BV"]:  # a block with rows of both kinds would leave halves unwritten
+            raise RuntimeError(f"pass A in halves needs V ({V}) a multiple of its block rows ({cfg_a['BV']})")
         # (one launch: no program writes halves, but the kernel must compile with a pointer there)
         halves = ends.new_empty(N * (S - 1), HV, K, K) if pieces > 1 else ends
         launches = [(0, nb, 1)] if pieces == 1 else [(0, nv, 1), (nv, nb - nv, 2)]    # long walks first
