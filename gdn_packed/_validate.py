@@ -2,6 +2,7 @@
 tensor's values back to the host. The checks of cu_seqlens / cu_seqlens_padded live in
 gdn_packed/segments.py (which imports this module; this module imports no other gdn_packed module);
 their value checks run only when the caller asks: `validate=True` or GDN_PACKED_VALIDATE=1."""
+import math
 import numbers
 import os
 
@@ -38,6 +39,19 @@ def check_int(value, name: str, minimum: int = 0) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     value = int(value)
     if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_float(value, name: str, minimum=None) -> float:
+    """value as a finite float (bools and non-numbers are a TypeError; NaN, inf and values below
+    `minimum` a ValueError)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
 

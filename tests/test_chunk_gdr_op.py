@@ -158,6 +158,9 @@ BAD = {
     "int-q": (lambda: _bad(q=torch.zeros(1, 10, 2, 16, dtype=torch.int32)), TypeError, "q must"),
     "qkv-dtype-mix": (lambda: _bad(k=torch.randn(1, 10, 2, 16, dtype=torch.float16)), TypeError, "dtype"),
     "bad-backend": (lambda: _bad(backend="fast"), ValueError, "backend"),
+    "nan-scale": (lambda: _bad(scale=float("nan")), ValueError, "scale must be finite"),
+    "inf-scale": (lambda: _bad(scale=float("inf")), ValueError, "scale must be finite"),
+    "bool-scale": (lambda: _bad(scale=True), TypeError, "scale must be a float"),
 }
 
 

@@ -171,6 +171,8 @@ def test_torch_compile_fullgraph_matches_eager(backend):
     (dict(x=torch.randint(0, 3, (2, 4))), TypeError, "x must have dtype"),
     (dict(backend="cuda"), NotImplementedError, "backend='cuda'"),
     (dict(eps=-1.0), ValueError, "eps"),
+    (dict(eps=float("nan")), ValueError, "eps must be finite"),
+    (dict(eps=True), TypeError, "eps must be a float"),
     (dict(zero_centered=1), TypeError, "zero_centered must be a bool"),
 ])
 def test_bad_input_raises_a_named_error(bad, err, match):

@@ -387,6 +387,26 @@ def test_attention_backend_is_visible_and_positions_restart():
         GatedAttention(32, 4, 2, 16, backend="flash_attn").backend
 
 
+@pytest.mark.parametrize("cu, match", [([0, 10, 5, 30], "non-decreasing"), ([0, 10, 40], "exceeds total_rows"),
+                                       ([3, 10, 30], r"cu_seqlens\[0\] must be 0")],
+                         ids=["decreasing", "past-T", "first-not-0"])
+def test_bad_offsets_are_named_errors_in_every_layer(cu, match):
+    """A bad layout on CPU is a ValueError naming cu_seqlens at every packed entry point, as in the ops;
+    the attention layer and a stack without GDN layers (whose ops would catch it) included."""
+    torch.manual_seed(0)
+    bad = torch.tensor(cu, dtype=torch.int32)
+    x, ids = torch.randn(1, 30, 32), torch.randint(0, CFG.vocab_size, (1, 30))
+    attn, lm = GatedAttention(32, 2, 1, 16), HybridLM(HybridConfig(**{**CFG.__dict__, "pattern": "AA"}))
+    calls = [lambda: attn(x, bad), lambda: attn.forward_packed(x, bad), lambda: lm(ids, bad),
+             lambda: lm.stack.forward_packed(lm.embed(ids), bad), lambda: next_token_targets(ids, bad),
+             lambda: attn(x, torch.tensor([0, 30], dtype=torch.int32), cu_seqlens_padded=bad)]
+    for i, call in enumerate(calls):
+        with pytest.raises(ValueError, match=match if i < 5 else "cu_seqlens_padded|cu_seqlens"):
+            call()
+    with pytest.raises(ValueError, match=r"attention_mask must be a 2-D padding mask \[B, L\] = \[2, 8\]"):
+        attn(torch.randn(2, 8, 32), attention_mask=torch.ones(2, 1, 8, 8, dtype=torch.bool))
+
+
 def test_attention_matches_a_dense_reference():
     """One sequence: softmax(q k^T / sqrt(D) + causal) v with q/k RMSNorm and rotary on 1/4 of the dims."""
     torch.manual_seed(0)

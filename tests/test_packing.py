@@ -222,6 +222,9 @@ def test_pack_unpack_errors():
         P.pack(torch.randn(3, 3), mask)
     with pytest.raises(ValueError, match=r"attention_mask must be 2-D"):
         P.pack(torch.randn(2, 3), torch.ones(6))
+    with pytest.raises(ValueError, match=r"total \(5\) is less than the 6 real tokens"):   # (rows < cu_seqlens[-1])
+        P.pack(torch.randn(2, 3), mask, total=5)
+    assert P.pack(torch.randn(2, 3), mask, total=7)[0].shape == (1, 7)
     with pytest.raises(ValueError, match=r"packed must be \[1, T, \.\.\.\]"):
         P.unpack(torch.randn(2, 3), cu([0, 1, 3]), 2, 3)
     with pytest.raises(ValueError, match=r"cu_seqlens must have batch_size \+ 1 = 3 elements"):
@@ -267,6 +270,9 @@ def test_pad_cu_seqlens_errors():
         P.pad_cu_seqlens(torch.tensor([0.0, 3.0]))
     with pytest.raises(ValueError, match=r"tail must be >= 0"):
         P.total_rows(c, tail=-2)
+    with pytest.raises(ValueError, match=r"more than int32 holds"):         # 2^31 - 2 rounded up to 8
+        P.pad_cu_seqlens(cu([0, 2**31 - 2]), multiple=8)
+    assert P.pad_cu_seqlens(cu([0, 2**31 - 2], torch.int64), multiple=8).tolist() == [0, 2**31]
 
 
 @pytest.mark.parametrize("dtype", IDX)

@@ -366,6 +366,10 @@ def test_packed_rows_without_a_boundary_source_are_refused():
             model(ids, cu_seq_lens_k=torch.tensor([0, 5, 14], dtype=torch.int32), max_length_k=9)
         with pytest.raises(ValueError, match="4-D attention_mask"):
             model(ids, attention_mask=block)
+        with pytest.raises(ValueError, match=r"cu_seq_lens_q must be non-decreasing"):
+            model(ids, cu_seq_lens_q=torch.tensor([0, 9, 5, T], dtype=torch.int32), max_length_q=9)
+        with pytest.raises(ValueError, match="cu_seq_lens_q is on the meta device"):
+            model(ids, cu_seq_lens_q=torch.tensor([0, 5, T], dtype=torch.int32, device="meta"), max_length_q=9)
         got = model(ids, attention_mask=block, position_ids=pos).logits
         ref = model(ids, position_ids=pos).logits
     assert rel_err(got, ref) <= FP32

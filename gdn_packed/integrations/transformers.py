@@ -13,11 +13,12 @@ recurrent one (one-token decode), gdn_packed's gated RMSNorm when the layer's no
 GPUs, `backend=` to force one). transformers is imported by apply(), not by this module.
 
 Documents (docs/DESIGN.md section 12), from the first source the layer gets, in this order:
-  1. `cu_seq_lens_q` (+ `max_length_q`, a hint): offsets over the flattened batch*length rows;
+  1. `cu_seq_lens_q` (+ `max_length_q`, a hint): offsets over the flattened batch*length rows, as
+     transformers' flash-attention path reads them (a document may run on across a row boundary);
   2. `seq_idx` [B, L]: a new document where the index changes;
   3. `position_ids` [B, L] (handed to the layer by a hook on its decoder layer, which transformers does
      not do): a new document where the position does not increase by 1 (transformers' own rule);
-  4. none: each row is one document.
+  4. none: each row is one document (with sources 2-4 every row starts one).
   A 2-D `attention_mask` removes padding first (the layer runs on the real tokens only, packed, and
   writes 0 on padding), and with sources 2-3 the rules apply between consecutive real tokens.
 Refused with a ValueError rather than mixing documents: `cu_seq_lens_k` / `max_length_*` without
@@ -126,8 +127,10 @@ def document_boundaries(batch, length, device, *, attention_mask=None, cu_seq_le
             raise ValueError("cu_seq_lens_q and a padding attention_mask were both given: pass one (cu_seq_lens_q "
                              "describes packed rows, the mask padded ones)")
         segments.check_cu_seqlens_meta(cu_seq_lens_q, "cu_seq_lens_q")
+        if cu_seq_lens_q.device.type == "meta":
+            raise ValueError("cu_seq_lens_q is on the meta device: it holds no offsets")
         if cu_seq_lens_q.device.type == "cpu":     # free on the host; a device tensor is not read back
-            segments.validate_cu_seqlens(cu_seq_lens_q, total_rows=B * L)
+            segments.validate_cu_seqlens(cu_seq_lens_q, total_rows=B * L, name="cu_seq_lens_q")
         cu = cu_seq_lens_q.to(device=device, dtype=torch.int32)
         index, doc_rows = None, (cu[:-1].long() // L).clamp(max=B - 1)
     else:

@@ -18,6 +18,10 @@ def as_packed(x, cu_seqlens=None, cu_seqlens_padded=None, attention_mask=None):
         if cu_seqlens is not None or cu_seqlens_padded is not None:
             raise ValueError("pass either attention_mask (padded [B, L] input) or cu_seqlens (packed "
                              "[1, T] input), not both")
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or x.dim() < 2 \
+                or tuple(attention_mask.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"attention_mask must be a 2-D padding mask [B, L] = {list(x.shape[:2])} (the "
+                             f"input's first two dims), got {tuple(getattr(attention_mask, 'shape', ()))}")
         B, L = attention_mask.shape
         xp, cu = packing.pack(x, attention_mask)
         return xp, cu, None, lambda y: packing.unpack(y, cu, B, L, attention_mask)
@@ -29,10 +33,19 @@ def as_packed(x, cu_seqlens=None, cu_seqlens_padded=None, attention_mask=None):
         B, L = x.shape[:2]
         cu, _ = segments.segments_or_rows(x, None, torch.int32)
         return x.reshape(1, B * L, *x.shape[2:]), cu, None, lambda y: y.reshape(B, L, *y.shape[2:])
+    check_packed(x, cu_seqlens, cu_seqlens_padded)
+    return x, cu_seqlens, cu_seqlens_padded, lambda y: y
+
+
+def check_packed(x, cu_seqlens, cu_seqlens_padded=None):
+    """The checks of a packed layer input x [1, R, ...] with its offsets, as the ops run them: the
+    offsets' dtype, shape and device, and their values where that is free (CPU tensors; always with
+    GDN_PACKED_VALIDATE=1), so a bad layout is a ValueError naming cu_seqlens, never a wrong answer."""
     if x.dim() < 2 or x.shape[0] != 1:
         raise ValueError(f"packed input with cu_seqlens must have batch size 1 ([1, T, ...]), "
                          f"got shape {tuple(x.shape)}")
-    return x, cu_seqlens, cu_seqlens_padded, lambda y: y
+    segments.check_cu_seqlens(cu_seqlens, cu_seqlens_padded, 1, x.device)
+    segments.check_values_where_free(cu_seqlens, cu_seqlens_padded, x.shape[1])
 
 
 def zero_padding_rows(x, cu_seqlens, cu_seqlens_padded=None):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gdn_packed import packing
-from gdn_packed.layers._batch import as_packed, zero_padding_rows
+from gdn_packed.layers._batch import as_packed, check_packed, zero_padding_rows
 from gdn_packed.layers.norms import RMSNorm
 
 ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa")
@@ -132,6 +132,7 @@ class GatedAttention(nn.Module):
 
     def forward_packed(self, x, cu_seqlens, cu_seqlens_padded=None, *, max_seqlen=None):
         """x [1, R, hidden] packed rows -> [1, R, hidden], 0 on padding rows."""
+        check_packed(x, cu_seqlens, cu_seqlens_padded)
         R, H, Hkv, D = x.shape[1], self.num_heads, self.num_kv_heads, self.head_dim
         x = zero_padding_rows(x, cu_seqlens, cu_seqlens_padded)
         q, gate = self.q_proj(x).view(1, R, H, 2 * D).chunk(2, dim=-1)
@@ -158,7 +159,7 @@ def _sdpa_per_sequence(q, k, v, cu_seqlens, cu_seqlens_padded):
     starts = cu if cu_seqlens_padded is None else cu_seqlens_padded.tolist()
     outs, rows = [], []
     for s, n in zip(starts[:-1], (b - a for a, b in zip(cu[:-1], cu[1:]))):
-        s, e = min(max(s, 0), R), min(max(s + n, 0), R)    # a corrupt layout gives a wrong answer, no crash
+        s, e = min(max(s, 0), R), min(max(s + n, 0), R)    # (unchecked device offsets: wrong, no crash)
         if e <= s:
             continue
         qs, ks, vs = (t[:, s:e].transpose(1, 2) for t in (q, k, v))

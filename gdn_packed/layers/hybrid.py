@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gdn_packed import packing
-from gdn_packed.layers._batch import as_packed, zero_padding_rows
+from gdn_packed.layers._batch import as_packed, check_packed, zero_padding_rows
 from gdn_packed.layers.attention import GatedAttention
 from gdn_packed.layers.gated_deltanet import GatedDeltaNet
 from gdn_packed.layers.norms import RMSNorm
@@ -105,6 +105,7 @@ class HybridStack(nn.Module):
         return restore(self.forward_packed(hp, cu, cu_pad, max_seqlen=max_seqlen))
 
     def forward_packed(self, h, cu_seqlens, cu_seqlens_padded=None, *, max_seqlen=None):
+        check_packed(h, cu_seqlens, cu_seqlens_padded)
         h = zero_padding_rows(h, cu_seqlens, cu_seqlens_padded)
         for layer in self.layers:
             h = layer.forward_packed(h, cu_seqlens, cu_seqlens_padded, max_seqlen)

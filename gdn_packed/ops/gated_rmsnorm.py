@@ -122,8 +122,7 @@ def gated_rmsnorm(x, z, weight, eps=1e-6, backend="auto", *, zero_centered=False
         raise ValueError(f"x must have a non-empty last dim, got shape {tuple(x.shape)}")
     V.check_shape("z", z, x.shape, " (the shape of x)")
     V.check_shape("weight", weight, (x.shape[-1],), " ([N], N = x.shape[-1])")
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    eps = V.check_float(eps, "eps", minimum=0.0)
     if not isinstance(zero_centered, bool):
         raise TypeError(f"zero_centered must be a bool, got {type(zero_centered).__name__}")
     real = _real_rows(x, cu_seqlens, cu_seqlens_padded)

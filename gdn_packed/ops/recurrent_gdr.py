@@ -178,5 +178,5 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded
     elif initial_state is not None:
         V.check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4, device=dev)
         V.check_shape("initial_state", initial_state, (N, HV, K, Vd), " ([N, HV, K, V])")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if scale is not None:
+        V.check_float(scale, "scale")
