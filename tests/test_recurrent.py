@@ -215,6 +215,8 @@ BAD = {
     "indices-repeat": (dict(initial_state=torch.zeros(3, 4, 16, 8), state_indices=torch.tensor([1, 1]),
                             validate=True), ValueError, "state_indices"),
     "cuda-on-cpu": (dict(backend="cuda"), ValueError, "cuda"),
+    "pool-requires-grad": (dict(initial_state=torch.zeros(3, 4, 16, 8, requires_grad=True),
+                                state_indices=torch.tensor([0, 2])), ValueError, "updated in place"),
     "nan-scale": (dict(scale=float("nan")), ValueError, "scale must be finite"),
     "bool-scale": (dict(scale=True), TypeError, "scale must be a float"),
 }

@@ -175,6 +175,9 @@ def _check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_padded
                              f"{tuple(initial_state.shape)}")
         if not initial_state.is_contiguous():
             raise ValueError("initial_state (the state pool) must be contiguous: it is updated in place")
+        if initial_state.requires_grad and torch.is_grad_enabled():
+            raise ValueError("initial_state (the state pool) is updated in place, which autograd cannot follow: "
+                             "pass a pool that does not require grad (or call under torch.no_grad())")
     elif initial_state is not None:
         V.check_tensor("initial_state", initial_state, dtypes=(torch.float32,), ndim=4, device=dev)
         V.check_shape("initial_state", initial_state, (N, HV, K, Vd), " ([N, HV, K, V])")
