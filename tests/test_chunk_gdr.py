@@ -430,9 +430,10 @@ def test_pass_a_in_halves(ci, dtype, segments, h0, monkeypatch):
     and up to 5 chunks: empty segments, halves of 0 and 1 chunks),
     with a decay 50x slower than the cases' own (over a segment their transitions are ~0, and leaving
     the second halves out passed): o, state and every gradient within the budgets of float64 (the
-    backward's dS pass takes the composed transitions), and against pass A over whole segments: fp32
-    within 1e-6 of it, bf16 within 1.1x its error. Without the compose, or with P_second transposed in it,
-    it fails (tried: one-long and mixed)."""
+    backward's dS pass takes the composed transitions), and on one-long against pass A over whole
+    segments: fp32 within 1e-6 of it, bf16 within 1.1x its error (mixed, the slowest case under the
+    interpreter, against float64 alone). Without the compose, or with P_second transposed in it, it fails
+    (tried: one-long and mixed; on mixed dg 5.6e-2 and 6.6e-3 against the fp32 budget's 1e-5)."""
     if "triton" not in [p.values[0] for p in BACKENDS]:
         pytest.skip("the triton backend cannot run here")
     from gdn_packed.triton import chunk as triton_chunk
@@ -453,7 +454,7 @@ def test_pass_a_in_halves(ci, dtype, segments, h0, monkeypatch):
         plans.append(1 if V % cfg_a["BV"] else 2)
         return plans[-1], 0
     out = {}
-    for split in (False, True):
+    for split in (False, True) if ci == 0 else (True,):
         if split:
             monkeypatch.setattr(triton_chunk, "pass_a_plan", halves)
         leaves = leaves_of(x)
@@ -465,6 +466,8 @@ def test_pass_a_in_halves(ci, dtype, segments, h0, monkeypatch):
     assert plans and set(plans) == {2}, plans
     err = errors(out[True], ref, names)
     assert not over_budget(err, dtype), over_budget(err, dtype)
+    if False not in out:
+        return
     if dtype == torch.float32:
         far = {n: f"{rel_err(out[True][n].cpu(), out[False][n].cpu()):.2e}" for n in names
                if ref[n] is not None and rel_err(out[True][n].cpu(), out[False][n].cpu()) > 1e-6}
