@@ -42,13 +42,12 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from gdn_packed._runtime import host_schedule
 from gdn_packed._validate import check_int as _check_int
 from gdn_packed.segments import check_cu_seqlens_meta as _check_cu_meta
 from gdn_packed.segments import check_padded_meta as _check_padded_meta
 from gdn_packed.segments import locate_rows
 from gdn_packed.segments import offsets_and_rows
-from gdn_packed.segments import padding_row_mask, validate_cu_seqlens
+from gdn_packed.segments import padding_row_mask, reads_are_free, validate_cu_seqlens
 
 __all__ = [
     "cu_seqlens_from_lengths",
@@ -255,7 +254,7 @@ def pack(x: Tensor, attention_mask: Tensor, *, total: Optional[int] = None) -> T
     **[sync]** ``T`` is data dependent; pass ``total`` (= ``attention_mask.sum()``) to avoid the
     synchronisation. With a hint larger than the real count the surplus rows are zeros (padding
     rows after ``cu_seqlens[-1]``); a smaller one is a ``ValueError`` where counting is free (CPU
-    tensors) and not checked on a device (the last tokens would be dropped).
+    tensors, segments.reads_are_free) and not checked on a device (the last tokens would be dropped).
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -269,7 +268,7 @@ def pack(x: Tensor, attention_mask: Tensor, *, total: Optional[int] = None) -> T
     b, l = attention_mask.shape
     m = _as_bool(attention_mask.to(x.device))
     flat = m.reshape(-1)
-    if total is not None and host_schedule(flat.device) and total < int(flat.sum()):
+    if total is not None and reads_are_free(flat.device) and total < int(flat.sum()):
         raise ValueError(f"total ({total}) is less than the {int(flat.sum())} real tokens of attention_mask: "
                          f"the packed rows would not hold the tokens cu_seqlens counts")
     indices = _nonzero_1d(flat, total, fill_value=b * l)
@@ -340,7 +339,7 @@ def pad_cu_seqlens(cu_seqlens: Tensor, multiple: int = 1, extra: int = 0, tail: 
     back from row 0. ``tail`` (trailing padding rows after the last slot) does not move any offset;
     it is accepted (and checked) so the same arguments can be passed to :func:`total_rows` /
     :func:`padded_rows_upper_bound`, which add it. **[no sync]** int32 offsets past 2^31 - 1 are a
-    ``ValueError`` on CPU tensors (free) and not checked on a device.
+    ``ValueError`` on CPU tensors (free: segments.reads_are_free) and not checked on a device.
     """
     _check_cu_meta(cu_seqlens, "cu_seqlens")
     multiple = _check_int(multiple, "multiple", minimum=1)
@@ -350,7 +349,7 @@ def pad_cu_seqlens(cu_seqlens: Tensor, multiple: int = 1, extra: int = 0, tail: 
     slots = (lens + (multiple - 1)) // multiple * multiple + extra
     out = torch.zeros(cu_seqlens.numel(), dtype=torch.int64, device=cu_seqlens.device)
     torch.cumsum(slots, 0, out=out[1:])
-    if cu_seqlens.dtype == torch.int32 and host_schedule(out.device) and int(out.max()) > 2**31 - 1:
+    if cu_seqlens.dtype == torch.int32 and reads_are_free(out.device) and int(out.max()) > 2**31 - 1:
         raise ValueError(f"the padded offsets of cu_seqlens (multiple={multiple}, extra={extra}) reach "
                          f"{int(out.max())}, more than int32 holds: pass int64 cu_seqlens")
     return out.to(cu_seqlens.dtype)

@@ -24,7 +24,7 @@ from gdn_packed._runtime import host_schedule
 from gdn_packed._validate import INDEX_DTYPES, check_int, want_validate
 
 __all__ = ["check_cu_seqlens_meta", "check_padded_meta", "check_cu_seqlens", "validate_cu_seqlens",
-           "check_values_where_free",
+           "check_values_where_free", "reads_are_free",
            "locate_rows", "real_rows", "padding_row_mask", "offsets_and_rows", "segments_or_rows"]
 
 
@@ -135,6 +135,12 @@ def _check_values(cu_seqlens, cu_seqlens_padded, total_rows, name="cu_seqlens", 
             f"(the tensor has only {total_rows} rows)")
 
 
+def reads_are_free(device) -> bool:
+    """Whether reading index values on `device` back to the host costs nothing: CPU tensors, unless
+    torch.compile is tracing or the thread runs the device schedule (gdn_packed._runtime)."""
+    return not torch.compiler.is_compiling() and host_schedule(device)
+
+
 def check_values_where_free(cu_seqlens: Optional[Tensor], cu_seqlens_padded: Optional[Tensor],
                             total_rows: int, validate: bool = False) -> None:
     """validate_cu_seqlens where the caller asks for it (validate=True, GDN_PACKED_VALIDATE=1) and
@@ -145,8 +151,7 @@ def check_values_where_free(cu_seqlens: Optional[Tensor], cu_seqlens_padded: Opt
     checks (check_cu_seqlens) ran before."""
     if cu_seqlens is None:
         return
-    free = not torch.compiler.is_compiling() and host_schedule(cu_seqlens.device)
-    if free or want_validate(validate):
+    if reads_are_free(cu_seqlens.device) or want_validate(validate):
         _check_values(cu_seqlens, cu_seqlens_padded, total_rows)
 
 

@@ -15,8 +15,7 @@ from gdn_packed.triton.chunk_fwd import (chunk_combine_kernel, chunk_compose_ker
                                          chunk_fwd_state_kernel)
 from gdn_packed.triton.common import GATE_ROWS
 from gdn_packed.triton.configs import (CHUNK, bwd_configs, bwd_head_slices, combine_config, compose_config,
-                                      dot_precision,
-                                      num_sms, pass_a_plan, prep_config, smem_kb, state_config,
+                                      dot_precision, num_sms, pass_a_plan, prep_config, smem_kb, state_config,
                                       state_segments)
 
 # input_precision of every dot with fp32 operands in the fp32 path (configs.dot_precision: tf32, so
@@ -174,8 +173,8 @@ def entering_states(pass_a, cu_chunks, N, HV, K, V, S, h0, dtype, device, revers
     out when given), and pass A's end rows (into ends when given): launches `pass_a(programs, ends)`
     (the pass with PROPAGATE over the segments the walk leaves, writing each one's end rows [V + K, K]
     to ends; programs = N (S - 1), one per segment walked, which the forward's pass A, with grids of its
-    own from configs.pass_a_plan, does not need) and chunk_combine_kernel (grid (cdiv(V, BV'), HV, N)). h0 [N, HV, K, V] (or None: 0)
-    enters the first segment walked (the last one when reverse)."""
+    own from configs.pass_a_plan, does not need) and chunk_combine_kernel (grid (cdiv(V, BV'), HV, N)).
+    h0 [N, HV, K, V] (or None: 0) enters the first segment walked (the last one when reverse)."""
     if ends is None:
         ends = torch.empty(N * (S - 1), HV, V + K, K, dtype=torch.float32, device=device)
     pass_a(N * (S - 1), ends)

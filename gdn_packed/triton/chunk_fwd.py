@@ -440,7 +440,6 @@ def chunk_combine_kernel(ends, h0, ent, cu_chunks, segments, HV: tl.constexpr, K
     tl.store(ent + ((i_n * segments + i_s) * HV + i_h).to(tl.int64) * (K * V) + o_kv, b_st, mask=m_s)
 
 
-
 @triton.jit(do_not_specialize=["segments"])
 def chunk_compose_kernel(ends, halves, segments, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BK: tl.constexpr, BR: tl.constexpr, HAS_H0: tl.constexpr, PREC: tl.constexpr):
