@@ -74,6 +74,14 @@ struct Gates {
   float eg_last;         // e^(sum of g over the chunk)
 };
 
+// The layout of the diagonal blocks' scratch (a16, t16): row r at 24 r floats. A row's 16 floats stay
+// 16-byte aligned (the substitution's float4 loads), and the 4 rows of an 8-byte access's 16-lane phase in
+// the accumulator layout (rows r0 .. r0 + 3, 8 floats each) sit on 4 distinct 8-bank groups (24 r mod 32 =
+// 0, 24, 16, 8): no conflict (a stride of 16 made them 4-way).
+constexpr int kBlkStride = 24;
+constexpr int kBlkFloats = kC * kBlkStride;
+GDN_HD int blk(int r, int cc) { return r * kBlkStride + cc; }
+
 // Prep's scratch. The sums of g (0 on dead rows) over row ranges are built from strips of 8 rows (every
 // one a sum of g, never a difference of two sums):
 //   insuf[c]     over (c, end of c's strip]            sigma[j]  over strip j
@@ -91,8 +99,8 @@ struct PrepScratch {
   alignas(16) float sigma[kStrips];
   alignas(16) float dsum[kC][kStrip];
   alignas(16) float strip[kC][kStrips];
-  alignas(16) float a16[kC][kSub];   // A's 16 x 16 diagonal blocks: a16[r][c % 16] = A_rc, r / 16 == c / 16
-  alignas(16) float t16[kC][kSub];   // their inverses (I + A_bb)^-1, the same layout
+  alignas(16) float a16[kBlkFloats];   // A's 16 x 16 diagonal blocks: a16[blk(r, c % 16)] = A_rc, r / 16 == c / 16
+  alignas(16) float t16[kBlkFloats];   // their inverses (I + A_bb)^-1, the same layout
 };
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -208,12 +216,12 @@ GDN_HD void a_and_m_pair(PrepScratch& s, const float* beta, int r, int c, int le
 
 // A's diagonal 16 x 16 blocks to a16 (the substitution's input), the pair at (r, c), (r, c + 1)
 GDN_HD void a_blocks_pair(PrepScratch& s, int r, int c, float a0, float a1) {
-  if (r / kSub == c / kSub) store2(&s.a16[r][c % kSub], a0, a1);
+  if (r / kSub == c / kSub) store2(&s.a16[blk(r, c % kSub)], a0, a1);
 }
 
 // D_16 at (r, c), (r, c + 1), c even: the block diagonal of the 16 x 16 inverses (t16), 0 elsewhere
 GDN_HD void d16_pair(const PrepScratch& s, int r, int c, float& d0, float& d1) {
-  const float2 t = r / kSub == c / kSub ? load2(&s.t16[r][c % kSub]) : float2{0.f, 0.f};
+  const float2 t = r / kSub == c / kSub ? load2(&s.t16[blk(r, c % kSub)]) : float2{0.f, 0.f};
   d0 = t.x;
   d1 = t.y;
 }
@@ -228,7 +236,7 @@ GDN_HD void sub_inverse_col(PrepScratch& s, int col) {
   for (int i = 1; i < kSub; ++i)
 #pragma unroll
     for (int j = 0; j < i; j += 4)
-      *reinterpret_cast<float4*>(&a[i][j]) = *reinterpret_cast<const float4*>(&s.a16[b * kSub + i][j]);
+      *reinterpret_cast<float4*>(&a[i][j]) = *reinterpret_cast<const float4*>(&s.a16[blk(b * kSub + i, j)]);
   float x[kSub];
 #pragma unroll
   for (int i = 0; i < kSub; ++i) x[i] = i == l ? 1.f : 0.f;
@@ -237,7 +245,7 @@ GDN_HD void sub_inverse_col(PrepScratch& s, int col) {
 #pragma unroll
     for (int i = j + 1; i < kSub; ++i) x[i] -= a[i][j] * x[j];
 #pragma unroll
-  for (int i = 0; i < kSub; ++i) s.t16[b * kSub + i][l] = x[i];
+  for (int i = 0; i < kSub; ++i) s.t16[blk(b * kSub + i, l)] = x[i];
 }
 
 // The doubling step's mask: the lower-left b x b block of each 2b x 2b diagonal block.
