@@ -14,7 +14,7 @@
 //        [N kept_segments, HV, K, V] fp32 (or 0): the state entering each segment of the Triton state
 //        pass (segment_slots), from which the backward's recompute starts them
 // Grid (V-blocks 2, HV, N) in clusters of 2: the two V-block CTAs of a (value head, sequence). CTA
-// (384 threads, 1 per SM, 225 KB shared memory):
+// (384 threads, 1 per SM, 226 KB shared memory):
 //   warpgroup 0, producer (32 registers): one warp. Per chunk: the table row (one int4, the next one a
 //        chunk ahead), g and beta of the rows for the chunks this CTA preps (plain loads: 4-byte strided
 //        columns, below TMA's 16-byte granule; with raw_gates formed from a, b here), then, once both

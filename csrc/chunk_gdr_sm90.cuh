@@ -98,7 +98,8 @@ struct PrepScratch {
   alignas(16) float insuf[kC];
   alignas(16) float sigma[kStrips];
   alignas(16) float dsum[kC][kStrip];
-  alignas(16) float strip[kC][kStrips];
+  alignas(16) float strip[kC][kStrips + 4];   // 4 floats of padding a row: the 8 rows of a store8 phase
+                                           // and of A / M's loads sit in distinct banks (48-byte rows)
   alignas(16) float a16[kBlkFloats];   // A's 16 x 16 diagonal blocks: a16[blk(r, c % 16)] = A_rc, r / 16 == c / 16
   alignas(16) float t16[kBlkFloats];   // their inverses (I + A_bb)^-1, the same layout
 };
