@@ -104,6 +104,23 @@ def test_prep_scratch_accesses_of_the_accumulator_layout_are_conflict_free(dtype
     assert not conflicted, conflicted
 
 
+def test_shared_memory_by_source_line_adds_up_to_the_loops(facts):
+    """`python -m bench kernels --cuda-lines` (cuda_chunk.smem_by_line): a -lineinfo compile of the forward,
+    each role's loop wavefronts attributed to csrc lines, adding up to what the model counts for that loop
+    (facts: the cached compile without line info, the same code); the lines are csrc's."""
+    import os
+    got = cuda_chunk.smem_by_line("fwd", "bf16")
+    if "error" in got and got["error"].startswith("no "):
+        pytest.skip(f"the line table cannot be read here: {got['error']}")
+    assert "error" not in got, got
+    csrc = {os.path.basename(p) for p in os.listdir(cuda_chunk.CSRC)}
+    for role, rows in got.items():
+        assert sum(w for _, _, w in rows) == facts["bf16"].loops[role]["smem"], role
+        assert all(line and line.split(":")[0] in csrc for line, _, _ in rows), rows
+    text = cuda_chunk.format_smem_by_line("fwd", "bf16", top=3)
+    assert "prep: " in text and "chunk_gdr_sm90.cuh:" in text
+
+
 def test_report_rows_of_the_cuda_forward(facts):
     """The op body with backend="cuda" on meta tensors records its torch operators (the chunk table) and
     the kernel's launch (stubbed); the kernel's row names its bound; K != 128 is a row with the reason."""

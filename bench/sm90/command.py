@@ -54,6 +54,9 @@ narrow); compiles are cached on disk
     ap.add_argument("--collect", action="store_true", help="record FLA at every published row again and compile "
                     "its kernels at the reference heads, writing the facts file (minutes; with --fit, at the "
                     "fitted constants)")
+    ap.add_argument("--cuda-lines", action="store_true", help="where the sm_90a CUDA kernels' shared-memory "
+                    "wavefronts come from, by csrc source line (a -lineinfo compile, ~10 s a kernel), for each "
+                    "dtype and mode asked; then the report")
     ap.add_argument("--measured", action="append", metavar="CSV", help="device times measured on a GPU (tools/"
                     "gpu_check.py's profile CSV: shape, provider, mode, kernel, calls, us; repeatable): printed "
                     "beside the model per kernel (bench/sm90/measured.py)")
@@ -120,6 +123,11 @@ def run(args):
     if args.check_only:
         print(check(args, log))
         return 0
+    if args.cuda_lines:
+        from bench.sm90 import cuda_chunk
+        for mode in args.modes:
+            for dtype in (d for d in args.dtype if d in cuda_chunk.DTYPES):
+                print(cuda_chunk.format_smem_by_line(mode, dtype) + "\n")
     fla = not args.no_fla and not fla_missing()
     if not args.no_fla and not fla:
         print(f"kernels: {fla_missing()}: FLA rows left out", file=sys.stderr)

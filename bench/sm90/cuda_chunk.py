@@ -264,6 +264,68 @@ def facts(dtype, const, phase="fwd"):
                  loops={r: _simulate_loop(prog, span, const, wf) for r, span in roles.items()})
 
 
+def smem_by_line(phase="fwd", dtype="bf16", const=None):
+    """Where a role's shared-memory wavefronts come from: {role: [(source line, instructions, wavefronts)]},
+    most first, for one warp's path through each of the phase's loops (_role_loops), the wavefronts as
+    _simulate_loop counts them (bank conflicts resolved by banks.py). The kernel is compiled again with
+    -lineinfo to a cubin (nvdisasm -g attributes every instruction to its csrc line, the innermost one of
+    an inlined call); not cached: ~10 s. {"error": why} without nvcc / cuobjdump / nvdisasm."""
+    del const          # the wavefronts do not depend on the model's constants
+    source, kernel, want = KERNELS[phase]
+    tools = {t: find_tool(t) for t in ("nvcc", "cuobjdump", "nvdisasm")}
+    if missing() or not all(tools.values()):
+        return dict(error=missing() or "no " + ", ".join(t for t, p in tools.items() if not p))
+    with tempfile.TemporaryDirectory(prefix="gdn_lines_") as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        cmd = [c for c in nvcc_command(source, cubin) if c not in ("-c", "-Xptxas", "-v")] + ["-cubin", "-lineinfo"]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode:
+            return dict(error=f"nvcc failed: {(p.stderr or p.stdout).strip().splitlines()[-1][:300]}")
+        dump = subprocess.run([tools["cuobjdump"], "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        lines = subprocess.run([tools["nvdisasm"], "-g", "-c", cubin], capture_output=True, text=True,
+                               check=True).stdout
+    prog = sass.program(_kernel_sass(dump, dtype, kernel))
+    tag = "13__nv_bfloat16" if dtype == "bf16" else "6__half"
+    where, cur = {}, None
+    for body in re.split(r"\n\s*\.section\s+\.text\.", lines)[1:]:
+        if kernel not in body.split("\n", 1)[0] or tag not in body.split("\n", 1)[0]:
+            continue
+        for line in body.split("\n"):
+            m = re.search(r'File "([^"]+)", line (\d+)', line)
+            if m and "inlined at" not in line:
+                cur = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+            m = re.search(r"/\*([0-9a-f]{4,})\*/\s+\S", line)
+            if m:
+                where[int(m.group(1), 16)] = cur
+    roles = _role_loops(prog)
+    if set(roles) != want or not where:
+        return dict(error=f"the kernel's loops or line table not found: {sorted(roles)}")
+    wf = banks.conflict_wavefronts(prog)
+    out = {}
+    for role, (first, last) in roles.items():
+        n, w = collections.Counter(), collections.Counter()
+        for i in range(first, last + 1):
+            x = wf.get(i, sass.smem_wavefronts(prog[i].op))
+            if x:
+                n[where.get(prog[i].addr)] += 1
+                w[where.get(prog[i].addr)] += x
+        out[role] = [(line, n[line], w[line]) for line, _ in w.most_common()]
+    return out
+
+
+def format_smem_by_line(phase="fwd", dtype="bf16", top=12):
+    """smem_by_line as text: per role its wavefronts a warp and the `top` source lines."""
+    got = smem_by_line(phase, dtype)
+    if "error" in got:
+        return f"shared memory by source line ({phase}, {dtype}): {got['error']}"
+    text = [f"shared memory by source line: {KERNELS[phase][1]} ({dtype}), one warp's wavefronts per iteration "
+            "of each role's loop (bank conflicts resolved; a chunk's total: smem_cycles)"]
+    for role, rows in got.items():
+        text.append(f"  {role}: {sum(w for _, _, w in rows):g} wavefronts")
+        text += [f"    {line or '?':40s} {n:4d} instr {w:6g}" for line, n, w in rows[:top]]
+    return "\n".join(text)
+
+
 def parse_ptxas(text):
     """[{name, arch, registers, smem, spill, stack}] from `-Xptxas -v` output."""
     recs, cur_arch, rec = [], None, None
