@@ -245,14 +245,11 @@ GDN_HD void sub_inverse_col(PrepScratch& s, int col) {
   for (int j = 0; j < kSub - 1; ++j)
 #pragma unroll
     for (int i = j + 1; i < kSub; ++i) x[i] -= a[i][j] * x[j];
-  // stored with odd blocks' rows rotated by 2: a warp's two blocks (lanes 0-15, 16-31) then write rows 2
-  // apart, 16 banks apart at the 24-float row stride (the same row would be one bank: 2-way)
+  // step i stores row (i + rot) % 16, rot = 2 in odd blocks: a warp's two blocks (lanes 0-15, 16-31) then
+  // write rows 2 apart, 16 banks apart at the 24-float row stride (the same row would be one bank: 2-way)
   const int rot = 2 * (b & 1);
 #pragma unroll
-  for (int i = 0; i < kSub; ++i) {
-    const int i2 = (i + 2) % kSub;
-    s.t16[blk(b * kSub + (i + rot) % kSub, l)] = rot ? x[i2] : x[i];
-  }
+  for (int i = 0; i < kSub; ++i) s.t16[blk(b * kSub + (i + rot) % kSub, l)] = rot ? x[(i + 2) % kSub] : x[i];
 }
 
 // The doubling step's mask: the lower-left b x b block of each 2b x 2b diagonal block.

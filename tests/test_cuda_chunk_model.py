@@ -4,6 +4,7 @@ and simulated at the model's constants, the per-CTA combination of the warp-spec
 body's torch operators with backend="cuda", and its row beside FLA's in the totals; the backward's reverse
 dS pass (csrc/chunk_gdr_bwd_sm90.cu) the same way, in the backward of backend="cuda". No GPU needed."""
 import math
+import os
 import re
 
 import pytest
@@ -108,7 +109,6 @@ def test_shared_memory_by_source_line_adds_up_to_the_loops(facts):
     """`python -m bench kernels --cuda-lines` (cuda_chunk.smem_by_line): a -lineinfo compile of the forward,
     each role's loop wavefronts attributed to csrc lines, adding up to what the model counts for that loop
     (facts: the cached compile without line info, the same code); the lines are csrc's."""
-    import os
     got = cuda_chunk.smem_by_line("fwd", "bf16")
     if "error" in got and got["error"].startswith("no "):
         pytest.skip(f"the line table cannot be read here: {got['error']}")

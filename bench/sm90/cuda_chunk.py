@@ -264,13 +264,12 @@ def facts(dtype, const, phase="fwd"):
                  loops={r: _simulate_loop(prog, span, const, wf) for r, span in roles.items()})
 
 
-def smem_by_line(phase="fwd", dtype="bf16", const=None):
+def smem_by_line(phase="fwd", dtype="bf16"):
     """Where a role's shared-memory wavefronts come from: {role: [(source line, instructions, wavefronts)]},
     most first, for one warp's path through each of the phase's loops (_role_loops), the wavefronts as
     _simulate_loop counts them (bank conflicts resolved by banks.py). The kernel is compiled again with
     -lineinfo to a cubin (nvdisasm -g attributes every instruction to its csrc line, the innermost one of
     an inlined call); not cached: ~10 s. {"error": why} without nvcc / cuobjdump / nvdisasm."""
-    del const          # the wavefronts do not depend on the model's constants
     source, kernel, want = KERNELS[phase]
     tools = {t: find_tool(t) for t in ("nvcc", "cuobjdump", "nvdisasm")}
     if missing() or not all(tools.values()):
