@@ -191,13 +191,19 @@ class Facts:
     error: str = ""
 
 
-def _kernel_sass(text, dtype, kernel=KERNEL):
-    """The SASS of the dtype's instantiation (bf16: __nv_bfloat16, fp16: __half) of `kernel`."""
+def _function_body(text, separator, dtype, kernel):
+    """The part of a disassembly (`text`, split at the regular expression `separator` before every
+    function) that is the dtype's instantiation (bf16: __nv_bfloat16, fp16: __half) of `kernel`, or ''."""
     tag = "13__nv_bfloat16" if dtype == "bf16" else "6__half"
-    for body in re.split(r"\n\s*Function : ", text)[1:]:
+    for body in re.split(separator, text)[1:]:
         if kernel in body.split("\n", 1)[0] and tag in body.split("\n", 1)[0]:
             return body
     return ""
+
+
+def _kernel_sass(text, dtype, kernel=KERNEL):
+    """The SASS (cuobjdump -sass) of the dtype's instantiation of `kernel`."""
+    return _function_body(text, r"\n\s*Function : ", dtype, kernel)
 
 
 def _role_loops(prog):
@@ -284,18 +290,14 @@ def smem_by_line(phase="fwd", dtype="bf16"):
         lines = subprocess.run([tools["nvdisasm"], "-g", "-c", cubin], capture_output=True, text=True,
                                check=True).stdout
     prog = sass.program(_kernel_sass(dump, dtype, kernel))
-    tag = "13__nv_bfloat16" if dtype == "bf16" else "6__half"
-    where, cur = {}, None
-    for body in re.split(r"\n\s*\.section\s+\.text\.", lines)[1:]:
-        if kernel not in body.split("\n", 1)[0] or tag not in body.split("\n", 1)[0]:
-            continue
-        for line in body.split("\n"):
-            m = re.search(r'File "([^"]+)", line (\d+)', line)
-            if m and "inlined at" not in line:
-                cur = f"{os.path.basename(m.group(1))}:{m.group(2)}"
-            m = re.search(r"/\*([0-9a-f]{4,})\*/\s+\S", line)
-            if m:
-                where[int(m.group(1), 16)] = cur
+    where, cur = {}, None                 # instruction address -> its source line (nvdisasm -g)
+    for line in _function_body(lines, r"\n\s*\.section\s+\.text\.", dtype, kernel).split("\n"):
+        m = re.search(r'File "([^"]+)", line (\d+)', line)
+        if m and "inlined at" not in line:
+            cur = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+\S", line)
+        if m:
+            where[int(m.group(1), 16)] = cur
     roles = _role_loops(prog)
     if set(roles) != want or not where:
         return dict(error=f"the kernel's loops or line table not found: {sorted(roles)}")
