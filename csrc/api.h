@@ -89,6 +89,12 @@ struct ChunkSm90Params {
   // gdn_packed.triton.common.segment_chunks), [N kept_segments, HV, K, V] float32, or 0
   std::uintptr_t kept_entering = 0;
   int64_t kept_segments = 0;
+  // Triton prep's outputs of every chunk slot (gdn_packed.triton.chunk.Prep), all or none: with them the
+  // state-only kernel runs on them (g, beta, A_log, dt_bias, scale, l2norm and raw_gates are then prep's,
+  // not read here) and kept_gates .. kept_mm must be 0. gates [NC, HV, 5, C], eg_last [NC, HV] float32;
+  // ts, mm [NC, HV, C, C] q's dtype (16-byte aligned: TMA and bulk copies)
+  std::uintptr_t prep_gates = 0, prep_eg_last = 0, prep_ts = 0, prep_mm = 0;
+  int64_t NC = 0;                         // the chunk slots of prep_* (the table's rows)
   int64_t N = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, chunk_size = 0;
   int dtype = 0;                          // 1 float16, 2 bfloat16 (0 float32: host mirror only)
   float scale = 1.f;

@@ -280,7 +280,9 @@ std::vector<Arg<gdn::ChunkSm90Params>> chunk_sm90_args() {
           arg("initial_state", &P::initial_state), arg("final_state", &P::final_state), ptr("o", &P::o, vo),
           arg("kept_gates", &P::kept_gates), arg("kept_eg_last", &P::kept_eg_last), arg("kept_rn", &P::kept_rn),
           arg("kept_ts", &P::kept_ts), arg("kept_mm", &P::kept_mm), arg("kept_entering", &P::kept_entering),
-          arg("kept_segments", &P::kept_segments), arg("N", &P::N), arg("T", &P::T),
+          arg("kept_segments", &P::kept_segments), arg("prep_gates", &P::prep_gates),
+          arg("prep_eg_last", &P::prep_eg_last), arg("prep_ts", &P::prep_ts), arg("prep_mm", &P::prep_mm),
+          arg("NC", &P::NC), arg("N", &P::N), arg("T", &P::T),
           arg("H", &P::H), arg("HV", &P::HV), arg("K", &P::K), arg("V", &P::V), arg("chunk_size", &P::chunk_size),
           arg("dtype", &P::dtype), arg("scale", &P::scale), arg("l2norm", &P::l2norm),
           arg("raw_gates", &P::raw_gates)};

@@ -34,12 +34,6 @@ constexpr uint32_t kBwdStageBytes = 7 * kBlock + sizeof(GateRows);
 constexpr int kBwdSmemBytes = sizeof(BwdShared) + 1024;      // + the 1024-byte alignment of the base
 static_assert(kBwdSmemBytes <= 232448, "one CTA's shared memory on sm_90 (227 KB)");
 
-// bytes from global memory to this CTA's shared memory, completing on its mbarrier
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* mbar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(mbar)) : "memory");
-}
-
 // grid (kVBlocks, HV, N) in clusters of the kVBlocks CTAs of a (value head, sequence): CTA rank vb owns
 // value columns vb * 64 .. vb * 64 + 63. Barriers (an elected thread arrives for its warpgroup):
 //   full[s]      the loads of the slot walked it-th landed in stage s = it % 3: k, q (one K-half multicast

@@ -74,7 +74,9 @@ struct Args {
   void *kept_ts, *kept_mm;
   float* kept_entering;                       // [N kept_segments, HV, K, V] (ChunkSm90Params), or 0
   int kept_segments;
-  int64_t N, T, H, HV;
+  const float *prep_gates, *prep_eg_last;     // Triton prep's outputs (ChunkSm90Params): the state-only
+  const void *prep_ts, *prep_mm;              // kernel's input, or all 0 (the fused kernel)
+  int64_t NC, N, T, H, HV;
   float scale;
   bool l2norm, raw_gates;
 };
@@ -175,15 +177,21 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
         vt[r * kV + c] = (in && live) ? v[(row * HV + hv) * kV + c] : from_f<T>(0.f);
       }
     }
-    alignas(16) float g[kC], beta[kC];              // the producer's: the gates of live rows, else 0
-    for (int i = 0; i < kC; ++i) {
-      g[i] = beta[i] = 0.f;
-      if (i < length) gate(a.g[(start + i) * HV + hv], a.beta[(start + i) * HV + hv], &g[i], &beta[i]);
+    const int64_t slot = j * HV + hv;
+    if (a.prep_ts) {                                // the state-only kernel: Triton prep's tiles and gate rows
+      std::copy_n(static_cast<const T*>(a.prep_ts) + slot * kC * kC, kC * kC, ts.begin());
+      std::copy_n(static_cast<const T*>(a.prep_mm) + slot * kC * kC, kC * kC, mm.begin());
+      load_gates(gates, a.prep_gates + slot * kGateRows * kC, a.prep_eg_last[slot]);
+    } else {
+      alignas(16) float g[kC], beta[kC];            // the producer's: the gates of live rows, else 0
+      for (int i = 0; i < kC; ++i) {
+        g[i] = beta[i] = 0.f;
+        if (i < length) gate(a.g[(start + i) * HV + hv], a.beta[(start + i) * HV + hv], &g[i], &beta[i]);
+      }
+      prep_chunk<P, T, TInv>(p, q_a, kq_b, s, g, beta, length, a.scale, a.l2norm, gates,
+                             at_s, at_s, dt_s, dt_s, ts_s, m_s);
     }
-    prep_chunk<P, T, TInv>(p, q_a, kq_b, s, g, beta, length, a.scale, a.l2norm, gates,
-                           at_s, at_s, dt_s, dt_s, ts_s, m_s);
     if (a.kept_ts) {                                // the backward's Prep of chunk slot j
-      const int64_t slot = j * HV + hv;
       std::copy(ts.begin(), ts.end(), static_cast<T*>(a.kept_ts) + slot * kC * kC);
       std::copy(mm.begin(), mm.end(), static_cast<T*>(a.kept_mm) + slot * kC * kC);
       for (int r = 0; r < kC; ++r)
@@ -242,6 +250,16 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
     return bad("kept_gates, kept_eg_last, kept_rn, kept_ts and kept_mm come together or not at all");
   if (p.kept_entering != 0 && (p.kept_segments < 1 || p.kept_segments > kInt32Max))
     return bad("kept_entering needs kept_segments in [1, 2^31)");
+  const int prep = (p.prep_gates != 0) + (p.prep_eg_last != 0) + (p.prep_ts != 0) + (p.prep_mm != 0);
+  if (prep != 0 && prep != 4) return bad("prep_gates, prep_eg_last, prep_ts and prep_mm come together or not at all");
+  if (prep != 0 && kept != 0)
+    return bad("prep_* (the state-only kernel: Triton prep's outputs, which the backward keeps) and kept_gates .. "
+               "kept_mm exclude each other");
+  if (prep != 0 && (p.NC < 1 || p.NC * p.HV > kInt32Max))
+    return bad("prep_* need NC >= 1 chunk slots, NC HV < 2^31 (TMA coordinates)");
+  if (prep != 0 && !host &&
+      ((p.prep_gates | p.prep_ts | p.prep_mm) & 15) != 0)
+    return bad("prep_gates, prep_ts and prep_mm must be 16-byte aligned (bulk copies, TMA)");
   sm90::Args a{};
   a.q = reinterpret_cast<const void*>(p.q);
   a.k = reinterpret_cast<const void*>(p.k);
@@ -262,6 +280,11 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
   a.kept_mm = reinterpret_cast<void*>(p.kept_mm);
   a.kept_entering = reinterpret_cast<float*>(p.kept_entering);
   a.kept_segments = static_cast<int>(p.kept_segments);
+  a.prep_gates = reinterpret_cast<const float*>(p.prep_gates);
+  a.prep_eg_last = reinterpret_cast<const float*>(p.prep_eg_last);
+  a.prep_ts = reinterpret_cast<const void*>(p.prep_ts);
+  a.prep_mm = reinterpret_cast<const void*>(p.prep_mm);
+  a.NC = p.NC;
   a.N = p.N;
   a.T = p.T;
   a.H = p.H;

@@ -59,6 +59,9 @@ struct alignas(1024) Shared {
   uint64_t full[kStages], empty[kStages], prepped[kPrepBufs], prepfree[kPrepBufs];
 };
 constexpr uint32_t kPrepBytes = 2 * kBlock + sizeof(GatesBuf);          // what a prep sends its peer
+// the state-only kernel's prep buffer, as it lands in each CTA: Ts (rank 0's multicast), M (rank 1's) and
+// the gate rows (each CTA's own bulk copy)
+constexpr uint32_t kPrepInBytes = 2 * kBlock + kPrepGateBytes;
 constexpr int kSmemBytes = sizeof(Shared) + 1024;     // + the 1024-byte alignment of the base
 static_assert(kSmemBytes <= 232448, "one CTA's shared memory on sm_90 (227 KB)");
 
@@ -94,11 +97,15 @@ __device__ __forceinline__ void keep_tile(const uint8_t* tile, T* dst, int wtid)
 //   prepped[b]   Ts, M, gates of chunk j in buffer b = j % 4: by this CTA's prep (kPrepArrivals), or by
 //                the peer's (its arrival with the bytes of its bulk copy) (1)
 //   prepfree[b]  buffer b read by both state warpgroups (at the CTA that preps it; 2)
-template <typename T>
-__global__ void __cluster_dims__(kVBlocks, 1, 1) __launch_bounds__(kThreads, 1)
-chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                          const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
-                          const Args a) {
+// kPrepIn (the state-only kernel, chunk_gdr_fwd_sm90_state_kernel): no prep here; the prep warpgroup idles
+// and the producer also loads Triton prep's outputs of each chunk slot (a.prep_*) into its prep buffer:
+//   prepped[b]   Ts (multicast by rank 0's producer), M (by rank 1's) and the gate rows (each CTA's bulk
+//                copy) landed, e^gam_last stored (1: the producer's arrival + the bytes)
+//   prepfree[b]  buffer b read by both state warpgroups (the multicasts write both CTAs: at each CTA; 2)
+template <typename T, bool kPrepIn>
+__device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
+                                        const CUtensorMap& tm_o, const CUtensorMap& tm_ts, const CUtensorMap& tm_mm,
+                                        const Args& a) {
   using P = DevPolicy<T>;
   using TInv = __half;
   extern __shared__ uint8_t smem_raw[];
@@ -118,7 +125,7 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
       mbar_init(&sm.empty[i], kVBlocks);          // the state warpgroups of both CTAs
     }
     for (int i = 0; i < kPrepBufs; ++i) {         // buffer i is prepped by CTA i % 2 (chunk j: j % 4, j % 2)
-      mbar_init(&sm.prepped[i], i % kVBlocks == vb ? kPrepArrivals : 1);
+      mbar_init(&sm.prepped[i], !kPrepIn && i % kVBlocks == vb ? kPrepArrivals : 1);
       mbar_init(&sm.prepfree[i], 2);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -131,12 +138,18 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
       const GateFn gate = gate_fn(a, hv);
       const int4* table = reinterpret_cast<const int4*>(a.table) + c0;   // rows (seq, idx, start, length)
       int4 next = nchunks > 0 ? __ldg(table) : make_int4(0, 0, 0, 0);
+      // kPrepIn: e^gam_last of the next chunk slot (lane 0), in flight as the table row is
+      float next_eg = kPrepIn && wtid == 0 && nchunks > 0 ? __ldg(a.prep_eg_last + c0 * HV + hv) : 0.f;
       for (int it = 0; it < nchunks; ++it) {
         const int st = it % kStages;
         const int32_t start = next.z, length = next.w;
-        if (it + 1 < nchunks) next = __ldg(table + it + 1);   // the next chunk's row, in flight during this one
-        // g, beta (or a, b) of the lane's two rows, for the chunks prepped here; 0 on the others
-        const bool mine = it % kVBlocks == vb;
+        const float eg = next_eg;
+        if (it + 1 < nchunks) {                   // the next chunk's row, in flight during this one
+          next = __ldg(table + it + 1);
+          if (kPrepIn && wtid == 0) next_eg = __ldg(a.prep_eg_last + (c0 + it + 1) * HV + hv);
+        }
+        // g, beta (or a, b) of the lane's two rows, for the chunks prepped here; 0 on the others (kPrepIn: none)
+        const bool mine = !kPrepIn && it % kVBlocks == vb;
         float x[2], y[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
@@ -149,13 +162,15 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
         if (it >= kStages)
           mbar_wait(&sm.empty[st], ((it / kStages) + 1) & 1,
                     "fwd producer, empty[it % 3]: the k/q/v stage released by both CTAs' state", it);
+        if constexpr (!kPrepIn) {
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {              // the gates (from raw a, b with raw_gates), 0 on dead rows
-          const int i = wtid + 32 * j;
-          float g, b;
-          gate(x[j], y[j], &g, &b);
-          sm.graw[st][0][i] = mine && i < length ? g : 0.f;
-          sm.graw[st][1][i] = mine && i < length ? b : 0.f;
+          for (int j = 0; j < 2; ++j) {            // the gates (from raw a, b with raw_gates), 0 on dead rows
+            const int i = wtid + 32 * j;
+            float g, b;
+            gate(x[j], y[j], &g, &b);
+            sm.graw[st][0][i] = mine && i < length ? g : 0.f;
+            sm.graw[st][1][i] = mine && i < length ? b : 0.f;
+          }
         }
         if (wtid == 0) {
           sm.rows[st][0] = start;
@@ -170,9 +185,24 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
           cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_q, &sm.full[st], both, hint, sm.kq[st][vb] + kBlock, vb * 64, h,
                                                  start);
           cute::SM90_TMA_LOAD_3D::copy(&tm_v, &sm.full[st], hint, sm.v[st], vb * kVB, static_cast<int>(hv), start);
+          if constexpr (kPrepIn) {                // Triton prep's outputs of the slot into prep buffer it % 4,
+            const int b = it % kPrepBufs;         // once both CTAs' state read it (chunk it - 4)
+            const int slot = static_cast<int>((c0 + it) * HV + hv);
+            if (it >= kPrepBufs)
+              mbar_wait(&sm.prepfree[b], ((it / kPrepBufs) + 1) & 1,
+                        "fwd state-only producer, prepfree[it % 4]: the prep buffer read by both CTAs' state", it);
+            sm.gates[b].eg_last = eg;             // (released by the arrival below)
+            mbar_expect_tx(&sm.prepped[b], kPrepInBytes);   // the peer's multicast lands here too
+            cute::SM90_TMA_LOAD_MULTICAST_3D::copy(vb == 0 ? &tm_ts : &tm_mm, &sm.prepped[b], both, hint,
+                                                   vb == 0 ? sm.ts[b] : sm.mm[b], 0, 0, slot);
+            bulk_load(&sm.gates[b], a.prep_gates + static_cast<int64_t>(slot) * kGateRows * kC, kPrepGateBytes,
+                      &sm.prepped[b]);
+          }
         }
       }
     }
+  } else if (wg == 1 && kPrepIn) {                // ---- (the state-only kernel: no prep here)
+    set_regs<kRegsProducer, kRegsLaunch>();
   } else if (wg == 1) {                           // ---- prep of this CTA's chunks, for both CTAs
     set_regs<kRegsPrep, kRegsLaunch>();
     P p{1};
@@ -258,7 +288,7 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
       const int64_t start = sm.rows[st][0];
       const int length = sm.rows[st][1];
       if constexpr (kLast) {
-        if (length < kC && !mine) {               // (the peer's prep zeroed its own copy only)
+        if (length < kC && (kPrepIn || !mine)) {  // (the peer's prep zeroed its own copy only)
           zero_dead_rows(sm, st, length, wtid);
           p.sync();
         }
@@ -293,8 +323,8 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
         named_sync(p.bar);                        // every thread's reads of the tile done
       });
       if (wtid == 0) {
-        if (mine) mbar_arrive(&sm.prepfree[b]);
-        else mbar_arrive_at(peer_addr(&sm.prepfree[b], peer));
+        if (kPrepIn || mine) mbar_arrive(&sm.prepfree[b]);
+        if (kPrepIn || !mine) mbar_arrive_at(peer_addr(&sm.prepfree[b], peer));
         held = st;                                // released at the next chunk (or below), once read
         if (kLast && length < kC) release_held();   // (no store in flight: wait_group.read returns at once)
       }
@@ -331,6 +361,23 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
   cluster_sync();          // neither CTA leaves while the peer may still copy to or arrive on its barriers
 }
 
+// The fused kernel (its prep warpgroup preps every chunk) and the state-only kernel (on Triton prep's outputs)
+template <typename T>
+__global__ void __cluster_dims__(kVBlocks, 1, 1) __launch_bounds__(kThreads, 1)
+chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                          const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                          const Args a) {
+  fwd_cta<T, false>(tm_q, tm_k, tm_v, tm_o, tm_q, tm_q, a);
+}
+template <typename T>
+__global__ void __cluster_dims__(kVBlocks, 1, 1) __launch_bounds__(kThreads, 1)
+chunk_gdr_fwd_sm90_state_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                                const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                                const __grid_constant__ CUtensorMap tm_ts, const __grid_constant__ CUtensorMap tm_mm,
+                                const Args a) {
+  fwd_cta<T, true>(tm_q, tm_k, tm_v, tm_o, tm_ts, tm_mm, a);
+}
+
 template <typename T>
 Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
   constexpr const char* who = "chunk_gdr_fwd_sm90";
@@ -343,12 +390,25 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
   if (st.ok()) st = encode_rows(enc, &tv, ty, a.v, kV, a.HV, a.T, who, names);
   if (st.ok()) st = encode_rows(enc, &to, ty, a.o, kV, a.HV, a.T, who, names);
   if (!st.ok()) return st;
-  auto kernel = chunk_gdr_fwd_sm90_kernel<T>;
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (e != cudaSuccess) return cuda_error("chunk_gdr_fwd_sm90: cudaFuncSetAttribute", e);
   if (a.N > 65535 || a.HV > 65535)
     return Status::invalid("chunk_gdr_fwd_sm90: at most 65535 sequences and value heads");
   const dim3 grid(kVBlocks, static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N));
+  if (a.prep_ts) {                                // the state-only kernel on Triton prep's Ts, M
+    const uint32_t blk[3] = {kC, kC, 1};
+    const int64_t slots = a.NC * a.HV;
+    CUtensorMap tts, tmm;
+    st = encode_3d(enc, &tts, ty, a.prep_ts, {kC, kC, slots}, blk, who, "prep_ts, prep_mm");
+    if (st.ok()) st = encode_3d(enc, &tmm, ty, a.prep_mm, {kC, kC, slots}, blk, who, "prep_ts, prep_mm");
+    if (!st.ok()) return st;
+    auto kernel = chunk_gdr_fwd_sm90_state_kernel<T>;
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (e != cudaSuccess) return cuda_error("chunk_gdr_fwd_sm90: cudaFuncSetAttribute", e);
+    kernel<<<grid, kThreads, kSmemBytes, stream>>>(tq, tk, tv, to, tts, tmm, a);
+    return launch_status("chunk_gdr_fwd_sm90 (state-only)");
+  }
+  auto kernel = chunk_gdr_fwd_sm90_kernel<T>;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return cuda_error("chunk_gdr_fwd_sm90: cudaFuncSetAttribute", e);
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(tq, tk, tv, to, a);
   return launch_status("chunk_gdr_fwd_sm90");
 }

@@ -49,6 +49,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 
 #include "dtypes.cuh"
 #include "segments.cuh"
@@ -385,6 +386,24 @@ GDN_HD void keep_gate_row(const Gates& g, const PrepScratch& s, int r, int lengt
   rn[r] = live ? s.rq[r] : 0.f;
   rn[kC + r] = live ? s.rk[r] : 0.f;
   if (r == 0) *eg_last = g.eg_last;
+}
+
+// Gates from Triton prep's outputs of a chunk slot (the state-only kernel: rows, its gate rows [kGateRows, C];
+// eg_last, its e^gam_last): rows kGateBeta .. kGateWk are Gates' first four arrays in the same order, which
+// the device's producer bulk-copies as they are (kPrepGateBytes).
+constexpr int kPrepGateBytes = 4 * kC * 4;
+static_assert(kGateBeta == 0 && kGateEgk == 1 && kGateEgq == 2 && kGateWk == 3 &&
+              offsetof(Gates, egk) == kC * 4 && offsetof(Gates, cq) == 2 * kC * 4 &&
+              offsetof(Gates, wk) == 3 * kC * 4 && offsetof(Gates, eg_last) == kPrepGateBytes,
+              "Gates starts with prep's gate rows beta, egk, egq, wk");
+GDN_HD void load_gates(Gates& g, const float* rows, float eg_last) {
+  for (int i = 0; i < kC; ++i) {
+    g.beta[i] = rows[kGateBeta * kC + i];
+    g.egk[i] = rows[kGateEgk * kC + i];
+    g.cq[i] = rows[kGateEgq * kC + i];
+    g.wk[i] = rows[kGateWk * kC + i];
+  }
+  g.eg_last = eg_last;
 }
 
 // The segments of the forward's Triton state pass (gdn_packed.triton.common.segment_chunks), whose entering

@@ -122,6 +122,86 @@ def test_mirror_raw_gates():
     assert rel_err(outs[1][0], outs[0][0].double()) <= 1e-6 and rel_err(outs[1][1], outs[0][1].double()) <= 1e-6
 
 
+# ---- the two-kernel forward: Triton prep, then the state-only kernel on its outputs --------------------
+def _skip_without_triton_prep():
+    from gdn_packed.ops._common import triton_usable
+    if triton_usable(torch.device("cpu")):
+        pytest.skip(f"Triton prep cannot run here: {triton_usable(torch.device('cpu'))}")
+
+
+@functools.lru_cache(maxsize=None)
+def two_kernel_case(pi, dtype, poison_padding=False):
+    """case(pi, dtype)'s inputs through Triton prep (the interpreter) and the state-only kernel's mirror
+    (triton_prep=True): (o [1, T, HV, V], final state)."""
+    (q, k, v, g, beta, h0), cu, pad, _, _, _, _ = case(pi, dtype)
+    if poison_padding:
+        q, k, v = (torch.where(pad[None, :, None, None], float("nan"), x) for x in (q, k, v))
+    p = PACKINGS[pi]
+    table, cc = make_chunk_table(cu, p.layout()[1], q.shape[1], 64)
+    o, fs = torch.full_like(v[0], float("nan")), torch.full((len(p.lengths), HV, K, K), float("nan"))
+    chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, h0, K ** -0.5, 64, True, o, fs, host=True,
+                       triton_prep=True)
+    return o[None], fs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=DTYPE_ID.get)
+@pytest.mark.parametrize("pi", range(len(PACKINGS)), ids=IDS)
+def test_state_only_mirror_matches_float64_reference(pi, dtype):
+    """Triton prep's outputs (Ts, M, the gate rows and chunk decays of every chunk slot) through the state-only
+    kernel's tile program (its producer's loads in place of prep; the state step as the fused kernel's): o
+    and the final state within the budgets of float64 on every packing, padding rows exactly 0. (bf16 is the
+    GPU check's: Triton's interpreter computes bf16 dots wrongly, docs/DESIGN.md section 10.)"""
+    _skip_without_triton_prep()
+    _, _, pad, _, _, ro, rf = case(pi, dtype)
+    o, fs = two_kernel_case(pi, dtype)
+    b = BUDGETS[dtype]
+    assert rel_err(o, ro) <= b["o"] and rel_err(fs, rf) <= b["state"], (rel_err(o, ro), rel_err(fs, rf))
+    assert (o[0, pad] == 0).all() and torch.isfinite(o).all()
+
+
+@pytest.mark.parametrize("pi", [1, 2, 3], ids=[IDS[i] for i in (1, 2, 3)])
+def test_state_only_mirror_isolates_nan_in_padding_rows(pi):
+    """NaN in q, k, v of every padding row: Triton prep masks them, the state-only kernel zeroes a last
+    chunk's dead rows of its k, q, v tiles itself (no prep of its own does): o and the state unchanged."""
+    _skip_without_triton_prep()
+    o, fs = two_kernel_case(pi, torch.float16, poison_padding=True)
+    o0, fs0 = two_kernel_case(pi, torch.float16)
+    pad = case(pi, torch.float16)[2]
+    assert torch.equal(o, o0) and torch.equal(fs, fs0) and (o[0, pad] == 0).all()
+
+
+def test_state_only_mirror_raw_gates():
+    """With A_log, dt_bias the two-kernel forward forms the gates with the Triton gate pass before prep: o and
+    the final state as from the gates formed by the torch backend (float32)."""
+    _skip_without_triton_prep()
+    from gdn_packed.torch_ref.chunk import gate_fwd_torch
+    cu, cu_pad, rows = PACKINGS[2].layout()
+    N = len(PACKINGS[2].lengths)
+    q, k, v, a, b, h0 = gdr_inputs(rows, H, HV, K, K, torch.float32, N=N, initial_state=True, unit_k=False)
+    A_log, dt_bias = torch.tensor([0.3, -1.0]), torch.tensor([0.5, 1.5])
+    g, beta = gate_fwd_torch(a[0], b[0], A_log, dt_bias)
+    table, cc = make_chunk_table(cu, cu_pad, rows, 64)
+    outs = []
+    for gg, bb, raw in ((g, beta, False), (a[0], b[0], True)):
+        o, fs = torch.full_like(v[0], float("nan")), torch.full((N, HV, K, K), float("nan"))
+        chunk_gdr_fwd_cuda(q[0], k[0], v[0], gg, bb, table, cc, h0, K ** -0.5, 64, True, o, fs, host=True,
+                           A_log=A_log if raw else None, dt_bias=dt_bias if raw else None, triton_prep=True)
+        outs.append((o, fs))
+    assert rel_err(outs[1][0], outs[0][0].double()) <= 1e-6 and rel_err(outs[1][1], outs[0][1].double()) <= 1e-6
+
+
+def test_prep_first_where_the_fused_kernel_leaves_half_the_sms_idle():
+    """The dispatch rule (gdn_packed.cuda.chunk.prep_first): Triton prep first where the fused kernel's
+    2 HV N CTAs fill at most half of the SMs (the anchor, 1 x 32768 with 32 value heads: 64 CTAs on an
+    H200's 132), the fused kernel from there on (4 x 8192: 256 CTAs); CPU tensors (the host mirror) take the
+    fused kernel unless triton_prep says otherwise."""
+    from gdn_packed.cuda.chunk import _triton_prep, prep_first
+    assert prep_first(1, 32, 132) and prep_first(2, 16, 132) and prep_first(1, 33, 132)
+    assert not prep_first(1, 34, 132) and not prep_first(4, 32, 132) and not prep_first(2, 32, 132)
+    assert prep_first(1, 32, 128) and not prep_first(1, 33, 128)
+    assert _triton_prep(torch.device("cpu"), 1, 1, None) is None and _triton_prep(torch.device("cpu"), 1, 1, False) is None
+
+
 # ---- backend="cuda" of the op: dispatch, refusals, autograd through the Triton backward --------------
 
 def test_cuda_backend_refuses_what_its_kernel_does_not_take():
@@ -173,12 +253,15 @@ def mirror_as_cuda_forward(monkeypatch):
     for the test's duration."""
     from gdn_packed.cuda import chunk as cuda_chunk
     from gdn_packed.ops import _dispatch
-    calls = []
+
+    class Calls(list):
+        opts = {}           # chunk_gdr_fwd_cuda's own options for the test (triton_prep)
+    calls = Calls()
     real_dstate = cuda_chunk.chunk_bwd_dstate_cuda
 
     def fwd(*args, **kw):
         calls.append(sorted(kw))
-        return chunk_gdr_fwd_cuda(*args, **kw, host=True)
+        return chunk_gdr_fwd_cuda(*args, **kw, host=True, **calls.opts)
 
     def dstate(*args, **kw):
         calls.append("dS pass")
@@ -190,11 +273,13 @@ def mirror_as_cuda_forward(monkeypatch):
     _dispatch.kernel.cache_clear()
 
 
-@pytest.mark.parametrize("keep, segments, gating", [(k, 1, g) for k in (False, True) for g in (False, True)]
-                         + [(True, 3, False)],
+@pytest.mark.parametrize("keep, segments, gating, two",
+                         [(k, 1, g, False) for k in (False, True) for g in (False, True)] + [(True, 3, False, False)]
+                         + [(True, 1, g, True) for g in (False, True)] + [(True, 3, False, True)],
                          ids=["recompute-g-beta", "recompute-raw-a-b", "kept-prep-g-beta", "kept-prep-raw-a-b",
-                              "kept-segments-g-beta"])
-def test_cuda_op_autograd_is_the_triton_backward(gating, keep, segments, mirror_as_cuda_forward, monkeypatch):
+                              "kept-segments-g-beta", "two-kernel-g-beta", "two-kernel-raw-a-b",
+                              "two-kernel-segments"])
+def test_cuda_op_autograd_is_the_triton_backward(gating, keep, segments, two, mirror_as_cuda_forward, monkeypatch):
     """gdn_packed::chunk_gdr_fwd with backend='cuda' (the host mirrors standing in for the forward kernel
     and the backward's dS pass, the rest of the Triton backward under the interpreter; fp16: the
     interpreter's bf16 is wrong): o within the fp16 budget of float64. Without keep, the backward runs
@@ -207,7 +292,8 @@ def test_cuda_op_autograd_is_the_triton_backward(gating, keep, segments, mirror_
     on a GPU its tf32 dots round as much; measured 1.13x on dg with g, beta given, 1.00-1.02x elsewhere,
     every error under 4.1e-4). With the Triton state pass in 3 segments (state_segments forced), the forward
     also keeps the state entering each segment, and the backward's recompute starts from them: no pass A
-    (entering_states) in the backward, the same bounds."""
+    (entering_states) in the backward, the same bounds. The two-kernel forward (triton_prep: Triton prep,
+    then the state-only kernel) keeps Triton prep's own outputs: the same bounds, no prep in the backward."""
     from gdn_packed.ops.chunk_gdr import chunk_gdr_fwd
     from gdn_packed.ops._common import triton_usable
     from gdn_packed.triton import chunk as triton_chunk
@@ -224,6 +310,7 @@ def test_cuda_op_autograd_is_the_triton_backward(gating, keep, segments, mirror_
     monkeypatch.setattr(triton_chunk, "entering_states",
                         lambda *a, **kw: passes_a.append(1) or real_entering(*a, **kw))
     monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, **kw: segments)
+    mirror_as_cuda_forward.opts["triton_prep"] = two
     for backend in ("cuda", "triton"):
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
         gates = [x.clone().requires_grad_() for x in (A_log, dt_bias)] if gating else [None, None]
@@ -367,8 +454,8 @@ def _entry_args(T=5, N=1, H=1, HV=2, raw=False):
               kept_gates=z(NC, HV, 5, 64), kept_eg_last=z(NC, HV), kept_rn=z(NC, HV, 2, 64),
               kept_ts=z(NC, HV, 64, 64), kept_mm=z(NC, HV, 64, 64), kept_entering=z(2 * N, HV, K, K))
     args = {n: t.data_ptr() for n, t in ts.items()}
-    args.update(kept_segments=2, N=N, T=T, H=H, HV=HV, K=K, V=K, chunk_size=64, dtype=0, scale=0.1, l2norm=True,
-                raw_gates=raw)
+    args.update(kept_segments=2, prep_gates=None, prep_eg_last=None, prep_ts=None, prep_mm=None, NC=NC, N=N, T=T,
+                H=H, HV=HV, K=K, V=K, chunk_size=64, dtype=0, scale=0.1, l2norm=True, raw_gates=raw)
     return args, ts
 
 
@@ -376,7 +463,8 @@ def test_entry_point_names_its_arguments():
     """_C.chunk_gdr_fwd_sm90(_host) takes the declared keywords only; a required pointer passed as None is
     a ValueError naming it before anything runs (A_log, dt_bias only with raw_gates; initial_state and
     final_state are optional; the five kept_* pointers of prep are too, but come together or not at all;
-    kept_entering is too, with kept_segments >= 1)."""
+    kept_entering is too, with kept_segments >= 1; so are the four prep_* inputs of the state-only kernel,
+    together, with NC >= 1 and never with kept_*)."""
     C = _cext.get_C()
     args, keep = _entry_args()
     doc = "chunk_gdr_fwd_sm90_host(*, " + ", ".join(args) + ")"
@@ -398,6 +486,16 @@ def test_entry_point_names_its_arguments():
     for name in kept:
         with pytest.raises(ValueError, match="kept_gates, kept_eg_last, kept_rn, kept_ts and kept_mm come together"):
             C.chunk_gdr_fwd_sm90_host(**dict(args, **{name: None}))
+    prep = {f"prep_{n}": args[f"kept_{n}"] for n in ("gates", "eg_last", "ts", "mm")}
+    no_kept = {n: None for n in kept}
+    C.chunk_gdr_fwd_sm90_host(**dict(args, **no_kept, **prep))          # the state-only kernel's inputs
+    for name in prep:
+        with pytest.raises(ValueError, match="prep_gates, prep_eg_last, prep_ts and prep_mm come together"):
+            C.chunk_gdr_fwd_sm90_host(**dict(args, **no_kept, **dict(prep, **{name: None})))
+    with pytest.raises(ValueError, match="prep_.* and kept_gates .. kept_mm exclude each other"):
+        C.chunk_gdr_fwd_sm90_host(**dict(args, **prep))
+    with pytest.raises(ValueError, match="prep_\\* need NC >= 1"):
+        C.chunk_gdr_fwd_sm90_host(**dict(args, **no_kept, **prep, NC=0))
     with pytest.raises(TypeError, match="unexpected keyword argument 'cu_chunk'"):
         C.chunk_gdr_fwd_sm90_host(**{("cu_chunk" if n == "cu_chunks" else n): x for n, x in args.items()})
     with pytest.raises(ValueError, match="K and V must be 128"):

@@ -8,7 +8,10 @@ autograd will need them), so that backward runs neither pass A nor prep of its o
 
     refusal(q, v, device)   None when backend="cuda" of the chunked op takes these inputs on `device`,
                             else the exception saying why (resolve_backend's `refuse`)
-    chunk_gdr_fwd_cuda(...) the forward, the dispatch table's "fwd" and "fwd_raw" (raw a, b gates)
+    chunk_gdr_fwd_cuda(...) the forward, the dispatch table's "fwd" and "fwd_raw" (raw a, b gates): the
+                            fused kernel, or where it would leave most SMs idle (prep_first), Triton prep
+                            and then the state-only kernel on its outputs
+    prep_first(N, HV, sms)  whether the forward runs Triton prep first (few long sequences)
     chunk_bwd_dstate_cuda(...)  the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) in place of
                             the Triton one (gdn_packed.triton.chunk.chunk_bwd_dstate): the same inputs
                             (Triton prep's outputs) and outputs
@@ -52,6 +55,16 @@ def refusal(q, v, device, N=None):
         return RuntimeError("backend='cuda' of chunk_gated_delta_rule needs an sm_90 GPU (H100 / H200), got "
                             f"{torch.cuda.get_device_name(device)}; use backend='triton'")
     return None
+
+
+def prep_first(N, HV, sms):
+    """Whether the forward runs Triton prep (chunk_fwd_prep: every chunk slot in parallel, on all `sms`
+    SMs) and then the state-only kernel on its outputs, rather than the fused kernel (whose 2 HV N CTAs
+    each prep half their chunks themselves): where those CTAs would leave at least half of the SMs idle.
+    There prep's work moves off the sequential chain onto the idle SMs; where the CTAs fill the GPU it
+    would only add prep's pass (bench/NOTES.md, "The state-only kernel": the anchor, 64 CTAs on 132 SMs,
+    1077 -> ~960 us in the model; 4 x 8192, 256 CTAs: fused 536 against ~720)."""
+    return 2 * HV * N <= sms // 2
 
 
 def kept_shape(T, N, HV, K, V, C, device, dtype):
@@ -102,14 +115,16 @@ def _aligned(x):
 
 
 def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm, o,
-                       final_state, kept=None, *, A_log=None, dt_bias=None, host=False):
+                       final_state, kept=None, *, A_log=None, dt_bias=None, host=False, triton_prep=None):
     """Writes o [T, HV, V] (every row: padding rows 0) and final_state [N, HV, K, V] float32, as
     gdn_packed.triton.chunk.chunk_gdr_fwd_triton. q, k [T, H, K], v [T, HV, V] (bf16 / fp16; fp32 with
     host=True); g, beta [T, HV]; table int32 [NC, 4], cu_chunks int32 [N+1]. With A_log, dt_bias [HV],
     g and beta are the raw a, b and the kernel forms g = -exp(A_log) softplus(a + dt_bias),
     beta = sigmoid(b) itself (fp32). kept (kept_shape, or None / empty): the states entering the segments
     and prep's outputs of the sequences' chunk slots are written there for the backward (its other slots
-    are left as they are)."""
+    are left as they are). triton_prep: run Triton prep first and the state-only kernel on its outputs
+    (True), the fused kernel (False), or as prep_first says on the device (None; the fused kernel on CPU
+    tensors, the host mirror); Triton prep writes every chunk slot of kept's Prep then."""
     if C != CHUNK:
         raise ValueError(f"the cuda chunked kernel is written for chunk size {CHUNK}, got {C}")
     T, H, K = q.shape
@@ -133,6 +148,12 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
         return
     raw = A_log is not None
     entering, prep = _kept_parts(kept, T, N, NC, HV, q.dtype, q.device)
+    ins = dict(prep_gates=None, prep_eg_last=None, prep_ts=None, prep_mm=None)    # the fused kernel's
+    run_prep = _triton_prep(q.device, N, HV, triton_prep)
+    if run_prep is not None:
+        g, beta, prep = run_prep(q, k, v, g, beta, table, HV, scale, use_l2norm, A_log, dt_bias, prep)
+        ins = {f"prep_{n}": _aligned(getattr(prep, n)) for n in ("gates", "eg_last", "ts", "mm")}
+        raw, prep = False, None                     # the gates are prep's; the backward keeps its outputs
     keep = {f"kept_{n}": None if prep is None else getattr(prep, n) for n in ("gates", "eg_last", "rn", "ts", "mm")}
     segments = 0 if entering is None else entering.shape[0] // N
     out = o if host or o.data_ptr() % 16 == 0 else torch.empty_like(o)    # TMA stores o's whole chunks
@@ -142,12 +163,39 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
                       A_log=A_log.to(torch.float32) if raw else None,
                       dt_bias=dt_bias.to(torch.float32) if raw else None,
                       table=_aligned(table), cu_chunks=cu_chunks,
-                      initial_state=None if initial_state is None else initial_state.to(torch.float32)),
+                      initial_state=None if initial_state is None else initial_state.to(torch.float32), **ins),
            writes=dict(o=out, final_state=final_state, kept_entering=entering, **keep), kept_segments=segments,
-           N=N, T=T, H=H, HV=HV, K=K, V=Vd, chunk_size=C, dtype=q.dtype, scale=float(scale),
+           NC=NC, N=N, T=T, H=H, HV=HV, K=K, V=Vd, chunk_size=C, dtype=q.dtype, scale=float(scale),
            l2norm=bool(use_l2norm), raw_gates=raw)
     if out is not o:
         o.copy_(out)
+
+
+def _triton_prep(device, N, HV, force):
+    """The first launches of the two-kernel forward where it runs (force: True, False, or None: as
+    prep_first says on `device`, never on CPU tensors, and not where Triton is not installed), else None:
+    fn(q, k, v, g, beta, table, HV, scale, l2norm, A_log, dt_bias, out) -> (g, beta, Prep), the gates
+    formed from the raw a, b first (the Triton gate pass) when A_log is given, Triton prep's outputs of
+    every chunk slot written into `out` (a Prep of views: kept's) when given."""
+    if force is False or (force is None and device.type == "cpu"):
+        return None
+    try:
+        from gdn_packed.triton.chunk import _rows, chunk_fwd_prep
+        from gdn_packed.triton.chunk_gate import gate_fwd_triton
+        from gdn_packed.triton.configs import num_sms
+    except ImportError:
+        if force:
+            raise
+        return None
+    if force is None and not prep_first(N, HV, num_sms(device)):
+        return None
+
+    def run(q, k, v, g, beta, table, HV, scale, l2norm, A_log, dt_bias, out):
+        if A_log is not None:
+            g, beta = gate_fwd_triton(g, beta, A_log, dt_bias)
+        qr, kr, _, gr, br, rows = _rows(q, k, v, g, beta)
+        return g, beta, chunk_fwd_prep(qr, kr, gr, br, table, HV, scale, l2norm, rows, out=out)
+    return run
 
 
 def chunk_bwd_dstate_cuda(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, *,
