@@ -105,7 +105,7 @@ __device__ __forceinline__ void keep_tile(const uint8_t* tile, T* dst, int wtid)
 template <typename T, bool kPrepIn>
 __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                                         const CUtensorMap& tm_o, const CUtensorMap& tm_ts, const CUtensorMap& tm_mm,
-                                        const Args& a) {
+                                        const Args a) {
   using P = DevPolicy<T>;
   using TInv = __half;
   extern __shared__ uint8_t smem_raw[];

@@ -25,9 +25,26 @@ ARCHS = ("sm_80", "sm_90a")
 # every kernel family of csrc/ must show up in the ptxas report (so none escapes the spill check)
 KERNEL_FAMILIES = ("chunk_count_scan_kernel", "chunk_table_fill_kernel", "conv1d_fwd_kernel", "conv1d_bwd_kernel",
                    "conv1d_final_state_kernel", "conv1d_bwd_state_kernel", "conv1d_wgrad_reduce_kernel",
-                   "recurrent_gdr_fwd_kernel", "chunk_gdr_fwd_sm90_kernel", "chunk_gdr_bwd_sm90_kernel")
-# kernels built for sm_90a only (wgmma / TMA / setmaxnreg), with the CuTe headers of nvidia-cutlass
-SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": "chunk_gdr_fwd_sm90_kernel", "chunk_gdr_bwd_sm90.cu": "chunk_gdr_bwd_sm90_kernel"}
+                   "recurrent_gdr_fwd_kernel", "chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_state_kernel",
+                   "chunk_gdr_bwd_sm90_kernel")
+# kernels built for sm_90a only (wgmma / TMA / setmaxnreg), with the CuTe headers of nvidia-cutlass, by file
+SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": ("chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_state_kernel"),
+             "chunk_gdr_bwd_sm90.cu": ("chunk_gdr_bwd_sm90_kernel",)}
+# the forwards' setmaxnreg (decreases, increases): the fused kernel's producer down, prep and state up; the
+# state-only kernel's producer and idle prep warpgroup down, its state up
+SETMAXNREG = {"chunk_gdr_fwd_sm90_kernel": ([32], [232, 240]), "chunk_gdr_fwd_sm90_state_kernel": ([32, 32], [240])}
+
+
+def forward_of(name):
+    """The forward kernel (SETMAXNREG's key) a SASS function or ptxas record name is an instantiation of."""
+    return "chunk_gdr_fwd_sm90_state_kernel" if "chunk_gdr_fwd_sm90_state_kernel" in name else "chunk_gdr_fwd_sm90_kernel"
+
+
+def setmaxnreg(body):
+    """(decreases, sorted distinct increases) of a function's SASS: USETMAXREG.DEALLOC / TRY_ALLOC counts."""
+    dec = [int(x, 16) for x in re.findall(r"USETMAXREG\.DEALLOC\S*\s+(0x[0-9a-f]+)", body)]
+    inc = sorted({int(x, 16) for x in re.findall(r"USETMAXREG\.TRY_ALLOC\S*\s+\w+,\s*(0x[0-9a-f]+)", body)})
+    return dec, inc
 
 
 # the sm_90a file's compile (its flags, the tools, the CuTe headers) is the sm_90 report's, cached on disk
@@ -100,7 +117,7 @@ def test_csrc_compiles_without_spills(ptxas_report, report_table):
     missing = [f for f in KERNEL_FAMILIES if not any(f in names[k] for k in kernels)]
     assert not missing, f"kernels missing from the ptxas report: {missing}"
     for k in kernels:
-        want = {"sm_90a"} if any(f in names[k] for f in SM90_ONLY.values()) else set(ARCHS)
+        want = {"sm_90a"} if any(f in names[k] for fs in SM90_ONLY.values() for f in fs) else set(ARCHS)
         assert {r["arch"] for r in recs if r["name"] == k} >= want, f"{names[k]} not built for {want}"
     bad = [f"{names[r['name']]} {r['arch']}: spill {r['spill']} B, stack {r['stack']} B"
            for r in recs if r["spill"] or r["stack"]]
@@ -109,8 +126,9 @@ def test_csrc_compiles_without_spills(ptxas_report, report_table):
 
 @needs_nvcc
 def test_sm90_chunk_kernel_resources(ptxas_report, report_table):
-    """The warp-specialised chunked forward (384 threads: 65536 / 384 -> 168 registers at launch, which
-    setmaxnreg redistributes 32 / 232 / 240 to the producer, prep and state warpgroups) and the backward's
+    """The warp-specialised chunked forwards (384 threads: 65536 / 384 -> 168 registers at launch, which
+    setmaxnreg redistributes 32 / 232 / 240 to the producer, prep and state warpgroups; the state-only
+    kernel's the same) and the backward's
     reverse dS pass (256 threads: at most 255 registers, one CTA per SM as its shared memory allows): no
     local memory in either instantiation (bf16, fp16) of either; ptxas checks every setmaxnreg region
     against its count; no wait that ptxas had to inject before a use of a wgmma's registers (C7517: a
@@ -118,15 +136,15 @@ def test_sm90_chunk_kernel_resources(ptxas_report, report_table):
     for src, _, p in ptxas_report:
         if os.path.basename(src) in SM90_ONLY:
             assert "C7517" not in p.stdout + p.stderr, (src, [ln for ln in p.stdout.splitlines() if "C7517" in ln])
-    for file, kernel in SM90_ONLY.items():
+    for file, kernels in SM90_ONLY.items():
         recs = [r for src, _, p in ptxas_report if os.path.basename(src) == file
                 for r in parse_ptxas(p.stdout + "\n" + p.stderr)]
-        assert len(recs) == 2, (file, recs)
+        assert len(recs) == 2 * len(kernels), (file, recs)
         for r in recs:
-            report_table("sm_90a chunked kernels, ptxas -v", f"{kernel} {r['name'][-40:]}: {r['registers']} registers, "
+            report_table("sm_90a chunked kernels, ptxas -v", f"{file} {r['name'][-60:]}: {r['registers']} registers, "
                                                               f"spill {r['spill']} B, stack {r['stack']} B")
             assert (r["spill"], r["stack"]) == (0, 0), r
-            assert r["registers"] == 168 if "fwd" in kernel else r["registers"] <= 255, r
+            assert r["registers"] == 168 if "fwd" in file else r["registers"] <= 255, r
 
 
 def sass_loops(sass):
@@ -160,17 +178,19 @@ def test_sm90_chunk_loops_run_the_tile_program_on_the_tensor_cores(ptxas_report,
     program (csrc/chunk_gdr_sm90.cuh), each issued once per chunk (nothing serialised into a loop of its
     own): prep 32 HGMMA 64x64x16 (K K^T and Q K^T, 8 each, in one group; the inverse's two doubling
     levels, 2 x 4 each) in 5 waits; state 12 HGMMA 64x128x16 (S^T [K; Q]^T 8, the state update U K 4) and
-    8 HGMMA 64x64x16 (X'^T Ts^T, U^T M^T) in 3 waits (U^T M^T and U K share one)."""
+    8 HGMMA 64x64x16 (X'^T Ts^T, U^T M^T) in 3 waits (U^T M^T and U K share one). The state-only kernel:
+    the state loop alone."""
     sass = SASS.get("chunk_gdr_fwd_sm90.cu")
     assert sass, "no SASS of chunk_gdr_fwd_sm90.cu"
     loops = sass_loops(sass)
-    assert len(loops) == 2, list(loops)
-    want = sorted([(Counter({"64x64x16": 32}), 5), (Counter({"64x128x16": 12, "64x64x16": 8}), 3)],
-                  key=lambda x: sorted(x[0].items()))
+    assert len(loops) == 4, list(loops)
+    state, prep = (Counter({"64x128x16": 12, "64x64x16": 8}), 3), (Counter({"64x64x16": 32}), 5)
     for name, got in loops.items():
         report_table("sm_90a chunked kernel, HGMMA per chunk loop (cuobjdump)",
                      f"{name[-60:]}: " + "; ".join(f"{dict(c)} in {w} waits" for c, w in got))
-        assert sorted(got, key=lambda x: sorted(x[0].items())) == want, (name, got)
+        want = [state] if forward_of(name) == "chunk_gdr_fwd_sm90_state_kernel" else [prep, state]
+        key = lambda x: sorted(x[0].items())  # noqa: E731
+        assert sorted(got, key=key) == sorted(want, key=key), (name, got)
 
 
 @needs_nvcc
@@ -180,7 +200,7 @@ def test_sm90_setmaxnreg_fits_the_launch_allocation(ptxas_report, report_table):
     forward's SASS, the producer's decrease plus the prep and state warpgroups' increases (one warpgroup
     each, 128 threads) must not exceed 3 x the launch registers, or a warp retries USETMAXREG.TRY_ALLOC
     forever. 40 + 232 + 240 = 512 > 3 x 168 = 504 was the split when the forward hung on an H200
-    (2026-12-04), its likely cause."""
+    (2026-12-04), its likely cause. The state-only kernel's idle prep warpgroup gives registers back too."""
     sass = SASS.get("chunk_gdr_fwd_sm90.cu")
     assert sass, "no SASS of chunk_gdr_fwd_sm90.cu"
     launch = {r["registers"] for src, _, p in ptxas_report if os.path.basename(src) == "chunk_gdr_fwd_sm90.cu"
@@ -188,11 +208,10 @@ def test_sm90_setmaxnreg_fits_the_launch_allocation(ptxas_report, report_table):
     assert launch == {168}, launch
     for body in re.split(r"\n\s*Function : ", sass)[1:]:
         name = body.split("\n", 1)[0].strip()
-        dec = [int(x, 16) for x in re.findall(r"USETMAXREG\.DEALLOC\S*\s+(0x[0-9a-f]+)", body)]
-        inc = sorted({int(x, 16) for x in re.findall(r"USETMAXREG\.TRY_ALLOC\S*\s+\w+,\s*(0x[0-9a-f]+)", body)})
+        dec, inc = setmaxnreg(body)
         report_table("sm_90a chunked forward, setmaxnreg (cuobjdump)",
-                     f"{name[-50:]}: producer {dec}, consumers {inc}, sum {sum(dec) + sum(inc)} <= 3 x 168 = 504")
-        assert len(dec) == 1 and len(inc) == 2, (name, dec, inc)
+                     f"{name[-50:]}: decreases {dec}, increases {inc}, sum {sum(dec) + sum(inc)} <= 3 x 168 = 504")
+        assert (dec, inc) == SETMAXNREG[forward_of(name)], (name, dec, inc)
         assert sum(dec) + sum(inc) <= 3 * 168, (name, dec, inc)
 
 
@@ -238,29 +257,27 @@ def test_sm90_watchdog_build_traps_and_prints(ptxas_report, report_table):
         outs = dict(zip(SM90_ONLY, ex.map(
             lambda f: cuda_chunk.nvcc_cached("cuda_chunk_watchdog", os.path.join(CSRC, f), watchdog_command, keys),
             SM90_ONLY)))
-    for file, kernel in SM90_ONLY.items():
+    for file, kernels in SM90_ONLY.items():
         out = outs[file]
         assert "error" not in out, f"{file} with -DGDN_SM90_WATCHDOG={WATCHDOG_SPINS}: {out.get('error')}"
         default = SASS.get(file, "")
         assert default and "BPT.TRAP" not in default and "CALL.ABS" not in default, \
             f"the default build of {file} has a trap or an extern call"
         recs = parse_ptxas(out["ptxas"])
-        assert len(recs) == 2, (file, recs)
+        assert len(recs) == 2 * len(kernels), (file, recs)
         for r in recs:
             report_table(f"sm_90a chunked kernels, watchdog build (-DGDN_SM90_WATCHDOG={WATCHDOG_SPINS}), ptxas -v",
-                         f"{kernel} {r['name'][-40:]}: {r['registers']} registers, spill {r['spill']} B, "
+                         f"{file} {r['name'][-60:]}: {r['registers']} registers, spill {r['spill']} B, "
                          f"stack {r['stack']} B")
         bodies = re.split(r"\n\s*Function : ", out["sass"])[1:]
-        assert len(bodies) == 2, (file, len(bodies))
+        assert len(bodies) == 2 * len(kernels), (file, len(bodies))
         for body in bodies:
             name = body.split("\n", 1)[0].strip()
             assert "BPT.TRAP" in body, f"{name}: no trap in the watchdog build"
             assert "CALL.ABS" in body, f"{name}: no vprintf call in the watchdog build"
-            if "fwd" in kernel:
+            if "fwd" in file:
                 assert "C7507" not in out["ptxas"], [ln for ln in out["ptxas"].splitlines() if "C7507" in ln]
-                dec = [int(x, 16) for x in re.findall(r"USETMAXREG\.DEALLOC\S*\s+(0x[0-9a-f]+)", body)]
-                inc = sorted({int(x, 16) for x in re.findall(r"USETMAXREG\.TRY_ALLOC\S*\s+\w+,\s*(0x[0-9a-f]+)", body)})
-                assert (dec, inc) == ([32], [232, 240]), (name, dec, inc)
+                assert setmaxnreg(body) == SETMAXNREG[forward_of(name)], (name, setmaxnreg(body))
 
 
 def prep_arrivals_command(src, obj):
@@ -287,14 +304,13 @@ def test_sm90_prep_arrivals_build_keeps_the_kernels_budget(report_table):
     out = cuda_chunk.nvcc_cached("cuda_chunk_prep_arrivals", src, prep_arrivals_command, keys)
     assert "error" not in out, out.get("error")
     recs = parse_ptxas(out["ptxas"])
-    assert len(recs) == 2 and all((r["registers"], r["spill"], r["stack"]) == (168, 0, 0) for r in recs), recs
+    assert len(recs) == 4 and all((r["registers"], r["spill"], r["stack"]) == (168, 0, 0) for r in recs), recs
     for r in recs:
         report_table("sm_90a forward, per-thread prep arrivals (-DGDN_SM90_PREP_ARRIVALS), ptxas -v",
                      f"{r['name'][-40:]}: {r['registers']} registers, spill {r['spill']} B, stack {r['stack']} B")
     for body in re.split(r"\n\s*Function : ", out["sass"])[1:]:
-        dec = [int(x, 16) for x in re.findall(r"USETMAXREG\.DEALLOC\S*\s+(0x[0-9a-f]+)", body)]
-        inc = sorted({int(x, 16) for x in re.findall(r"USETMAXREG\.TRY_ALLOC\S*\s+\w+,\s*(0x[0-9a-f]+)", body)})
-        assert (dec, inc) == ([32], [232, 240]), (dec, inc)
+        name = body.split("\n", 1)[0].strip()
+        assert setmaxnreg(body) == SETMAXNREG[forward_of(name)], (name, setmaxnreg(body))
     default = cuda_chunk.build()
     for dtype in cuda_chunk.DTYPES:
         arrivals = {}

@@ -13,6 +13,19 @@ from bench.sm90 import cuda_chunk
 from bench.sm90 import model as M
 
 ANCHOR = (1, 32768, 16, 32, 128, 128)
+RECORD = """
+import json
+from bench.sm90 import cuda_chunk
+from bench.sm90.hopper import fake_hopper
+from bench.sm90.launches import Recorder, _meta_inputs, _op_body
+from bench.sm90.report import report
+rec = Recorder(torch_ops=True)
+with fake_hopper(), rec.active():
+    cuda_chunk.record(rec, %r, "bf16", _meta_inputs, _op_body, modes=%r)
+rows, totals, _ = report([("cuda", "case", %r, "bf16", rec.launches)])
+print(json.dumps(dict(names=[lc.kernel for lc in rec.launches if hasattr(lc, "kernel")], rows=rows, totals=totals),
+                 default=str))
+"""
 WHY = cuda_chunk.missing() or ("" if cuda_chunk.find_tool("cuobjdump") else "no cuobjdump: the SASS is not read")
 pytestmark = pytest.mark.skipif(bool(WHY), reason=f"the CUDA kernel cannot be compiled and read here: {WHY}")
 
@@ -121,31 +134,83 @@ def test_shared_memory_by_source_line_adds_up_to_the_loops(facts):
     assert "prep: " in text and "chunk_gdr_sm90.cuh:" in text
 
 
+def _record(dims, modes):
+    """The op body with backend="cuda" at dims recorded on meta tensors for `modes` (in a subprocess without
+    TRITON_INTERPRET, as tests/test_sm90_report.py records, so that Triton launches are recorded, not
+    interpreted): {names: the launches' kernels, rows, totals} of its report."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, "-c", RECORD % (dims, modes, dims)], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def test_report_rows_of_the_cuda_forward(facts):
     """The op body with backend="cuda" on meta tensors records its torch operators (the chunk table) and
-    the kernel's launch (stubbed); the kernel's row names its bound; K != 128 is a row with the reason."""
-    from bench.sm90.launches import Recorder, _meta_inputs, _op_body
-    from bench.sm90.report import report
-    rec = Recorder(torch_ops=True)
-    with rec.active():
-        cuda_chunk.record(rec, ANCHOR, "bf16", _meta_inputs, _op_body)
-    kinds = [type(lc).__name__ for lc in rec.launches]
-    assert kinds[-1] == "CudaLaunch" and kinds.count("CudaLaunch") == 1 and "TorchOp" in kinds
-    assert rec.launches[-1].kept            # as under autograd: the forward keeps its prep outputs
-    f = facts["bf16"]
-    with_kept, without = (cuda_chunk.estimate(f, ANCHOR, "bf16", M.CONSTANTS, kept) for kept in (True, False))
-    assert with_kept["hbm_bytes"] > without["hbm_bytes"] and with_kept["est_s"] >= without["est_s"]
-    rows, totals, _ = report([("cuda", "anchor", ANCHOR, "bf16", rec.launches)])
-    (k,) = [r for r in rows if r["kernel"] == cuda_chunk.KERNEL]
-    assert k["ctas"] == 64 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"]
+    the kernel's launch (stubbed), as under autograd: at 4 x 8192 (256 CTAs) the fused kernel keeping its
+    prep outputs; at the anchor (64 CTAs: prep_first) Triton prep's launch, then the state-only kernel's
+    (whose prep outputs are Triton prep's: it keeps none). Each kernel's row names its bound; K != 128 is a
+    row with the reason."""
+    out = _record((4, 8192, 16, 32, 128, 128), ("fwd",))
+    assert out["names"].count(cuda_chunk.KERNEL) == 1 and "chunk_fwd_prep_kernel" not in out["names"]
+    assert out["names"][-1] == cuda_chunk.KERNEL and "torch aten" in " ".join(out["names"])
+    (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.KERNEL]
+    assert k["ctas"] == 256 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"] and k["mode"] == "fwd"
     assert k["bound"] in ("latency", "bytes", "smem", "FLOPs") and k["smem_us"] > 0
     assert k["lat_role"] in ("state", "ring", "producer", "issue", "mma")
     assert k["loop_hgmma"] == 20 + 32 / 2 and k["loop_waits"] == 3 + 5 / 2
-    (t,) = totals
+    (t,) = out["totals"]
     assert t["impl"] == "cuda" and t["est_us"] >= k["est_us"]
+    f = facts["bf16"]
+    with_kept, without = (cuda_chunk.estimate(f, ANCHOR, "bf16", M.CONSTANTS, kept) for kept in (True, False))
+    assert with_kept["hbm_bytes"] > without["hbm_bytes"] and with_kept["est_s"] >= without["est_s"]
+    assert math.isclose(k["est_us"], 1e6 * cuda_chunk.estimate(f, (4, 8192, 16, 32, 128, 128), "bf16", M.CONSTANTS,
+                                                               True)["est_s"], abs_tol=0.1)
+
+    out = _record(ANCHOR, ("fwd",))
+    names = out["names"]
+    assert names.count("chunk_fwd_prep_kernel") == 1 and names.count(cuda_chunk.STATE_KERNEL) == 1
+    assert cuda_chunk.KERNEL not in names and names.index("chunk_fwd_prep_kernel") < names.index(cuda_chunk.STATE_KERNEL)
+    (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.STATE_KERNEL]
+    assert k["mode"] == "fwd" and k["ctas"] == 64 and k["spill_b"] == 0 and not k["error"]
+    assert k["loop_hgmma"] == 20 and k["loop_waits"] == 3           # the state warpgroup's loop only
+    state = cuda_chunk.facts("bf16", M.CONSTANTS, "fwd_state")
+    est = cuda_chunk.estimate(state, ANCHOR, "bf16", M.CONSTANTS, False, "fwd_state")
+    assert math.isclose(k["est_us"], 1e6 * est["est_s"], abs_tol=0.1)
+    (prep,) = [r for r in out["rows"] if r["kernel"] == "chunk_fwd_prep_kernel"]
+    (t,) = out["totals"]
+    assert t["est_us"] >= k["est_us"] + prep["est_us"]
     other = cuda_chunk.row("K64", (1, 1024, 2, 4, 64, 64), "bf16", M.CONSTANTS)
     assert other["est_us"] == "" and "K = V = 128" in other["error"]
     assert not cuda_chunk.takes((1, 1024, 2, 4, 64, 64), "bf16") and not cuda_chunk.takes(ANCHOR, "fp32")
+
+
+@pytest.mark.parametrize("dtype", cuda_chunk.DTYPES)
+def test_the_state_only_kernels_roles_are_read_from_the_sass(facts, dtype):
+    """The state-only kernel (chunk_gdr_fwd_sm90_state_kernel): the fused kernel's state loop (20 HGMMA in 3
+    waits a chunk) and a producer loop holding the TMA loads, no prep loop; 168 launch registers, no
+    spill, the fused kernel's shared memory. Its estimate at the anchor: no prep FLOPs; its bytes read Ts or
+    M (multicast), the gate rows and chunk decay of every chunk in place of g, beta; its ring the loads'."""
+    f = cuda_chunk.facts(dtype, M.CONSTANTS, "fwd_state")
+    assert not f.error, f.error
+    assert f.spill == 0 and f.regs == facts[dtype].regs and f.smem == facts[dtype].smem
+    assert set(f.loops) == {"state", "producer"}
+    s = f.loops["state"]
+    assert (s["hgmma"], s["waits"], s["shapes"]) == (20, 3, facts[dtype].loops["state"]["shapes"])
+    d8, _ = cuda_chunk.cta_cycles(f, 8, M.CONSTANTS)
+    pr = f.loops["producer"]
+    assert math.isclose(d8, max(8 * s["cycles"], 8 * M.CONSTANTS.lat.ldg / 2, 8 * pr["cycles"],
+                                8 * (s["instr"] + pr["instr"]), 8 * s["mma_cycles"]))
+    fused = cuda_chunk.estimate(facts[dtype], ANCHOR, dtype, M.CONSTANTS, False)
+    est = cuda_chunk.estimate(f, ANCHOR, dtype, M.CONSTANTS, False, "fwd_state")
+    C, n = 64, 32768 // 64
+    assert math.isclose(fused["flops"] - est["flops"], 64 * n * (4 * C * C * 128 + 8 * C ** 3) / 2)
+    per_cta_chunk = (est["hbm_bytes"] - fused["hbm_bytes"]) / (64 * n)
+    assert per_cta_chunk == C * C * 2 + 4 * C * 4 + 4 - C * 4
 
 
 # ---- the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) ---------------------------------------
@@ -160,25 +225,12 @@ def test_the_dstate_kernels_roles_are_read_from_the_sass(dtype):
     s, pr = f.loops["state"], f.loops["producer"]
     assert (s["hgmma"], s["waits"], s["shapes"]) == (28, 3, {"64x64x16": 16, "64x128x16": 12})
     assert s["mma_cycles"] > 0 and s["cycles"] > 0 and pr["cycles"] > 0
-    d8, bound = cuda_chunk.bwd_cta_cycles(f, 8, M.CONSTANTS)
+    d8, bound = cuda_chunk.cta_cycles(f, 8, M.CONSTANTS)
     assert math.isclose(d8, max(8 * s["cycles"], 8 * M.CONSTANTS.lat.ldg / 2, 8 * pr["cycles"],
                                 8 * (s["instr"] + pr["instr"]), 8 * s["mma_cycles"]))
     assert bound in ("state", "ring", "producer", "issue", "mma")
 
 
-RECORD_BWD = """
-import json
-from bench.sm90 import cuda_chunk
-from bench.sm90.hopper import fake_hopper
-from bench.sm90.launches import Recorder, _meta_inputs, _op_body
-from bench.sm90.report import report
-rec = Recorder(torch_ops=True)
-with fake_hopper(), rec.active():
-    cuda_chunk.record(rec, %r, "bf16", _meta_inputs, _op_body, modes=("bwd",))
-rows, totals, _ = report([("cuda", "anchor", %r, "bf16", rec.launches)])
-print(json.dumps(dict(names=[lc.kernel for lc in rec.launches if hasattr(lc, "kernel")], rows=rows, totals=totals),
-                 default=str))
-"""
 
 
 def test_report_rows_of_the_cuda_backward():
@@ -187,16 +239,7 @@ def test_report_rows_of_the_cuda_backward():
     kept (no prep launch; the recompute from the kept entering states of its segments: no pass A, no
     combine) with its dS pass (pass A, combine, pass) replaced by one sm_90a kernel launch,
     whose row names its bound; the tiles it moves at the anchor: 2.19 GB (bench/NOTES.md's count)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, "-c", RECORD_BWD % (ANCHOR, ANCHOR)], env=env, cwd=root, capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-3000:]
-    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = _record(ANCHOR, ("bwd",))
     names = out["names"]
     assert names.count(cuda_chunk.BWD_KERNEL) == 1 and "chunk_bwd_dstate_kernel" not in names
     assert "chunk_fwd_prep_kernel" not in names         # on the prep outputs the forward kept

@@ -34,8 +34,14 @@ outside the chunk loops, so the loops simulated are the common chunk's. The op's
 chunk table) are recorded from the op body with backend="cuda" and the kernel launch itself stubbed
 (launches.Recorder).
 
-The dS pass (bwd_cta_cycles, bwd_estimate): one CTA per (V-block, value head, sequence), two roles, the
-dS warpgroup's chunk loop (its "state" loop: s cycles a chunk, the three dependent wgmma groups of
+The state-only kernel (chunk_gdr_fwd_sm90_state_kernel, phase "fwd_state": the forward where the fused
+kernel's CTAs would leave half the SMs idle, gdn_packed.cuda.chunk.prep_first) runs after Triton prep,
+whose launch is recorded and modelled as the Triton kernels are: the same CTA without a prep loop (D(n) of
+its state and producer loops; the ring the loads alone), each chunk's Ts or M (multicast), gate rows and
+chunk decay read in place of g, beta, and no prep FLOPs.
+
+The dS pass (cta_cycles without a prep loop, bwd_estimate): one CTA per (V-block, value head, sequence),
+two roles, the dS warpgroup's chunk loop (its "state" loop: s cycles a chunk, the three dependent wgmma groups of
 dstate_step) and the producer's (r): D(n) = max(n s, n ldg / (S - 1) (the ring: a stage reloaded once
 both CTAs' dS steps released it), n r, issue, mma) + ldg; tiles per CTA and chunk: its K-halves of k
 and q and Ts or M (multicast: counted once), its dO columns, the gate rows, the stores of dSn^T, dX'^T
@@ -65,20 +71,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CSRC = os.path.join(ROOT, "csrc")
 SOURCE = os.path.join(CSRC, "chunk_gdr_fwd_sm90.cu")
 KERNEL = "chunk_gdr_fwd_sm90_kernel"
+STATE_KERNEL = "chunk_gdr_fwd_sm90_state_kernel"     # the two-kernel forward's, after Triton prep
 BWD_SOURCE = os.path.join(CSRC, "chunk_gdr_bwd_sm90.cu")      # the backward's reverse dS pass
 BWD_KERNEL = "chunk_gdr_bwd_sm90_kernel"
 BWD_THREADS = 256
 # per phase: the file, its kernel, the roles of its loops (_role_loops; the dS warpgroup's loop is "state")
-KERNELS = {"fwd": (SOURCE, KERNEL, {"state", "prep", "producer"}), "bwd": (BWD_SOURCE, BWD_KERNEL, {"state", "producer"})}
+KERNELS = {"fwd": (SOURCE, KERNEL, {"state", "prep", "producer"}), "fwd_state": (SOURCE, STATE_KERNEL, {"state", "producer"}),
+           "bwd": (BWD_SOURCE, BWD_KERNEL, {"state", "producer"})}
 THREADS, V_BLOCK, HEAD_DIM, STAGES = 384, 64, 128, 3     # STAGES: the k / q / v ring (kStages)
 BLOCK = 64 * 64 * 2                # kBlock: one [64 rows, 64 columns] 16-bit block of shared memory
 # per chunk and CTA, the bytes the TMA / bulk copies move through its shared memory: a stage of the ring
 # (the kernels' expect-tx counts, kStageBytes: k, q, v; kBwdStageBytes: k, q, Ts, M, dO, the gate rows),
 # the stores (O; dSn^T, dX'^T, dv) and the forward's Ts / M / gates bulk copy to the peer (kPrepBytes: every
-# other chunk sent, every other one received; tests/test_cuda_chunk_model.py finds both counts in the SASS)
+# other chunk sent, every other one received; tests/test_cuda_chunk_model.py finds both counts in the SASS);
+# the state-only kernel's stage as the forward's, O, and its prep buffer as loaded (kPrepInBytes: Ts, M and
+# the first 4 gate rows)
 STAGE_BYTES = {"fwd": 5 * BLOCK, "bwd": 7 * BLOCK + 1280}
 PEER_BYTES = 2 * BLOCK + 1040
-TMA_BYTES = {"fwd": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "bwd": STAGE_BYTES["bwd"] + 4 * BLOCK}
+PREP_IN_BYTES = 2 * BLOCK + 1024
+TMA_BYTES = {"fwd": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "fwd_state": STAGE_BYTES["fwd"] + BLOCK + PREP_IN_BYTES,
+             "bwd": STAGE_BYTES["bwd"] + 4 * BLOCK}
 ROLE_WARPS = {"state": 4, "prep": 4, "producer": 1}     # the warps that run each role's loop
 DTYPES = ("bf16", "fp16")          # the kernel's inputs (fp32: refused, no row)
 
@@ -112,9 +124,11 @@ def cutlass_include():
 
 
 def nvcc_command(src, obj):
-    """The sm_90a compile of `src` as the build makes it (CMakeLists.txt), with ptxas's report."""
+    """The sm_90a compile of `src` as the build makes it (CMakeLists.txt: -lineinfo too, which can change
+    the code: without it nvcc split one of prep's 8-byte loads into two, +6 wavefronts a warp, in the
+    state-only kernel's first build), with ptxas's report."""
     return [find_tool("nvcc"), "-c", src, "-o", obj, "-std=c++17", "-O3", "-I", CSRC, "-I", cutlass_include(),
-            "--expt-relaxed-constexpr", "-Xptxas", "-v", "-DGDN_CUDA_ARCHS=\"80,90a\"",
+            "--expt-relaxed-constexpr", "-lineinfo", "-Xptxas", "-v", "-DGDN_CUDA_ARCHS=\"80,90a\"",
             "-gencode=arch=compute_90a,code=sm_90a"]
 
 
@@ -282,7 +296,7 @@ def smem_by_line(phase="fwd", dtype="bf16"):
         return dict(error=missing() or "no " + ", ".join(t for t, p in tools.items() if not p))
     with tempfile.TemporaryDirectory(prefix="gdn_lines_") as tmp:
         cubin = os.path.join(tmp, "k.cubin")
-        cmd = [c for c in nvcc_command(source, cubin) if c not in ("-c", "-Xptxas", "-v")] + ["-cubin", "-lineinfo"]
+        cmd = [c for c in nvcc_command(source, cubin) if c not in ("-c", "-Xptxas", "-v")] + ["-cubin"]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode:
             return dict(error=f"nvcc failed: {(p.stderr or p.stdout).strip().splitlines()[-1][:300]}")
@@ -360,14 +374,20 @@ def _smem_bytes(phase="fwd"):
     """The phase's kernel's dynamic shared memory (gdn_packed._C says, where it is built), else 0."""
     try:
         from gdn_packed import _cext
-        return int(getattr(_cext.get_C(), f"chunk_gdr_{phase}_sm90_smem_bytes", 0) or 0)
+        kernel = "fwd" if phase == "fwd_state" else phase          # (one Shared layout for both forwards)
+        return int(getattr(_cext.get_C(), f"chunk_gdr_{kernel}_sm90_smem_bytes", 0) or 0)
     except Exception:  # noqa: BLE001 (the report still runs without the extension)
         return 0
 
 
+NO_PREP = dict(cycles=0.0, instr=0.0, mma_cycles=0.0, hgmma=0, waits=0)   # the loops of a kernel without prep
+
+
 def cta_cycles(f, n, const):
-    """D(n): one CTA's cycles over n chunks (module docstring), and the term that bounds it."""
-    s, p, pr = f.loops["state"], f.loops["prep"], f.loops["producer"]
+    """D(n): one CTA's cycles over n chunks (module docstring), and the term that bounds it. Without a prep
+    loop (the state-only kernel, the dS kernel) the ring is the producer's loads alone: a stage is
+    reloaded once both CTAs' state (dS) steps released it and must land ldg later, STAGES - 1 steps on."""
+    s, p, pr = f.loops["state"], f.loops.get("prep", NO_PREP), f.loops["producer"]
     terms = dict(state=n * s["cycles"], ring=n * (const.lat.ldg + p["cycles"]) / (STAGES - 1),
                  producer=n * pr["cycles"],
                  issue=n * (s["instr"] + p["instr"] / 2 + pr["instr"]),
@@ -386,50 +406,40 @@ def smem_cycles(f, phase="fwd"):
     return own + TMA_BYTES[phase] / sass.SMEM_BYTES_PER_CYCLE
 
 
-def estimate(f, dims, dtype, const, kept=False):
+def estimate(f, dims, dtype, const, kept=False, phase="fwd"):
     """The model's numbers of the launch at dims = (N, L, H, HV, K, V), as model.estimate's dict; kept:
     with the prep outputs it writes for the backward (their bytes; its loop's SASS holds that code either
-    way, which the simulator charges as it charges both sides of any branch)."""
+    way, which the simulator charges as it charges both sides of any branch). phase "fwd_state": the
+    state-only kernel, which reads Triton prep's outputs in place of g, beta and runs no prep."""
     N, L, H, HV, K, V = dims
-    esize = 2
+    esize, C = 2, M.CHUNK
     ctas = 2 * HV * N
-    n = -(-L // M.CHUNK)
+    n = -(-L // C)
     d, bound = cta_cycles(f, n, const)
-    fill = const.lat.ldg + f.loops["prep"]["cycles"]       # chunk 0 loaded and prepped before step 0
+    fill = const.lat.ldg + f.loops.get("prep", NO_PREP)["cycles"]      # chunk 0 loaded (and prepped) before step 0
     t_lat = M._schedule([d + fill] * ctas, NUM_SMS) / CLOCK_HZ
     # tiles per CTA: the K-half of k and of q it multicasts to the cluster (one read from L2 for both CTAs),
-    # its v half and o half (64 x 64) per chunk; g, beta of the chunks it preps; its half of h0 and of the
-    # final state (fp32)
-    per_chunk = M.CHUNK * (K + 2 * V_BLOCK) * esize + M.CHUNK * 4
+    # its v half and o half (64 x 64) per chunk; g, beta of the chunks it preps (the state-only kernel: Ts or
+    # M, multicast, the gate rows and the chunk decay); its half of h0 and of the final state (fp32)
+    state_only = phase == "fwd_state"
+    prep_in = C * C * esize + 4 * C * 4 + 4
+    per_chunk = C * (K + 2 * V_BLOCK) * esize + (prep_in if state_only else C * 4)
     # kept: a chunk slot's Ts, M, gate rows, row factors, chunk decay, by the CTA that prepped it
-    keep = (2 * M.CHUNK * M.CHUNK * esize + 7 * M.CHUNK * 4 + 4) if kept else 0
+    keep = (2 * C * C * esize + 7 * C * 4 + 4) if kept and not state_only else 0
     tiles = ctas * (n * (per_chunk + keep / 2) + 2 * K * V_BLOCK * 4)
-    footprint = (N * L * (2 * H * K + 2 * HV * V) * esize + N * L * HV * 8 + 2 * N * HV * K * V * 4
-                 + N * n * HV * keep)
+    footprint = (N * L * (2 * H * K + 2 * HV * V) * esize + 2 * N * HV * K * V * 4 + N * n * HV * keep
+                 + (N * n * HV * (2 * C * C * esize + 4 * C * 4 + 4) if state_only else N * L * HV * 8))
     hbm = min(tiles, footprint)
     busy = min(ctas, NUM_SMS)
     t_mem = max(hbm / HBM_BPS + (tiles - hbm) / const.l2_bps, tiles / (busy * SM_BPS))
     C = M.CHUNK
     flops = ctas * n * (2 * V_BLOCK * (3 * C * K + 2 * C * C)       # state: S^T [K; Q]^T, X'^T Ts^T, U^T M^T, U^T K
-                        + (4 * C * C * K + 8 * C ** 3) / 2)          # prep, every other chunk: 2 Grams, 2 doublings
-    t_tc = flops / TC_FLOPS["bf16"]
-    t_smem = ctas * n * smem_cycles(f, "fwd") / busy / CLOCK_HZ
+                        + (0 if state_only else (4 * C * C * K + 8 * C ** 3) / 2))   # prep, every other chunk:
+    t_tc = flops / TC_FLOPS["bf16"]                                                 # 2 Grams, 2 doublings
+    t_smem = ctas * n * smem_cycles(f, phase) / busy / CLOCK_HZ
     t, top = M.bounded({"latency": t_lat, "bytes": t_mem, "smem": t_smem, "FLOPs": t_tc}, 1, const)  # 1 CTA per SM
     return dict(ctas=ctas, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc, t_smem=t_smem, hbm_bytes=tiles, flops=flops,
                 bound=top, lat_bound=bound, est_s=t + const.launch_s)
-
-
-def bwd_cta_cycles(f, n, const):
-    """The dS pass's D(n) (bench/NOTES.md, its section): the dS warpgroup's chunk loop (its "state" loop:
-    s cycles a chunk) behind the producer's TMA ring of STAGES stages (a stage is loaded again once both
-    CTAs' dS warpgroups release it, after their step's dS update: it must land ldg later, STAGES - 1 steps
-    on), the producer's own loop, the issue slots (one warp of each role per sub-partition) and the tensor
-    pipe; + the first loads."""
-    s, pr = f.loops["state"], f.loops["producer"]
-    terms = dict(state=n * s["cycles"], ring=n * const.lat.ldg / (STAGES - 1), producer=n * pr["cycles"],
-                 issue=n * (s["instr"] + pr["instr"]), mma=n * s["mma_cycles"])
-    bound = max(terms, key=terms.get)
-    return terms[bound], bound
 
 
 def bwd_estimate(f, dims, dtype, const):
@@ -440,7 +450,7 @@ def bwd_estimate(f, dims, dtype, const):
     e, C = 2, M.CHUNK
     ctas = 2 * HV * N
     n = -(-L // C)
-    d, bound = bwd_cta_cycles(f, n, const)
+    d, bound = cta_cycles(f, n, const)
     t_lat = M._schedule([d + const.lat.ldg] * ctas, NUM_SMS) / CLOCK_HZ
     per_chunk = (C * K + C * C + C * V_BLOCK) * e + 5 * C * 4 + 4 + (V_BLOCK * K + V_BLOCK * C + C * V_BLOCK) * e
     tiles = ctas * (n * per_chunk + 2 * K * V_BLOCK * 4)
@@ -474,8 +484,9 @@ class CudaLaunch:
 def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
     """The op bodies' launches with backend="cuda" (l2norm off, no h0, as launches.record_ours, whose
     meta_inputs and op_body it takes) on meta tensors into `rec` (an active launches.Recorder), as under
-    autograd: fwd: chunk_gdr_fwd's torch operators, then a CudaLaunch for the forward kernel, which is
-    stubbed (kept when the forward keeps its prep outputs: kept_shape). bwd: chunk_gdr_bwd on the forward's
+    autograd: fwd: chunk_gdr_fwd's torch operators and, where the forward runs it first (prep_first),
+    Triton prep's launch, then a CudaLaunch for the forward kernel (the fused or the state-only one), whose
+    launch is stubbed (kept when the fused kernel keeps its prep outputs: kept_shape). bwd: chunk_gdr_bwd on the forward's
     kept (the Triton backward on those prep outputs, or running prep where the forward keeps none) with its
     reverse dS pass on the sm_90a dS kernel (gdn_packed.cuda.chunk.chunk_bwd_dstate_cuda, stubbed), a
     CudaLaunch: what the backward of backend="cuda" launches."""
@@ -489,23 +500,26 @@ def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
     common = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, cu_seqlens=cu, cu_seqlens_padded=None,
                   scale=K ** -0.5, use_qk_l2norm=False, backend="cuda")
     rec.lengths = (L,) * N
-    real_fwd, real_dstate = cuda_chunk.chunk_gdr_fwd_cuda, cuda_chunk.chunk_bwd_dstate_cuda
-    cuda_chunk.chunk_gdr_fwd_cuda = lambda *a, **kw: None      # the kernels: modelled, not run
+    real_launch, real_dstate = cuda_chunk.launch, cuda_chunk.chunk_bwd_dstate_cuda
+
+    def fwd_launch(entry, device, *, reads, writes, **scalars):     # the forward kernels: modelled, not run
+        state_only = reads["prep_ts"] is not None
+        rec.launches.append(CudaLaunch(STATE_KERNEL if state_only else KERNEL, "fwd_state" if state_only else "fwd",
+                                       kept=writes["kept_ts"] is not None))
+    cuda_chunk.launch = fwd_launch
     cuda_chunk.chunk_bwd_dstate_cuda = lambda *a, **kw: rec.launches.append(CudaLaunch(BWD_KERNEL, "bwd"))
     _dispatch.kernel.cache_clear()
     try:
         rec.phase = "fwd"
         start = len(rec.launches)
         _, _, kept = op_body("chunk_gdr_fwd")(**common)
-        if "fwd" in modes:
-            rec.launches.append(CudaLaunch(kept=bool(kept.numel())))
-        else:           # run for its `kept` only (what autograd hands the backward)
+        if "fwd" not in modes:      # run for its `kept` only (what autograd hands the backward)
             del rec.launches[start:]
         if "bwd" in modes:
             rec.phase = "bwd"
             op_body("chunk_gdr_bwd")(**common, do=torch.empty_like(v), dht=None, kept=kept if kept.numel() else None)
     finally:
-        cuda_chunk.chunk_gdr_fwd_cuda, cuda_chunk.chunk_bwd_dstate_cuda = real_fwd, real_dstate
+        cuda_chunk.launch, cuda_chunk.chunk_bwd_dstate_cuda = real_launch, real_dstate
         _dispatch.kernel.cache_clear()
 
 
@@ -513,9 +527,9 @@ def row(name, dims, dtype, const, launch=None):
     """The report row of the kernel of `launch` (a CudaLaunch; default the forward's; report.py's
     columns), or one with the error."""
     phase = launch.phase if launch is not None else "fwd"
-    fwd = phase == "fwd"
+    fwd = phase != "bwd"
     f = facts(dtype, const, phase)
-    base = dict(impl="cuda", shape=name, dtype=dtype, mode=phase, kernel=KERNELS[phase][1],
+    base = dict(impl="cuda", shape=name, dtype=dtype, mode="fwd" if fwd else "bwd", kernel=KERNELS[phase][1],
                 config="VB64 cluster2 s3 p4" if fwd else "VB64 cluster2 s3", candidates=1,
                 warps=(THREADS if fwd else BWD_THREADS) // 32, stages=STAGES, loop_hmma="", loop_f2fp="",
                 step_stalls={}, dots="bf16+f16" if dtype == "bf16" else "f16", error=f.error)
@@ -524,7 +538,7 @@ def row(name, dims, dtype, const, launch=None):
                     loop_instr="", loop_waits="", loop_bars="", step_cycles="", hbm_gb=0.0, gflop=0.0, lat_us="",
                     bytes_us="", flops_us="", smem_us="", bound="error", est_us="",
                     error=f.error or f"the kernel takes K = V = {HEAD_DIM}, bf16 / fp16 only")
-    est = estimate(f, dims, dtype, const, launch.kept) if fwd else bwd_estimate(f, dims, dtype, const)
+    est = estimate(f, dims, dtype, const, launch.kept, phase) if fwd else bwd_estimate(f, dims, dtype, const)
     s, p = f.loops["state"], f.loops.get("prep", dict(hgmma=0, instr=0, waits=0))
     n = -(-dims[1] // M.CHUNK)
     us = lambda t: round(t * 1e6, 1)  # noqa: E731
@@ -532,7 +546,7 @@ def row(name, dims, dtype, const, launch=None):
                 spill_b=f.spill, ctas_per_sm=1, waves=math.ceil(est["ctas"] / NUM_SMS),
                 loop_hgmma=s["hgmma"] + p["hgmma"] / 2, loop_instr=round(s["instr"] + p["instr"] / 2),
                 loop_waits=s["waits"] + p["waits"] / 2, loop_bars="",
-                step_cycles=round((cta_cycles if fwd else bwd_cta_cycles)(f, n, const)[0] / n),   # a chunk step
+                step_cycles=round(cta_cycles(f, n, const)[0] / n),   # a chunk step
                 step_stalls={k: round(v) for k, v in s["stalls"].items()},
                 hbm_gb=float(f"{est['hbm_bytes'] / 1e9:.4g}"), gflop=round(est["flops"] / 1e9, 2),
                 lat_us=us(est["t_lat"]), bytes_us=us(est["t_mem"]), flops_us=us(est["t_tc"]), smem_us=us(est["t_smem"]),
