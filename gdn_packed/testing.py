@@ -215,12 +215,18 @@ def cuda_forward_probe():
     """backend='cuda' of the chunked forward on one 64-token sequence (1 head, K = V = 128, bf16, no
     initial state), synchronized: the launch that hung on an H200 (2026-12-04). Run in a child process
     with a timeout (tests/test_cuda_chunk_gpu.py, tools/gpu_check.py's sanitizer step): a hung kernel
-    holds the GPU until its process dies."""
-    from gdn_packed import chunk_gated_delta_rule
+    holds the GPU until its process dies. Both forward kernels: the fused one and, after Triton prep, the
+    state-only one (gdn_packed.cuda.chunk.prep_first picks between them by shape)."""
+    from gdn_packed.cuda.chunk import chunk_gdr_fwd_cuda
+    from gdn_packed.ops.chunk_table import make_chunk_table
     q, k, v, g, beta = (t.cuda() for t in gdr_inputs(64, 1, 1, 128, 128, torch.bfloat16, N=1, seed=0)[:5])
     cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
-    chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, backend="cuda")
-    torch.cuda.synchronize()
+    table, cc = make_chunk_table(cu, None, 64, 64)
+    for triton_prep in (False, True):
+        o, ht = torch.empty_like(v[0]), torch.empty(1, 1, 128, 128, device="cuda")
+        chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, None, 128 ** -0.5, 64, False, o, ht,
+                           triton_prep=triton_prep)
+        torch.cuda.synchronize()
 
 
 def reference_gdr(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,

@@ -8,6 +8,8 @@ mbarrier phases, the cluster's copies or setmaxnreg (docs/DESIGN.md section 10):
     against backend="triton"; bit-identical reruns;
   - the gates from raw a, b in the kernel; autograd through backend="cuda" = the Triton backward on the
     prep outputs the kernel kept (against its host mirror's and Triton prep's);
+  - each of the above (but the kept prep, the fused kernel's own) for both forward kernels (fwd_kernel):
+    the fused one and, after Triton prep, the state-only one (chunk_gdr_fwd_sm90_state_kernel);
   - the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) on Triton prep's outputs against the
     Triton pass it replaces and its host mirror, on every packing and on long sequences (fp16 too),
     bit-identical reruns.
@@ -72,6 +74,15 @@ def test_forward_finishes():
     assert not why, why
 
 
+@pytest.fixture(params=["fused", "state-only"])
+def fwd_kernel(request, monkeypatch):
+    """The forward kernel backend='cuda' runs here: the fused one, or Triton prep and then the state-only
+    one (gdn_packed.cuda.chunk.prep_first forced either way; it would pick the latter for these few heads)."""
+    from gdn_packed.cuda import chunk as cuda_chunk
+    monkeypatch.setattr(cuda_chunk, "prep_first", lambda *a: request.param == "state-only")
+    return request.param
+
+
 def run(x, cu, cu_pad, backend, device="cuda"):
     if backend == "cuda" and forward_hangs():
         pytest.fail(f"not launched: {forward_hangs()}")
@@ -97,7 +108,7 @@ def mirror(x, cu, cu_pad):
 @pytest.mark.parametrize("pi, dtype", [(pi, torch.bfloat16) for pi in range(len(PACKINGS))]
                          + [(pi, torch.float16) for pi in (1, 5)],
                          ids=[f"{i}-bf16" for i in IDS] + [f"{IDS[pi]}-fp16" for pi in (1, 5)])
-def test_kernel_matches_float64_and_the_mirror(pi, dtype):
+def test_kernel_matches_float64_and_the_mirror(pi, dtype, fwd_kernel):
     x, cu, cu_pad, pad = inputs(PACKINGS[pi], dtype, pi)
     o, fs = run(x, cu, cu_pad, "cuda")
     clean = [torch.where(pad[None, :, None, None], 0.0, t.double()) for t in x[:3]]
@@ -112,7 +123,7 @@ def test_kernel_matches_float64_and_the_mirror(pi, dtype):
 
 
 @pytest.mark.parametrize("pi", [2, 3], ids=[IDS[2], IDS[3]])
-def test_nan_in_padding_rows_changes_nothing(pi):
+def test_nan_in_padding_rows_changes_nothing(pi, fwd_kernel):
     x, cu, cu_pad, pad = inputs(PACKINGS[pi], torch.bfloat16, pi)
     xp, *_ = inputs(PACKINGS[pi], torch.bfloat16, pi, poison=True)
     (o, fs), (op, fsp) = run(x, cu, cu_pad, "cuda"), run(xp, cu, cu_pad, "cuda")
@@ -123,9 +134,9 @@ LONG = [Packing("long", [4096 + 17]), Packing("long-mixed", [1500, 64, 2049, 1],
 
 
 @pytest.mark.parametrize("packing", LONG, ids=[p.name for p in LONG])
-def test_long_sequences_match_triton_and_rerun_bit_identical(packing):
+def test_long_sequences_match_triton_and_rerun_bit_identical(packing, fwd_kernel):
     """Hundreds of chunks a sequence: the 3-stage ring, the 4 prep buffers and the two CTAs' alternating
-    preps wrap around many times; against backend="triton" (within twice the bf16 budget of either from
+    preps (the state-only kernel's Ts / M multicasts) wrap around many times; against backend="triton" (within twice the bf16 budget of either from
     the other) and a second run of the kernel (bit-identical)."""
     x, cu, cu_pad, pad = inputs(packing, torch.bfloat16, 5)
     o, fs = run(x, cu, cu_pad, "cuda")
@@ -136,10 +147,11 @@ def test_long_sequences_match_triton_and_rerun_bit_identical(packing):
     assert torch.equal(o, o2) and torch.equal(fs, fs2)
 
 
-def kept_prep(x, cu, cu_pad, device):
+def kept_prep(x, cu, cu_pad, device, triton_prep=False):
     """(Prep of the sequences' chunk slots the forward keeps for the backward, a mask of those slots, the
     chunk table, the states entering the segments [N S, HV, K, V] or None): the cuda forward with kept (the
-    kernel on `device`, its host mirror on "cpu")."""
+    kernel on `device`, its host mirror on "cpu"; the fused kernel, or Triton prep and the state-only kernel
+    with triton_prep)."""
     from gdn_packed.cuda.chunk import _kept_parts, chunk_gdr_fwd_cuda, kept_shape
     from gdn_packed.ops.chunk_table import make_chunk_table
     q, k, v, g, beta, h0 = (t.to(device) for t in x)
@@ -149,7 +161,7 @@ def kept_prep(x, cu, cu_pad, device):
     kept = torch.full((words,), float("nan"), device=device)
     o, fs = torch.empty_like(v[0]), torch.empty(h0.shape, device=device)
     chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, h0, K ** -0.5, 64, True, o, fs, kept=kept,
-                       host=device == "cpu")
+                       host=device == "cpu", triton_prep=triton_prep)
     entering, prep = _kept_parts(kept, q.shape[1], N, table.shape[0], HV, q.dtype, torch.device(device))
     return (type(prep)(*(t.cpu() for t in prep)), (torch.arange(table.shape[0]) < int(cc[-1])), table.cpu(),
             None if entering is None else entering.cpu())
@@ -181,7 +193,7 @@ def test_kept_prep_matches_the_mirror_and_triton_prep(pi):
 
 
 @pytest.mark.parametrize("pi", [1, 2, 5, 6], ids=[IDS[i] for i in (1, 2, 5, 6)])
-def test_kept_entering_states_match_the_mirror(pi, monkeypatch):
+def test_kept_entering_states_match_the_mirror(pi, fwd_kernel, monkeypatch):
     """With kept and the Triton state pass in 3 segments (fwd_segments forced), the kernel's state
     warpgroups store the state entering every segment of every sequence (the final state for the empty
     ones), from which the backward's recompute starts them: against the host mirror's (within the fp32
@@ -191,14 +203,14 @@ def test_kept_entering_states_match_the_mirror(pi, monkeypatch):
     from gdn_packed.triton import chunk as triton_chunk
     monkeypatch.setattr(triton_chunk, "fwd_segments", lambda *a, **kw: 3)
     x, cu, cu_pad, _ = inputs(PACKINGS[pi], torch.bfloat16, pi)
-    *_, got = kept_prep(x, cu, cu_pad, "cuda")
+    *_, got = kept_prep(x, cu, cu_pad, "cuda", fwd_kernel == "state-only")
     *_, mir = kept_prep(x, cu, cu_pad, "cpu")
     assert got.shape == mir.shape == (3 * x[5].shape[0], HV, K, K) and not got.isnan().any()
     assert rel_err(got, mir.double()) <= 2e-2
 
 
 @pytest.mark.parametrize("segments", [1, 3])
-def test_raw_gates_and_autograd_through_the_triton_backward(segments, monkeypatch):
+def test_raw_gates_and_autograd_through_the_triton_backward(segments, fwd_kernel, monkeypatch):
     """With A_log, dt_bias the kernel forms the gates itself (no gate launch): o within the bf16 budget of
     backend="triton"'s; the gradients of every input for the same cotangents within the bf16 gradient
     budget of triton's (the same backward on the same saved inputs, but for the sm_90a dS pass and the

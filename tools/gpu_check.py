@@ -79,10 +79,12 @@ OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench
              "ncu.csv")
 # the ncu step: our chunk-parallel kernels (1.8-2.8x the model on the second H200 run, 2026-12-04), the
 # sequential state pass for contrast (one launch of each in one forward+backward at the anchor), and the
-# sm_90a forward (1.76x its model)
+# sm_90a forward (1.76x its model; at the anchor now Triton prep, then the state-only kernel)
 NCU_KERNELS = ("chunk_fwd_prep_kernel|chunk_fwd_state_kernel|chunk_bwd_p_kernel|chunk_bwd_dq_kernel|"
-               "chunk_bwd_a_kernel|chunk_bwd_dk_kernel|chunk_bwd_finalize_kernel|chunk_gdr_fwd_sm90_kernel")
-NCU_LAUNCHES = 10       # one of each above in one forward + backward (the state kernel three times)
+               "chunk_bwd_a_kernel|chunk_bwd_dk_kernel|chunk_bwd_finalize_kernel|chunk_gdr_fwd_sm90_kernel|"
+               "chunk_gdr_fwd_sm90_state_kernel")
+NCU_LAUNCHES = 12       # one of each above in one Triton forward + backward (the state kernel three times),
+                        # then the cuda forward's Triton prep and state-only kernel
 NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "LaunchStats", "Occupancy",
                 "SchedulerStats")
 # what the sections above do not break down (the second H200 session: prep, dq and dk had L1/TEX 50-77%
@@ -583,16 +585,33 @@ def _case_cuda_chunk(dev, skipped):
         skipped.append(f"cuda chunked forward: {why}")
         return ran
     outs = {}
-    for backend in ("cuda", "triton"):
-        o, ht = gdn_packed.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                                  cu_seqlens=cu, cu_seqlens_padded=cu_pad,
-                                                  use_qk_l2norm_in_kernel=True, backend=backend)
-        grads = torch.autograd.grad((o.float().square().sum() + ht.square().sum()), (q, k, v, g, beta, h0))
+    for backend, state_only in (("cuda", False), ("cuda", True), ("triton", None)):
+        with _forward_kernel(state_only):
+            o, ht = gdn_packed.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                      cu_seqlens=cu, cu_seqlens_padded=cu_pad,
+                                                      use_qk_l2norm_in_kernel=True, backend=backend)
+            grads = torch.autograd.grad((o.float().square().sum() + ht.square().sum()), (q, k, v, g, beta, h0))
         assert all(torch.isfinite(x).all() for x in (o, ht, *grads)), f"non-finite {backend} output or gradient"
-        outs[backend] = o.detach()
-    err = rel_err(outs["cuda"], outs["triton"].double())
-    assert err <= 2e-2, f"cuda chunked forward {err:.2e} from the Triton forward"
-    return ran + [f"cuda chunk fwd (sm_90a) + Triton bwd (o {err:.1e} from triton)"]
+        outs[backend, state_only] = o.detach()
+    for state_only, name in ((False, "fused"), (True, "Triton prep + state-only")):
+        err = rel_err(outs["cuda", state_only], outs["triton", None].double())
+        assert err <= 2e-2, f"cuda chunked forward ({name}) {err:.2e} from the Triton forward"
+        ran.append(f"cuda chunk fwd (sm_90a, {name}) + Triton bwd (o {err:.1e} from triton)")
+    return ran
+
+
+@contextlib.contextmanager
+def _forward_kernel(state_only):
+    """backend="cuda"'s forward kernel forced for the block: the fused one (False) or Triton prep and the
+    state-only one (True); None: as gdn_packed.cuda.chunk.prep_first picks."""
+    from gdn_packed.cuda import chunk as cuda_chunk
+    real = cuda_chunk.prep_first
+    if state_only is not None:
+        cuda_chunk.prep_first = lambda *a: state_only
+    try:
+        yield
+    finally:
+        cuda_chunk.prep_first = real
 
 
 def _case_cuda_dstate(q, k, v, g, beta, cu, cu_pad):
@@ -831,7 +850,8 @@ def _sync_errors(torch):
 
 def case_ncu():
     """One ours-triton forward+backward at the anchor (bf16, 16/32 heads, K = V = 128) for ncu, then one
-    sm_90a forward where it may run (it ran at 1.76x its model on the H200: which of its roles waits)."""
+    sm_90a forward where it may run (the fused kernel ran at 1.76x its model on the H200: which of its roles
+    waits; at the anchor backend="cuda" now runs Triton prep and the state-only kernel)."""
     import torch
 
     from bench import gdr
