@@ -151,7 +151,7 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
   const T* k = static_cast<const T*>(a.k);
   const T* v = static_cast<const T*>(a.v);
   T* o = static_cast<T*>(a.o);
-  const typename P::Smem kq_b{kq.data(), kK, true}, k_mn{kq.data(), kK, false};
+  const typename P::Smem k_b{kq.data(), kK, true}, k_mn{kq.data(), kK, false};
   const typename P::Smem q_a{kq.data() + kC * kK, kK, true};
   const typename P::Smem ts_s{ts.data(), kC, true}, m_s{mm.data(), kC, true};
   const typename P::Smem at_s{at.data(), kC, true}, dt_s{dt.data(), kC, true};
@@ -188,7 +188,7 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
         g[i] = beta[i] = 0.f;
         if (i < length) gate(a.g[(start + i) * HV + hv], a.beta[(start + i) * HV + hv], &g[i], &beta[i]);
       }
-      prep_chunk<P, T, TInv>(p, q_a, kq_b, s, g, beta, length, a.scale, a.l2norm, gates,
+      prep_chunk<P, T, TInv>(p, q_a, k_b, s, g, beta, length, a.scale, a.l2norm, gates,
                              at_s, at_s, dt_s, dt_s, ts_s, m_s);
     }
     if (a.kept_ts) {                                // the backward's Prep of chunk slot j
@@ -200,7 +200,7 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
     }
     for (int wg = 0; wg < kVBlocks; ++wg) {         // the CTAs of the V-blocks (prep is the same for both)
       const typename P::Smem v_t{vt.data() + wg * kVB, kV, false};
-      state_step<P, T>(p, S[wg], gates, kq_b, k_mn, ts_s, m_s, v_t, [&](typename P::template Frag<2 * kC>& acc) {
+      state_step<P, T>(p, S[wg], gates, k_b, q_a, k_mn, ts_s, m_s, v_t, [&](typename P::template Frag<2 * kC>& acc) {
         P::for_each_hi(acc, [&](int r, int c, float& x) {
           if (c < length) o[((start + c) * HV + hv) * kV + wg * kVB + r] = from_f<T>(x);
         });

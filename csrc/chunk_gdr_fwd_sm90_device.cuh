@@ -294,10 +294,11 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
         }
       }
       const uint32_t kq = smem_u32(sm.kq[st][0]), ostage = smem_u32(sm.v[st]);
-      const typename P::Smem kq_b{kq, 2 * kBlock, true}, k_mn{kq, 2 * kBlock, false};
+      const typename P::Smem k_b{kq, 2 * kBlock, true}, q_b{kq + kBlock, 2 * kBlock, true};
+      const typename P::Smem k_mn{kq, 2 * kBlock, false};
       const typename P::Smem ts{smem_u32(sm.ts[b]), 0, true}, m{smem_u32(sm.mm[b]), 0, true};
       const typename P::Smem v{smem_u32(sm.v[st]), 0, true};
-      state_step<P, T>(p, S, sm.gates[b], kq_b, k_mn, ts, m, v, [&](typename P::template Frag<2 * kC>& acc) {
+      state_step<P, T>(p, S, sm.gates[b], k_b, q_b, k_mn, ts, m, v, [&](typename P::template Frag<2 * kC>& acc) {
         // O goes into the v tile: every warp has read its V^T (ldmatrix) before issuing the X'^T Ts^T
         // wgmma, and a wgmma group completes only once all four warps have issued it
         p.template stmatrix<T>(acc.d + kC / 2, ostage, true);    // O [c][v]

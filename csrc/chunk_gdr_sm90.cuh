@@ -323,25 +323,26 @@ GDN_HD void prep_chunk(P& p, const typename P::Smem& q_t, const typename P::Smem
 }
 
 // ---- the state step: one chunk, the state warpgroup (the CTA's 64 value columns) -------------------
-// S: S^T [64 v, K] fp32 (accumulator layout). kq_b: [K; Q] rows as the K-major B operand of N = 128
-// (columns 0..63 of the product are S^T K^T, 64..127 S^T Q^T); k_mn: K as the MN-major B operand
-// [c, K]; ts_b, m_b: Ts and M [c][c'] as K-major B operands; vt: the v tile for P::vt.
-// o_out(frag): the caller stores O^T [64 v, 64 c] (cols 64..127 of the frag), live rows only.
+// S: S^T [64 v, K] fp32 (accumulator layout). k_b, q_b: K and Q rows as K-major B operands of N = 64;
+// k_mn: K as the MN-major B operand [c, K]; ts_b, m_b: Ts and M [c][c'] as K-major B operands; vt: the
+// v tile for P::vt. o_out(frag): the caller stores O^T [64 v, 64 c] (cols 64..127 of the frag), live
+// rows only.
+// The recurrence's chain is S^T K^T -> X'^T -> X'^T Ts^T -> U^T -> the update U K; S^T Q^T and U^T M^T
+// only feed O. S^T Q^T is its own group, issued after S^T K^T and waited for with X'^T Ts^T, so the
+// tensor pipe runs it while the warps form X'^T.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
 template <class P, typename T, class OutFn>
 GDN_HD void state_step(P& p, typename P::template Frag<kK>& S, const Gates& gt,
-                       const typename P::Smem& kq_b, const typename P::Smem& k_mn,
+                       const typename P::Smem& k_b, const typename P::Smem& q_b, const typename P::Smem& k_mn,
                        const typename P::Smem& ts_b, const typename P::Smem& m_b,
                        const typename P::Smem& v_tile, OutFn&& o_out) {
   typename P::template Frag<2 * kC> acc;             // [S^T K^T | S^T Q^T]
   P::zero(acc);
-  {
-    auto s_op = p.template op<T, kK>(S, 1.f);
-    p.mma(acc, s_op, kq_b);
-    p.wait_mma(acc, s_op);
-  }
+  auto s_op = p.template op<T, kK>(S, 1.f);
+  p.mma_lo_hi(acc, s_op, k_b, q_b);                 // S^T K^T, then S^T Q^T (for O: in flight until
+  p.wait_mma_lo(acc);                                // X'^T Ts^T's wait)
   auto vt = p.vt(v_tile);                            // V^T [64 v, 64 c] fp32
   // X'^T in columns 0..63, then U^T = X'^T + X'^T Ts^T accumulated in place
   P::for_each_lo(acc, vt, [&](int, int c, float& x, float v) {
@@ -350,7 +351,7 @@ GDN_HD void state_step(P& p, typename P::template Frag<kK>& S, const Gates& gt,
   {
     auto x_op = p.template op_lo<T>(acc, 1.f);
     p.mma_lo(acc, x_op, ts_b);
-    p.wait_mma(acc, x_op);
+    p.wait_mma(acc, s_op, x_op);
   }
   // O^T = cq (S^T Q^T) + U^T M^T in columns 64..127
   P::for_each_hi(acc, [&](int, int c, float& x) { x *= gt.cq[c]; });

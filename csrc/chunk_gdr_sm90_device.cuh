@@ -331,11 +331,21 @@ struct DevPolicy {
     mma_n<U, KD1, N1, false>(acc1.d, a1, b1);
     mma_n<U, KD2, N2, true, false>(acc2.d, a2, b2);
   }
-  template <typename U>
-  __device__ void mma_lo(Frag<2 * kC>& acc, const Op<U, kC>& a, const Smem& b) const { mma_n<U, kC, kC>(acc.d, a, b); }
-  template <typename U>
-  __device__ void mma_hi(Frag<2 * kC>& acc, const Op<U, kC>& a, const Smem& b) const {
-    mma_n<U, kC, kC>(acc.d + kC / 2, a, b);
+  // acc's columns 0 .. 63 (lo) or 64 .. 127 (hi) += a B (N = 64), as one group
+  template <typename U, int KD>
+  __device__ void mma_lo(Frag<2 * kC>& acc, const Op<U, KD>& a, const Smem& b) const { mma_n<U, KD, kC>(acc.d, a, b); }
+  template <typename U, int KD>
+  __device__ void mma_hi(Frag<2 * kC>& acc, const Op<U, KD>& a, const Smem& b) const {
+    mma_n<U, KD, kC>(acc.d + kC / 2, a, b);
+  }
+  // acc's lo columns += a B_lo, then its hi columns += a B_hi, as two groups (wait_mma_lo waits for the
+  // first only); the whole accumulator fenced before either is issued (as mma2: otherwise ptxas may form
+  // the second's registers while the first is in flight, and inject a wait)
+  template <typename U, int KD>
+  __device__ void mma_lo_hi(Frag<2 * kC>& acc, const Op<U, KD>& a, const Smem& b_lo, const Smem& b_hi) const {
+    fence_regs<kC>(acc.d);
+    mma_n<U, KD, kC>(acc.d, a, b_lo);
+    mma_n<U, KD, kC>(acc.d + kC / 2, a, b_hi);
   }
   // K K^T and Q K^T (k-step by k-step, the two products interleaved) as one group
   template <typename U>
@@ -357,6 +367,12 @@ struct DevPolicy {
   __device__ void wait_mma(Tiles&... tiles) const {
     cute::warpgroup_wait<0>();
     (fence_tile(tiles), ...);
+  }
+  // wait for every issued group but the last (the newest may still run): acc's lo columns, which an
+  // earlier group wrote, are pinned past the wait (its hi columns, the newest group's, are not touched)
+  __device__ void wait_mma_lo(Frag<2 * kC>& acc) const {
+    cute::warpgroup_wait<1>();
+    fence_regs<kC / 2>(acc.d);
   }
   template <int N>
   static __device__ void fence_tile(Frag<N>& f) { fence_regs<N / 2>(f.d); }

@@ -113,10 +113,15 @@ struct HostPolicy {
     mma(acc1, a1, b1);
     mma(acc2, a2, b2);
   }
-  template <typename T>
-  void mma_lo(Frag<2 * kC>& acc, const Op<T, kC>& a, const Smem& b) { mma_cols(acc, 0, kC, a, b); }
-  template <typename T>
-  void mma_hi(Frag<2 * kC>& acc, const Op<T, kC>& a, const Smem& b) { mma_cols(acc, kC, kC, a, b); }
+  template <typename T, int KD>
+  void mma_lo(Frag<2 * kC>& acc, const Op<T, KD>& a, const Smem& b) { mma_cols(acc, 0, kC, a, b); }
+  template <typename T, int KD>
+  void mma_hi(Frag<2 * kC>& acc, const Op<T, KD>& a, const Smem& b) { mma_cols(acc, kC, kC, a, b); }
+  template <typename T, int KD>
+  void mma_lo_hi(Frag<2 * kC>& acc, const Op<T, KD>& a, const Smem& b_lo, const Smem& b_hi) {
+    mma_lo(acc, a, b_lo);
+    mma_hi(acc, a, b_hi);
+  }
   template <typename T>
   static void mma_ss(Frag<kC>& acc, const Smem& a, const Smem& b) {   // A [m][k] and B as [n][k], K = kK
     gemm_nt(acc.d, kC, widen_b<T>(a, kC, kK), widen_b<T>(b, kC, kK), kC, kC, kK);
@@ -159,6 +164,7 @@ struct HostPolicy {
   void sync_generic() {}
   template <class... Tiles>
   void wait_mma(const Tiles&...) {}
+  void wait_mma_lo(const Frag<2 * kC>&) {}
 };
 
 // The checks both entry points make (P: ChunkSm90Params or ChunkBwdSm90Params; `who` names the entry point).

@@ -177,14 +177,14 @@ def test_sm90_chunk_loops_run_the_tile_program_on_the_tensor_cores(ptxas_report,
     """cuobjdump SASS of both instantiations: the two chunk loops hold exactly the wgmma of the tile
     program (csrc/chunk_gdr_sm90.cuh), each issued once per chunk (nothing serialised into a loop of its
     own): prep 32 HGMMA 64x64x16 (K K^T and Q K^T, 8 each, in one group; the inverse's two doubling
-    levels, 2 x 4 each) in 5 waits; state 12 HGMMA 64x128x16 (S^T [K; Q]^T 8, the state update U K 4) and
-    8 HGMMA 64x64x16 (X'^T Ts^T, U^T M^T) in 3 waits (U^T M^T and U K share one). The state-only kernel:
-    the state loop alone."""
+    levels, 2 x 4 each) in 5 waits; state 4 HGMMA 64x128x16 (the state update U K) and 24 HGMMA 64x64x16
+    (S^T K^T and S^T Q^T 8 each, X'^T Ts^T 4, U^T M^T 4) in 3 waits (S^T Q^T waited for with X'^T Ts^T; U^T M^T
+    and U K share one). The state-only kernel: the state loop alone."""
     sass = SASS.get("chunk_gdr_fwd_sm90.cu")
     assert sass, "no SASS of chunk_gdr_fwd_sm90.cu"
     loops = sass_loops(sass)
     assert len(loops) == 4, list(loops)
-    state, prep = (Counter({"64x128x16": 12, "64x64x16": 8}), 3), (Counter({"64x64x16": 32}), 5)
+    state, prep = (Counter({"64x128x16": 4, "64x64x16": 24}), 3), (Counter({"64x64x16": 32}), 5)
     for name, got in loops.items():
         report_table("sm_90a chunked kernel, HGMMA per chunk loop (cuobjdump)",
                      f"{name[-60:]}: " + "; ".join(f"{dict(c)} in {w} waits" for c, w in got))

@@ -37,14 +37,14 @@ def facts():
 
 @pytest.mark.parametrize("dtype", cuda_chunk.DTYPES)
 def test_the_three_roles_are_read_from_the_sass(facts, dtype):
-    """state: 20 HGMMA in 3 waits a chunk; prep: 32 HGMMA in 5 waits a chunk it preps; the producer's
+    """state: 28 HGMMA in 3 waits a chunk; prep: 32 HGMMA in 5 waits a chunk it preps; the producer's
     loop holds the TMA loads. 168 launch registers, no spill; every simulated term positive."""
     f = facts[dtype]
     assert not f.error, f.error
     assert (f.regs, f.spill) == (168, 0)
-    assert (f.loops["state"]["hgmma"], f.loops["state"]["waits"]) == (20, 3)
+    assert (f.loops["state"]["hgmma"], f.loops["state"]["waits"]) == (28, 3)
     assert (f.loops["prep"]["hgmma"], f.loops["prep"]["waits"]) == (32, 5)
-    assert f.loops["state"]["shapes"] == {"64x128x16": 12, "64x64x16": 8}
+    assert f.loops["state"]["shapes"] == {"64x128x16": 4, "64x64x16": 24}
     assert f.loops["prep"]["shapes"] == {"64x64x16": 32}
     assert f.loops["state"]["mma_cycles"] > 0 and f.loops["prep"]["mma_cycles"] > 0
     assert all(f.loops[r]["cycles"] > 0 and f.loops[r]["instr"] > 0 for r in ("state", "prep", "producer"))
@@ -162,7 +162,7 @@ def test_report_rows_of_the_cuda_forward(facts):
     assert k["ctas"] == 256 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"] and k["mode"] == "fwd"
     assert k["bound"] in ("latency", "bytes", "smem", "FLOPs") and k["smem_us"] > 0
     assert k["lat_role"] in ("state", "ring", "producer", "issue", "mma")
-    assert k["loop_hgmma"] == 20 + 32 / 2 and k["loop_waits"] == 3 + 5 / 2
+    assert k["loop_hgmma"] == 28 + 32 / 2 and k["loop_waits"] == 3 + 5 / 2
     (t,) = out["totals"]
     assert t["impl"] == "cuda" and t["est_us"] >= k["est_us"]
     f = facts["bf16"]
@@ -177,7 +177,7 @@ def test_report_rows_of_the_cuda_forward(facts):
     assert cuda_chunk.KERNEL not in names and names.index("chunk_fwd_prep_kernel") < names.index(cuda_chunk.STATE_KERNEL)
     (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.STATE_KERNEL]
     assert k["mode"] == "fwd" and k["ctas"] == 64 and k["spill_b"] == 0 and not k["error"]
-    assert k["loop_hgmma"] == 20 and k["loop_waits"] == 3           # the state warpgroup's loop only
+    assert k["loop_hgmma"] == 28 and k["loop_waits"] == 3           # the state warpgroup's loop only
     state = cuda_chunk.facts("bf16", M.CONSTANTS, "fwd_state")
     est = cuda_chunk.estimate(state, ANCHOR, "bf16", M.CONSTANTS, False, "fwd_state")
     assert math.isclose(k["est_us"], 1e6 * est["est_s"], abs_tol=0.1)
@@ -191,7 +191,7 @@ def test_report_rows_of_the_cuda_forward(facts):
 
 @pytest.mark.parametrize("dtype", cuda_chunk.DTYPES)
 def test_the_state_only_kernels_roles_are_read_from_the_sass(facts, dtype):
-    """The state-only kernel (chunk_gdr_fwd_sm90_state_kernel): the fused kernel's state loop (20 HGMMA in 3
+    """The state-only kernel (chunk_gdr_fwd_sm90_state_kernel): the fused kernel's state loop (28 HGMMA in 3
     waits a chunk) and a producer loop holding the TMA loads, no prep loop; 168 launch registers, no
     spill, the fused kernel's shared memory. Its estimate at the anchor: no prep FLOPs; its bytes read Ts or
     M (multicast), the gate rows and chunk decay of every chunk in place of g, beta; its ring the loads'."""
@@ -200,7 +200,7 @@ def test_the_state_only_kernels_roles_are_read_from_the_sass(facts, dtype):
     assert f.spill == 0 and f.regs == facts[dtype].regs and f.smem == facts[dtype].smem
     assert set(f.loops) == {"state", "producer"}
     s = f.loops["state"]
-    assert (s["hgmma"], s["waits"], s["shapes"]) == (20, 3, facts[dtype].loops["state"]["shapes"])
+    assert (s["hgmma"], s["waits"], s["shapes"]) == (28, 3, facts[dtype].loops["state"]["shapes"])
     d8, _ = cuda_chunk.cta_cycles(f, 8, M.CONSTANTS)
     pr = f.loops["producer"]
     assert math.isclose(d8, max(8 * s["cycles"], 8 * M.CONSTANTS.lat.ldg / 2, 8 * pr["cycles"],
