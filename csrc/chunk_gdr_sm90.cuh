@@ -24,7 +24,11 @@
 //                         issued only: P::wait_mma(tiles...) waits for every product issued, and the
 //                         tiles it names (accumulators and A operands) are not touched before it
 //   P::mma2(acc1, a1, b1, acc2, a2, b2)   two such products as one group
+//   P::mma_lo(acc, a, b), P::mma_hi(...)   acc's columns 0..63 / 64..127 += a B (N = 64), one group
+//   P::mma_lo_hi(acc, a, b_lo, b_hi)       both, as two groups; P::wait_mma_lo(acc) waits for all but
+//                         the newest group, and acc's lo columns are not touched before it
 //   P::mma_grams(kk, qk, q, k)   K K^T and Q K^T from the shared q, k tiles (prep), one group
+//   (the host policy runs a group only when a wait retires it: a read before its wait reads the old value)
 //   P::row_sumsq_half(tile, i, h)    the sum of squares of row i over K-half h of a [64, K] tile
 //   P::store(frag, tile, transpose)   a fragment to a shared tile of the operand type
 //   P::vt(tile)           V^T [64 v, 64 c] of the state block's 64 columns of v, as fp32

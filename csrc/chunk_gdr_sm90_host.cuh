@@ -2,9 +2,16 @@
 // mirrors of the forward (chunk_gdr_fwd_sm90.cu) and the backward (chunk_gdr_bwd_sm90.cu): one "thread"
 // holds a whole 64 x N tile; shared tiles are row-major arrays without swizzle; the products are plain
 // loops in fp32 over operands rounded as the device's (an fp32 mirror rounds nothing).
+// The products are asynchronous as wgmma's are: each mma call is one group (mma2 / mma_lo_hi as the
+// device's), queued with its A operand's values, and runs (reading its B tile and accumulator then) only
+// when a wait retires it: wait_mma every group, wait_mma_lo all but the newest (wgmma.wait_group 1). A
+// tile program that reads an accumulator before the wait that covers its product reads the value before
+// the product, and the mirror's results are wrong: the wait counts are checked here too.
 #pragma once
 
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api.h"
@@ -100,18 +107,24 @@ struct HostPolicy {
       for (int k = 0; k < kd; ++k) out[n * kd + k] = to_f(b.kmajor ? bb[n * b.ld + k] : bb[k * b.ld + n]);
     return out;
   }
+  // the issued groups not yet retired, oldest first: each a list of products
+  std::vector<std::vector<std::function<void()>>> groups;
+  // acc[:, col0 .. col0 + ncols) += a B, queued into a new group (or, with open false, the newest one)
   template <typename T, int KD, int N>
-  static void mma_cols(Frag<N>& acc, int col0, int ncols, const Op<T, KD>& a, const Smem& b) {
-    std::vector<float> af(kC * KD);
+  void mma_cols(Frag<N>& acc, int col0, int ncols, const Op<T, KD>& a, const Smem& b, bool open = true) {
+    std::vector<float> af(kC * KD);            // A's values as issued
     for (int i = 0; i < kC * KD; ++i) af[i] = to_f(a.d[i]);
-    gemm_nt(acc.d + col0, N, af, widen_b<T>(b, ncols, KD), kC, ncols, KD);
+    if (open || groups.empty()) groups.emplace_back();
+    groups.back().push_back([&acc, col0, ncols, b, af = std::move(af)] {
+      gemm_nt(acc.d + col0, N, af, widen_b<T>(b, ncols, KD), kC, ncols, KD);
+    });
   }
   template <typename T, int KD, int N>
   void mma(Frag<N>& acc, const Op<T, KD>& a, const Smem& b) { mma_cols(acc, 0, N, a, b); }
   template <typename T, int KD1, int N1, int KD2, int N2>
   void mma2(Frag<N1>& acc1, const Op<T, KD1>& a1, const Smem& b1, Frag<N2>& acc2, const Op<T, KD2>& a2, const Smem& b2) {
-    mma(acc1, a1, b1);
-    mma(acc2, a2, b2);
+    mma_cols(acc1, 0, N1, a1, b1);
+    mma_cols(acc2, 0, N2, a2, b2, false);       // one group
   }
   template <typename T, int KD>
   void mma_lo(Frag<2 * kC>& acc, const Op<T, KD>& a, const Smem& b) { mma_cols(acc, 0, kC, a, b); }
@@ -120,16 +133,23 @@ struct HostPolicy {
   template <typename T, int KD>
   void mma_lo_hi(Frag<2 * kC>& acc, const Op<T, KD>& a, const Smem& b_lo, const Smem& b_hi) {
     mma_lo(acc, a, b_lo);
-    mma_hi(acc, a, b_hi);
+    mma_hi(acc, a, b_hi);                       // two groups
   }
   template <typename T>
-  static void mma_ss(Frag<kC>& acc, const Smem& a, const Smem& b) {   // A [m][k] and B as [n][k], K = kK
-    gemm_nt(acc.d, kC, widen_b<T>(a, kC, kK), widen_b<T>(b, kC, kK), kC, kC, kK);
+  void mma_grams(Frag<kC>& kk, Frag<kC>& qk, const Smem& q, const Smem& k) {   // one group, K = kK
+    groups.emplace_back();
+    groups.back().push_back([&kk, &qk, q, k] {
+      const std::vector<float> kb = widen_b<T>(k, kC, kK);
+      gemm_nt(kk.d, kC, kb, kb, kC, kC, kK);
+      gemm_nt(qk.d, kC, widen_b<T>(q, kC, kK), kb, kC, kC, kK);
+    });
   }
-  template <typename T>
-  void mma_grams(Frag<kC>& kk, Frag<kC>& qk, const Smem& q, const Smem& k) {
-    mma_ss<T>(kk, k, k);
-    mma_ss<T>(qk, q, k);
+  // run the oldest groups until `left` remain (wgmma.wait_group left)
+  void retire(size_t left) {
+    while (groups.size() > left) {
+      for (auto& f : groups.front()) f();
+      groups.erase(groups.begin());
+    }
   }
   template <typename T>   // __host__ __device__ only because prep_chunk calls it from a lambda (host only)
   GDN_HD float row_sumsq_half(const Smem& t, int i, int h) const {
@@ -163,8 +183,8 @@ struct HostPolicy {
   void sync() {}
   void sync_generic() {}
   template <class... Tiles>
-  void wait_mma(const Tiles&...) {}
-  void wait_mma_lo(const Frag<2 * kC>&) {}
+  void wait_mma(const Tiles&...) { retire(0); }
+  void wait_mma_lo(const Frag<2 * kC>&) { retire(1); }
 };
 
 // The checks both entry points make (P: ChunkSm90Params or ChunkBwdSm90Params; `who` names the entry point).
