@@ -311,17 +311,19 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
           }
           return;
         }
+        if constexpr (kLast) {                    // (a partial chunk is a sequence's last)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {             // the live rows only (the next sequence's follow them)
-          const int id = wtid + 128 * i, c = id >> 3, x = id & 7;
-          if (c < length) {
-            uint4 val;
-            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                         : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(ostage + swz(c, x)) : "memory");
-            *reinterpret_cast<uint4*>(o + ((start + c) * HV + hv) * kV + vb * kVB + 8 * x) = val;
+          for (int i = 0; i < 4; ++i) {           // the live rows only (the next sequence's follow them)
+            const int id = wtid + 128 * i, c = id >> 3, x = id & 7;
+            if (c < length) {
+              uint4 val;
+              asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                           : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(ostage + swz(c, x)) : "memory");
+              *reinterpret_cast<uint4*>(o + ((start + c) * HV + hv) * kV + vb * kVB + 8 * x) = val;
+            }
           }
+          named_sync(p.bar);                      // every thread's reads of the tile done
         }
-        named_sync(p.bar);                        // every thread's reads of the tile done
       });
       if (wtid == 0) {
         if (kPrepIn || mine) mbar_arrive(&sm.prepfree[b]);
