@@ -104,8 +104,19 @@ def test_mirror_hard_resets_give_exact_zeros():
     assert rel_err(o[None], ro) <= BUDGETS[torch.float32]["o"] and rel_err(fs, rf) <= BUDGETS[torch.float32]["state"]
 
 
-def test_mirror_raw_gates():
-    """With A_log, dt_bias the kernel forms g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+def _skip_without_triton_prep():
+    from gdn_packed.ops._common import triton_usable
+    if triton_usable(torch.device("cpu")):
+        pytest.skip(f"Triton prep cannot run here: {triton_usable(torch.device('cpu'))}")
+
+
+@pytest.mark.parametrize("triton_prep", [False, True], ids=["fused", "state-only"])
+def test_mirror_raw_gates(triton_prep):
+    """With A_log, dt_bias the fused kernel forms g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b);
+    the two-kernel forward forms them with the Triton gate pass before prep: o and the final state as from
+    the gates formed by the torch backend (float32)."""
+    if triton_prep:
+        _skip_without_triton_prep()
     from gdn_packed.torch_ref.chunk import gate_fwd_torch
     cu, cu_pad, rows = PACKINGS[2].layout()
     N = len(PACKINGS[2].lengths)
@@ -117,18 +128,12 @@ def test_mirror_raw_gates():
     for gg, bb, raw in ((g, beta, False), (a[0], b[0], True)):
         o, fs = torch.full_like(v[0], float("nan")), torch.full((N, HV, K, K), float("nan"))
         chunk_gdr_fwd_cuda(q[0], k[0], v[0], gg, bb, table, cc, h0, K ** -0.5, 64, True, o, fs, host=True,
-                           A_log=A_log if raw else None, dt_bias=dt_bias if raw else None)
+                           A_log=A_log if raw else None, dt_bias=dt_bias if raw else None, triton_prep=triton_prep)
         outs.append((o, fs))
     assert rel_err(outs[1][0], outs[0][0].double()) <= 1e-6 and rel_err(outs[1][1], outs[0][1].double()) <= 1e-6
 
 
 # ---- the two-kernel forward: Triton prep, then the state-only kernel on its outputs --------------------
-def _skip_without_triton_prep():
-    from gdn_packed.ops._common import triton_usable
-    if triton_usable(torch.device("cpu")):
-        pytest.skip(f"Triton prep cannot run here: {triton_usable(torch.device('cpu'))}")
-
-
 @functools.lru_cache(maxsize=None)
 def two_kernel_case(pi, dtype, poison_padding=False):
     """case(pi, dtype)'s inputs through Triton prep (the interpreter) and the state-only kernel's mirror
@@ -168,26 +173,6 @@ def test_state_only_mirror_isolates_nan_in_padding_rows(pi):
     o0, fs0 = two_kernel_case(pi, torch.float16)
     pad = case(pi, torch.float16)[2]
     assert torch.equal(o, o0) and torch.equal(fs, fs0) and (o[0, pad] == 0).all()
-
-
-def test_state_only_mirror_raw_gates():
-    """With A_log, dt_bias the two-kernel forward forms the gates with the Triton gate pass before prep: o and
-    the final state as from the gates formed by the torch backend (float32)."""
-    _skip_without_triton_prep()
-    from gdn_packed.torch_ref.chunk import gate_fwd_torch
-    cu, cu_pad, rows = PACKINGS[2].layout()
-    N = len(PACKINGS[2].lengths)
-    q, k, v, a, b, h0 = gdr_inputs(rows, H, HV, K, K, torch.float32, N=N, initial_state=True, unit_k=False)
-    A_log, dt_bias = torch.tensor([0.3, -1.0]), torch.tensor([0.5, 1.5])
-    g, beta = gate_fwd_torch(a[0], b[0], A_log, dt_bias)
-    table, cc = make_chunk_table(cu, cu_pad, rows, 64)
-    outs = []
-    for gg, bb, raw in ((g, beta, False), (a[0], b[0], True)):
-        o, fs = torch.full_like(v[0], float("nan")), torch.full((N, HV, K, K), float("nan"))
-        chunk_gdr_fwd_cuda(q[0], k[0], v[0], gg, bb, table, cc, h0, K ** -0.5, 64, True, o, fs, host=True,
-                           A_log=A_log if raw else None, dt_bias=dt_bias if raw else None, triton_prep=True)
-        outs.append((o, fs))
-    assert rel_err(outs[1][0], outs[0][0].double()) <= 1e-6 and rel_err(outs[1][1], outs[0][1].double()) <= 1e-6
 
 
 def test_prep_first_where_the_fused_kernel_leaves_half_the_sms_idle():
