@@ -131,6 +131,8 @@ template <typename T> struct InvType { using type = __half; };
 template <> struct InvType<float> { using type = float; };
 
 // The kVBlocks CTAs of value head hv and sequence n (their prep is the same: run once per chunk here).
+// The k / q tiles and M of consecutive chunks in two buffers each, as the kernel's ring and prep buffers
+// (the state-only kernel's step reads the previous chunk's K and M: state_step_deferred).
 template <typename T>
 void mirror_head(const Args& a, int64_t hv, int64_t n) {
   using P = HostPolicyT<T>;
@@ -138,11 +140,21 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
   P p;
   const int64_t H = a.H, HV = a.HV, h = hv / (HV / H);
   const GateFn gate = gate_fn(a, hv);
-  std::vector<T> kq(2 * kC * kK), vt(kC * kV), ts(kC * kC), mm(kC * kC);
+  std::vector<T> kq2(2 * 2 * kC * kK), vt(kC * kV), ts(kC * kC), mm2(2 * kC * kC), zero_tile(kC * kC);
   std::vector<TInv> at(kC * kC), dt(kC * kC);
   PrepScratch s;
   Gates gates;
   auto S = std::make_unique<typename P::template Frag<kK>[]>(kVBlocks);
+  // the state-only kernel's deferred output per V-block (state_step_deferred): its own group queue, the
+  // previous chunk's O^T and the A operands in flight (u = 0 before the first chunk)
+  const bool deferred = a.prep_ts != nullptr;
+  auto ps = std::make_unique<P[]>(kVBlocks);
+  auto od = std::make_unique<typename P::template Frag<kC>[]>(kVBlocks);
+  auto ud = std::make_unique<typename P::template Op<T, kC>[]>(kVBlocks);
+  auto wd = std::make_unique<typename P::template Op<T, kC>[]>(kVBlocks);
+  for (int wg = 0; wg < kVBlocks; ++wg) std::fill(std::begin(ud[wg].d), std::end(ud[wg].d), from_f<T>(0.f));
+  int64_t prev_start = 0;
+  int prev_length = 0;
   for (int wg = 0; wg < kVBlocks; ++wg)
     P::for_each(S[wg], [&](int r, int c, float& x) {
       x = a.h0 ? a.h0[((n * HV + hv) * kK + c) * kV + wg * kVB + r] : 0.f;
@@ -151,22 +163,31 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
   const T* k = static_cast<const T*>(a.k);
   const T* v = static_cast<const T*>(a.v);
   T* o = static_cast<T*>(a.o);
-  const typename P::Smem k_b{kq.data(), kK, true}, k_mn{kq.data(), kK, false};
-  const typename P::Smem q_a{kq.data() + kC * kK, kK, true};
-  const typename P::Smem ts_s{ts.data(), kC, true}, m_s{mm.data(), kC, true};
+  const typename P::Smem ts_s{ts.data(), kC, true};
   const typename P::Smem at_s{at.data(), kC, true}, dt_s{dt.data(), kC, true};
+  auto o_rows = [&](int wg, typename P::template Frag<kC>& ot, int64_t start, int length) {   // O^T's live rows
+    P::for_each(ot, [&](int r, int c, float& x) {
+      if (c < length) o[((start + c) * HV + hv) * kV + wg * kVB + r] = from_f<T>(x);
+    });
+  };
   // the states entering the segments (the kernel's walk: chunk_gdr_fwd_sm90_device.cuh)
   const int64_t c0 = a.cu_chunks[n], c1 = a.cu_chunks[n + 1];
   const int nchunks = static_cast<int>(c1 - c0), segs = a.kept_entering ? a.kept_segments : 1;
   const int per = segment_slots(nchunks, segs);
   auto keep_entering = [&](int s) {
-    if (a.kept_entering)
-      for (int wg = 0; wg < kVBlocks; ++wg) store_state<P>(S[wg], a.kept_entering, (n * segs + s) * HV + hv, wg);
+    for (int wg = 0; wg < kVBlocks; ++wg) {
+      ps[wg].wait_mma(S[wg], wd[wg]);               // (the state-only kernel: its S update)
+      if (a.kept_entering) store_state<P>(S[wg], a.kept_entering, (n * segs + s) * HV + hv, wg);
+    }
   };
   for (int64_t j = c0; j < c1; ++j) {
     if ((j - c0) % per == 0) keep_entering(static_cast<int>((j - c0) / per));
     const int64_t start = a.table[j * 4 + 2];
     const int length = a.table[j * 4 + 3];
+    T* const kq = kq2.data() + (j & 1) * 2 * kC * kK;
+    T* const mm = mm2.data() + (j & 1) * kC * kC;
+    const typename P::Smem k_b{kq, kK, true}, k_mn{kq, kK, false}, q_a{kq + kC * kK, kK, true};
+    const typename P::Smem m_s{mm, kC, true};
     // the TMA boxes: rows past T are 0; then prep zeroes the rows of other sequences (dead rows)
     for (int r = 0; r < kC; ++r) {
       const int64_t row = start + r;
@@ -180,7 +201,7 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
     const int64_t slot = j * HV + hv;
     if (a.prep_ts) {                                // the state-only kernel: Triton prep's tiles and gate rows
       std::copy_n(static_cast<const T*>(a.prep_ts) + slot * kC * kC, kC * kC, ts.begin());
-      std::copy_n(static_cast<const T*>(a.prep_mm) + slot * kC * kC, kC * kC, mm.begin());
+      std::copy_n(static_cast<const T*>(a.prep_mm) + slot * kC * kC, kC * kC, mm);
       load_gates(gates, a.prep_gates + slot * kGateRows * kC, a.prep_eg_last[slot]);
     } else {
       alignas(16) float g[kC], beta[kC];            // the producer's: the gates of live rows, else 0
@@ -193,20 +214,33 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
     }
     if (a.kept_ts) {                                // the backward's Prep of chunk slot j
       std::copy(ts.begin(), ts.end(), static_cast<T*>(a.kept_ts) + slot * kC * kC);
-      std::copy(mm.begin(), mm.end(), static_cast<T*>(a.kept_mm) + slot * kC * kC);
+      std::copy_n(mm, kC * kC, static_cast<T*>(a.kept_mm) + slot * kC * kC);
       for (int r = 0; r < kC; ++r)
         keep_gate_row(gates, s, r, length, a.kept_gates + slot * kGateRows * kC, a.kept_rn + slot * 2 * kC,
                       a.kept_eg_last + slot);
     }
     for (int wg = 0; wg < kVBlocks; ++wg) {         // the CTAs of the V-blocks (prep is the same for both)
       const typename P::Smem v_t{vt.data() + wg * kVB, kV, false};
+      if (deferred) {                               // the previous chunk's O stored in this step
+        const typename P::Smem m_prev{j > c0 ? mm2.data() + ((j - 1) & 1) * kC * kC : zero_tile.data(), kC, true};
+        state_step_deferred<P, T>(ps[wg], S[wg], od[wg], ud[wg], wd[wg], j > c0, m_prev, gates, k_b, q_a, k_mn, ts_s,
+                                  v_t, [&](typename P::template Frag<kC>& ot) { o_rows(wg, ot, prev_start, prev_length); });
+        continue;
+      }
       state_step<P, T>(p, S[wg], gates, k_b, q_a, k_mn, ts_s, m_s, v_t, [&](typename P::template Frag<2 * kC>& acc) {
         P::for_each_hi(acc, [&](int r, int c, float& x) {
           if (c < length) o[((start + c) * HV + hv) * kV + wg * kVB + r] = from_f<T>(x);
         });
       });
     }
+    prev_start = start, prev_length = length;
   }
+  if (deferred && nchunks > 0)                      // the last chunk's O (state_step_last)
+    for (int wg = 0; wg < kVBlocks; ++wg) {
+      const typename P::Smem m_last{mm2.data() + ((c1 - 1) & 1) * kC * kC, kC, true};
+      state_step_last<P, T>(ps[wg], S[wg], od[wg], ud[wg], wd[wg], m_last);
+      o_rows(wg, od[wg], prev_start, prev_length);
+    }
   for (int s = 0; s < segs; ++s)
     if (s * per >= nchunks) keep_entering(s);       // the empty segments: the final state
   if (a.ht)

@@ -37,6 +37,10 @@ static_assert(kPrepBufs % kVBlocks == 0, "buffer b is prepped by CTA b % kVBlock
 constexpr int kRegsLaunch = (65536 / kThreads) / 8 * 8;
 constexpr int kRegsProducer = 32, kRegsPrep = 232, kRegsState = 240;   // 32 + 232 + 240 = 504
 static_assert(kRegsProducer + kRegsPrep + kRegsState <= (kThreads / 128) * kRegsLaunch, "setmaxnreg pool");
+// the state-only kernel: its prep warpgroup idles at kRegsProducer, its state warpgroup takes the most
+// setmaxnreg gives (its deferred output keeps O^T and U^T across the step boundary)
+constexpr int kRegsStateOnly = 256;
+static_assert(2 * kRegsProducer + kRegsStateOnly <= (kThreads / 128) * kRegsLaunch, "setmaxnreg pool");
 static_assert(kRegsProducer < kRegsLaunch && kRegsPrep > kRegsLaunch && kRegsState > kRegsLaunch,
               "set_regs decreases the producer's registers and increases the consumers'");
 
@@ -129,6 +133,11 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
       mbar_init(&sm.prepfree[i], 2);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if constexpr (kPrepIn) {                        // the state's dummy B tile before its first chunk: 0
+    for (int i = tid; i < static_cast<int>(kBlock / 16); i += kThreads)
+      reinterpret_cast<uint4*>(sm.at)[i] = make_uint4(0, 0, 0, 0);
+    fence_async_smem();
   }
   cluster_sync();                                 // both CTAs' barriers initialised before any arrival
 
@@ -260,7 +269,7 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
     for (; it + 1 < nchunks; it += kVBlocks) prep_one(it, std::false_type{});
     if (it == nchunks - 1) prep_one(it, std::true_type{});
   } else {                                        // ---- state: S^T of the CTA's 64 value columns in registers
-    set_regs<kRegsState, kRegsLaunch>();
+    set_regs<kPrepIn ? kRegsStateOnly : kRegsState, kRegsLaunch>();
     P p{2};
     typename P::template Frag<kK> S;
     const float* h0 = a.h0 ? a.h0 + (n * HV + hv) * kK * kV : nullptr;
@@ -274,6 +283,44 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
         mbar_arrive_at(peer_addr(&sm.empty[held], peer));
         held = -1;
       }
+    };
+    // O [c][v] of a chunk from its fragment into its consumed v tile (stage st), then to o: one TMA store of
+    // a whole chunk (the box is the chunk's rows; rows past T, a middle chunk's only dead rows, are
+    // clipped), or a partial one's live rows one by one (the next sequence's follow them). Every warp has
+    // read the stage's V^T (ldmatrix) before the fragment's last group was issued.
+    auto store_o = [&](const float* frag, int st, int64_t start, int length) {
+      const uint32_t ostage = smem_u32(sm.v[st]);
+      p.template stmatrix<T>(frag, ostage, true);
+      fence_async_smem();                         // for the TMA store, and before the next TMA load into it
+      named_sync(p.bar);
+      if (length == kC) {
+        if (wtid == 0) {
+          cute::SM90_TMA_STORE_3D::copy(&tm_o, sm.v[st], vb * kVB, static_cast<int>(hv), static_cast<int>(start));
+          asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+        }
+        return;
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int id = wtid + 128 * i, c = id >> 3, x = id & 7;
+        if (c < length) {
+          uint4 val;
+          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                       : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(ostage + swz(c, x)) : "memory");
+          *reinterpret_cast<uint4*>(o + ((start + c) * HV + hv) * kV + vb * kVB + 8 * x) = val;
+        }
+      }
+      named_sync(p.bar);                          // every thread's reads of the tile done
+    };
+    // the state-only kernel's chunk j - 1 finished in step j (state_step_deferred): its O^T, the A operands
+    // of its last two groups (in flight across the step boundary), and where it goes
+    typename P::template Frag<kC> od{};
+    typename P::template Op<T, kC> ud{}, wd{};          // (ud = 0 before the first chunk)
+    int prev_st = 0, prev_b = 0, prev_length = 0;
+    int64_t prev_start = 0;
+    auto release_prep = [&](int b, bool mine) {   // (thread 0) prep buffer b read by this state warpgroup
+      if (kPrepIn || mine) mbar_arrive(&sm.prepfree[b]);
+      if (kPrepIn || !mine) mbar_arrive_at(peer_addr(&sm.prepfree[b], peer));
     };
     // a sequence's last chunk (the only one that can be partial: kLast) apart, as in prep
     auto step = [&](int it, auto last) {
@@ -293,50 +340,59 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
           p.sync();
         }
       }
-      const uint32_t kq = smem_u32(sm.kq[st][0]), ostage = smem_u32(sm.v[st]);
+      const uint32_t kq = smem_u32(sm.kq[st][0]);
       const typename P::Smem k_b{kq, 2 * kBlock, true}, q_b{kq + kBlock, 2 * kBlock, true};
       const typename P::Smem k_mn{kq, 2 * kBlock, false};
       const typename P::Smem ts{smem_u32(sm.ts[b]), 0, true}, m{smem_u32(sm.mm[b]), 0, true};
       const typename P::Smem v{smem_u32(sm.v[st]), 0, true};
+      if constexpr (kPrepIn) {
+        // chunk it - 1's O stored here, once its group has run; its stage is released at the next step
+        // (its TMA store read), its prep buffer now (U^T M^T, the last read of M, done)
+        // (the first chunk: sm.at, zeroed at the start and never written in this kernel)
+        const typename P::Smem m_prev{smem_u32(it > 0 ? sm.mm[prev_b] : sm.at), 0, true};
+        state_step_deferred<P, T>(p, S, od, ud, wd, it > 0, m_prev, sm.gates[b], k_b, q_b, k_mn, ts, v,
+                                  [&](typename P::template Frag<kC>& prev) {     // (a middle chunk)
+                                    store_o(prev.d, prev_st, prev_start, kC);
+                                    if (wtid == 0) {
+                                      release_prep(prev_b, false);
+                                      held = prev_st;
+                                    }
+                                  });
+        prev_st = st, prev_b = b, prev_start = start, prev_length = length;
+        return;
+      }
       state_step<P, T>(p, S, sm.gates[b], k_b, q_b, k_mn, ts, m, v, [&](typename P::template Frag<2 * kC>& acc) {
-        // O goes into the v tile: every warp has read its V^T (ldmatrix) before issuing the X'^T Ts^T
-        // wgmma, and a wgmma group completes only once all four warps have issued it
-        p.template stmatrix<T>(acc.d + kC / 2, ostage, true);    // O [c][v]
-        fence_async_smem();                       // for the TMA store, and before the next TMA load into it
-        named_sync(p.bar);
-        if (!kLast || length == kC) {             // a whole chunk: one TMA store (the box is the chunk's rows;
-          if (wtid == 0) {                        // rows past T, a middle chunk's only dead rows, are clipped)
-            cute::SM90_TMA_STORE_3D::copy(&tm_o, sm.v[st], vb * kVB, static_cast<int>(hv), static_cast<int>(start));
-            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-          }
-          return;
-        }
-        if constexpr (kLast) {                    // (a partial chunk is a sequence's last)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {           // the live rows only (the next sequence's follow them)
-            const int id = wtid + 128 * i, c = id >> 3, x = id & 7;
-            if (c < length) {
-              uint4 val;
-              asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                           : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(ostage + swz(c, x)) : "memory");
-              *reinterpret_cast<uint4*>(o + ((start + c) * HV + hv) * kV + vb * kVB + 8 * x) = val;
-            }
-          }
-          named_sync(p.bar);                      // every thread's reads of the tile done
-        }
+        store_o(acc.d + kC / 2, st, start, kLast ? length : kC);
       });
       if (wtid == 0) {
-        if (kPrepIn || mine) mbar_arrive(&sm.prepfree[b]);
-        if (kPrepIn || !mine) mbar_arrive_at(peer_addr(&sm.prepfree[b], peer));
+        release_prep(b, mine);
         held = st;                                // released at the next chunk (or below), once read
         if (kLast && length < kC) release_held();   // (no store in flight: wait_group.read returns at once)
+      }
+    };
+    // the state-only kernel: the last chunk's O (S final too)
+    auto flush = [&]() {
+      if constexpr (kPrepIn) {
+        p.wait_mma(S, wd);                        // (every path: S read below only after a wait)
+        if (nchunks > 0) {
+          state_step_last<P, T>(p, S, od, ud, wd, typename P::Smem{smem_u32(sm.mm[prev_b]), 0, true});
+          if (wtid == 0) release_held();          // (chunk nchunks - 2's stage: its store read)
+          store_o(od.d, prev_st, prev_start, prev_length);
+          if (wtid == 0) {
+            release_prep(prev_b, false);
+            held = prev_st;
+            if (prev_length < kC) release_held();
+          }
+        }
       }
     };
     // the chunks segment by segment (one segment unless the backward keeps their entering states: then
     // S^T is stored as each one starts, and the final state for the empty ones)
     const int segs = a.kept_entering ? a.kept_segments : 1, per = segment_slots(nchunks, segs);
     auto keep_entering = [&](int s) {
-      if (a.kept_entering) store_state<P>(S, a.kept_entering, (n * segs + s) * HV + hv, vb);
+      if constexpr (kPrepIn) p.wait_mma(S, wd);           // S's update done
+      if (!a.kept_entering) return;
+      store_state<P>(S, a.kept_entering, (n * segs + s) * HV + hv, vb);
     };
     int it = 0, s = 0;
     for (; s < segs && s * per < nchunks; ++s) {
@@ -345,6 +401,7 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
       for (; it < end; ++it) step(it, std::false_type{});
     }
     if (nchunks > 0) step(nchunks - 1, std::true_type{});
+    flush();
     for (; s < segs; ++s) keep_entering(s);
     if (wtid == 0) {
       release_held();

@@ -372,6 +372,64 @@ GDN_HD void state_step(P& p, typename P::template Frag<kK>& S, const Gates& gt,
   o_out(acc);
 }
 
+// The state step with O's last product and store deferred into the next step (the state-only kernel:
+// U^T M^T and the O store leave the chain). On entry the previous step's S update may be in flight (w, its A
+// operand, the caller's so that it lives until then); o = cq (S^T Q^T) of the previous chunk and u, its
+// U^T operand, are the caller's registers, m_prev its M tile: o += U^T M^T is issued first and, with prev,
+// prev_out(o) stores O^T [64 v, 64 c] once it has run, while this step's first products run. Without prev
+// (a sequence's first chunk) the caller passes u = 0 and any tile that nothing writes: the product is
+// issued on every path, because ptxas serializes every wgmma of the loop when one is issued under a
+// branch (C7514), and o is assigned below, not accumulated. On return this step's S update is in flight
+// (P::wait_mma(S, w) before the caller reads S), and o, u and m_b are this chunk's for the next step (or
+// state_step_last). The arithmetic is state_step's.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P, typename T, class PrevOut>
+GDN_HD void state_step_deferred(P& p, typename P::template Frag<kK>& S, typename P::template Frag<kC>& o,
+                                typename P::template Op<T, kC>& u, typename P::template Op<T, kC>& w, bool prev,
+                                const typename P::Smem& m_prev, const Gates& gt, const typename P::Smem& k_b,
+                                const typename P::Smem& q_b, const typename P::Smem& k_mn,
+                                const typename P::Smem& ts_b, const typename P::Smem& v_tile, PrevOut&& prev_out) {
+  p.wait_mma(S, w);                                  // S's update done
+  p.mma(o, u, m_prev);                               // the previous chunk's O^T = cq (S^T Q^T) + U^T M^T
+  typename P::template Frag<2 * kC> acc;             // [S^T K^T | S^T Q^T]
+  P::zero(acc);
+  auto s_op = p.template op<T, kK>(S, 1.f);
+  p.mma_lo_hi(acc, s_op, k_b, q_b);                 // S^T K^T, then S^T Q^T
+  p.template wait_mma_left<2>(o, u);                 // the previous O (the two just issued may run)
+  if (prev) prev_out(o);
+  p.wait_mma_lo(acc);
+  auto vt = p.vt(v_tile);                            // V^T [64 v, 64 c] fp32
+  P::for_each_lo(acc, vt, [&](int, int c, float& x, float v) {
+    x = gt.beta[c] * (v - gt.egk[c] * x);
+  });
+  {
+    auto x_op = p.template op_lo<T>(acc, 1.f);
+    p.mma_lo(acc, x_op, ts_b);
+    p.wait_mma(acc, s_op, x_op);
+  }
+  P::for_each_hi2(acc, o, [&](int, int c, float x, float& y) { y = x * gt.cq[c]; });
+  u = p.template op_lo<T>(acc, 1.f);
+  P::for_each_lo(acc, [&](int, int c, float& x) { x *= gt.wk[c]; });
+  w = p.template op_lo<T>(acc, 1.f);
+  P::for_each(S, [&](int, int, float& x) { x *= gt.eg_last; });
+  p.mma(S, w, k_mn);                                 // S^T <- e^gam_last S^T + ((w rk) U^T) K
+}
+
+// After a sequence's last state_step_deferred: its S update and O^T (o += U^T M^T, M the last chunk's m_b)
+// done, S and o final.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P, typename T>
+GDN_HD void state_step_last(P& p, typename P::template Frag<kK>& S, typename P::template Frag<kC>& o,
+                            typename P::template Op<T, kC>& u, typename P::template Op<T, kC>& w,
+                            const typename P::Smem& m_b) {
+  p.mma(o, u, m_b);
+  p.wait_mma(S, w, o, u);
+}
+
 // ---- the backward's dS step: one chunk, the dS warpgroup (the CTA's 64 value columns) ---------------
 // The rows of prep's gates [NC, HV, kGateRows, C] fp32 (gdn_packed/triton/common.py GATE_*, which
 // tests/test_cuda_chunk_bwd.py holds these to).

@@ -255,6 +255,12 @@ struct DevPolicy {
 #pragma unroll
     for (int i = 0; i < kC / 2; ++i) fn(row(i), col(i), f.d[kC / 2 + i]);
   }
+  // f's hi columns beside a 64-column tile g of the same rows and columns: fn(row, col, f_hi, g&)
+  template <class F>
+  static __device__ void for_each_hi2(Frag<2 * kC>& f, Frag<kC>& g, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < kC / 2; ++i) fn(row(i), col(i), f.d[kC / 2 + i], g.d[i]);
+  }
   template <int N>
   static __device__ void zero(Frag<N>& f) {
 #pragma unroll
@@ -373,6 +379,12 @@ struct DevPolicy {
   __device__ void wait_mma_lo(Frag<2 * kC>& acc) const {
     cute::warpgroup_wait<1>();
     fence_regs<kC / 2>(acc.d);
+  }
+  // wait for every issued group but the LEFT newest; the named tiles pinned past the wait (as wait_mma)
+  template <int LEFT, class... Tiles>
+  __device__ void wait_mma_left(Tiles&... tiles) const {
+    cute::warpgroup_wait<LEFT>();
+    (fence_tile(tiles), ...);
   }
   template <int N>
   static __device__ void fence_tile(Frag<N>& f) { fence_regs<N / 2>(f.d); }

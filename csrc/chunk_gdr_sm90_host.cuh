@@ -68,6 +68,11 @@ struct HostPolicy {
     for (int r = 0; r < kC; ++r)
       for (int c = 0; c < kC; ++c) fn(r, c, f.d[r * 2 * kC + kC + c]);
   }
+  template <class F>
+  static void for_each_hi2(Frag<2 * kC>& f, Frag<kC>& g, F&& fn) {
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < kC; ++c) fn(r, c, f.d[r * 2 * kC + kC + c], g.d[r * kC + c]);
+  }
   template <int N>
   static void zero(Frag<N>& f) {
     for (float& x : f.d) x = 0.f;
@@ -185,6 +190,8 @@ struct HostPolicy {
   template <class... Tiles>
   void wait_mma(const Tiles&...) { retire(0); }
   void wait_mma_lo(const Frag<2 * kC>&) { retire(1); }
+  template <int LEFT, class... Tiles>
+  void wait_mma_left(const Tiles&...) { retire(LEFT); }
 };
 
 // The checks both entry points make (P: ChunkSm90Params or ChunkBwdSm90Params; `who` names the entry point).

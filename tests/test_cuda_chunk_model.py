@@ -177,7 +177,7 @@ def test_report_rows_of_the_cuda_forward(facts):
     assert cuda_chunk.KERNEL not in names and names.index("chunk_fwd_prep_kernel") < names.index(cuda_chunk.STATE_KERNEL)
     (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.STATE_KERNEL]
     assert k["mode"] == "fwd" and k["ctas"] == 64 and k["spill_b"] == 0 and not k["error"]
-    assert k["loop_hgmma"] == 28 and k["loop_waits"] == 3           # the state warpgroup's loop only
+    assert k["loop_hgmma"] == 28 and k["loop_waits"] == 4           # the state warpgroup's loop only
     state = cuda_chunk.facts("bf16", M.CONSTANTS, "fwd_state")
     est = cuda_chunk.estimate(state, ANCHOR, "bf16", M.CONSTANTS, False, "fwd_state")
     assert math.isclose(k["est_us"], 1e6 * est["est_s"], abs_tol=0.1)
@@ -193,17 +193,19 @@ def test_report_rows_of_the_cuda_forward(facts):
 def test_the_state_only_kernels_roles_are_read_from_the_sass(facts, dtype):
     """The state-only kernel (chunk_gdr_fwd_sm90_state_kernel): the fused kernel's state loop (28 HGMMA in 3
     waits a chunk) and a producer loop holding the TMA loads, no prep loop; 168 launch registers, no
-    spill, the fused kernel's shared memory. Its estimate at the anchor: no prep FLOPs; its bytes read Ts or
-    M (multicast), the gate rows and chunk decay of every chunk in place of g, beta; its ring the loads'."""
+    spill, the fused kernel's shared memory; its state loop waits 4 times (the previous chunk's U^T M^T, issued
+    first, is waited for on its own before its O is stored). Its estimate at the anchor: no prep FLOPs; its
+    bytes read Ts or M (multicast), the gate rows and chunk decay of every chunk in place of g, beta; its
+    ring the loads' with one step of slack (a stage is released a step later: O stored in the next step)."""
     f = cuda_chunk.facts(dtype, M.CONSTANTS, "fwd_state")
     assert not f.error, f.error
     assert f.spill == 0 and f.regs == facts[dtype].regs and f.smem == facts[dtype].smem
     assert set(f.loops) == {"state", "producer"}
     s = f.loops["state"]
-    assert (s["hgmma"], s["waits"], s["shapes"]) == (28, 3, facts[dtype].loops["state"]["shapes"])
-    d8, _ = cuda_chunk.cta_cycles(f, 8, M.CONSTANTS)
+    assert (s["hgmma"], s["waits"], s["shapes"]) == (28, 4, facts[dtype].loops["state"]["shapes"])
+    d8, _ = cuda_chunk.cta_cycles(f, 8, M.CONSTANTS, "fwd_state")
     pr = f.loops["producer"]
-    assert math.isclose(d8, max(8 * s["cycles"], 8 * M.CONSTANTS.lat.ldg / 2, 8 * pr["cycles"],
+    assert math.isclose(d8, max(8 * s["cycles"], 8 * M.CONSTANTS.lat.ldg / 1, 8 * pr["cycles"],
                                 8 * (s["instr"] + pr["instr"]), 8 * s["mma_cycles"]))
     fused = cuda_chunk.estimate(facts[dtype], ANCHOR, dtype, M.CONSTANTS, False)
     est = cuda_chunk.estimate(f, ANCHOR, dtype, M.CONSTANTS, False, "fwd_state")

@@ -383,12 +383,15 @@ def _smem_bytes(phase="fwd"):
 NO_PREP = dict(cycles=0.0, instr=0.0, mma_cycles=0.0, hgmma=0, waits=0)   # the loops of a kernel without prep
 
 
-def cta_cycles(f, n, const):
+def cta_cycles(f, n, const, phase="fwd"):
     """D(n): one CTA's cycles over n chunks (module docstring), and the term that bounds it. Without a prep
     loop (the state-only kernel, the dS kernel) the ring is the producer's loads alone: a stage is
-    reloaded once both CTAs' state (dS) steps released it and must land ldg later, STAGES - 1 steps on."""
+    reloaded once both CTAs' state (dS) steps released it and must land ldg later, STAGES - 1 steps on
+    (the state-only kernel: STAGES - 2, since it stores a chunk's O in the next step and releases the stage
+    after that store has read it)."""
     s, p, pr = f.loops["state"], f.loops.get("prep", NO_PREP), f.loops["producer"]
-    terms = dict(state=n * s["cycles"], ring=n * (const.lat.ldg + p["cycles"]) / (STAGES - 1),
+    slack = STAGES - 2 if phase == "fwd_state" else STAGES - 1
+    terms = dict(state=n * s["cycles"], ring=n * (const.lat.ldg + p["cycles"]) / slack,
                  producer=n * pr["cycles"],
                  issue=n * (s["instr"] + p["instr"] / 2 + pr["instr"]),
                  mma=n * (s["mma_cycles"] + p["mma_cycles"] / 2))
@@ -415,7 +418,7 @@ def estimate(f, dims, dtype, const, kept=False, phase="fwd"):
     esize, C = 2, M.CHUNK
     ctas = 2 * HV * N
     n = -(-L // C)
-    d, bound = cta_cycles(f, n, const)
+    d, bound = cta_cycles(f, n, const, phase)
     fill = const.lat.ldg + f.loops.get("prep", NO_PREP)["cycles"]      # chunk 0 loaded (and prepped) before step 0
     t_lat = M._schedule([d + fill] * ctas, NUM_SMS) / CLOCK_HZ
     # tiles per CTA: the K-half of k and of q it multicasts to the cluster (one read from L2 for both CTAs),
@@ -546,7 +549,7 @@ def row(name, dims, dtype, const, launch=None):
                 spill_b=f.spill, ctas_per_sm=1, waves=math.ceil(est["ctas"] / NUM_SMS),
                 loop_hgmma=s["hgmma"] + p["hgmma"] / 2, loop_instr=round(s["instr"] + p["instr"] / 2),
                 loop_waits=s["waits"] + p["waits"] / 2, loop_bars="",
-                step_cycles=round(cta_cycles(f, n, const)[0] / n),   # a chunk step
+                step_cycles=round(cta_cycles(f, n, const, phase)[0] / n),   # a chunk step
                 step_stalls={k: round(v) for k, v in s["stalls"].items()},
                 hbm_gb=float(f"{est['hbm_bytes'] / 1e9:.4g}"), gflop=round(est["flops"] / 1e9, 2),
                 lat_us=us(est["t_lat"]), bytes_us=us(est["t_mem"]), flops_us=us(est["t_tc"]), smem_us=us(est["t_smem"]),
