@@ -159,18 +159,8 @@ chunk_gdr_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
                 cute::SM90_TMA_STORE_3D::copy(&tm_dv, sm.dv, vb * kVB, static_cast<int>(hv), static_cast<int>(start));
               asm volatile("cp.async.bulk.commit_group;" ::: "memory");
             }
-            if (kFirst && length < kC) {                 // the live rows only (the next sequence's follow them)
-#pragma unroll
-              for (int i = 0; i < 4; ++i) {
-                const int id = wtid + 128 * i, c = id >> 3, x = id & 7;
-                if (c < length) {
-                  uint4 val;
-                  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                               : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(dvs + swz(c, x)) : "memory");
-                  *reinterpret_cast<uint4*>(dv + ((start + c) * HV + hv) * kV + vb * kVB + 8 * x) = val;
-                }
-              }
-            }
+            if (kFirst && length < kC)                   // the live rows only (the next sequence's follow them)
+              store_live_rows(dvs, dv + (start * HV + hv) * kV + vb * kVB, HV * kV, length, wtid);
           },
           [&] {                                          // in the dS update's shadow: the stores have read the
             if (wtid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");   // staging (and the

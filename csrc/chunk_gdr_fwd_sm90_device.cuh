@@ -300,16 +300,7 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
         }
         return;
       }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int id = wtid + 128 * i, c = id >> 3, x = id & 7;
-        if (c < length) {
-          uint4 val;
-          asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                       : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(ostage + swz(c, x)) : "memory");
-          *reinterpret_cast<uint4*>(o + ((start + c) * HV + hv) * kV + vb * kVB + 8 * x) = val;
-        }
-      }
+      store_live_rows(ostage, o + (start * HV + hv) * kV + vb * kVB, HV * kV, length, wtid);
       named_sync(p.bar);                          // every thread's reads of the tile done
     };
     // the state-only kernel's chunk j - 1 finished in step j (state_step_deferred): its O^T, the A operands

@@ -334,6 +334,24 @@ GDN_HD void prep_chunk(P& p, const typename P::Smem& q_t, const typename P::Smem
 // The recurrence's chain is S^T K^T -> X'^T -> X'^T Ts^T -> U^T -> the update U K; S^T Q^T and U^T M^T
 // only feed O. S^T Q^T is its own group, issued after S^T K^T and waited for with X'^T Ts^T, so the
 // tensor pipe runs it while the warps form X'^T.
+// U^T = X'^T + X'^T Ts^T in acc's columns 0..63, X'^T = beta (V^T - egk S^T K^T), once the group of S^T K^T
+// (acc's lo columns, from s_op) has run; on return every group has (S^T Q^T too).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P, typename T>
+GDN_HD void u_of_chunk(P& p, typename P::template Frag<2 * kC>& acc, typename P::template Op<T, kK>& s_op,
+                       const Gates& gt, const typename P::Smem& ts_b, const typename P::Smem& v_tile) {
+  p.wait_mma_lo(acc);
+  auto vt = p.vt(v_tile);                            // V^T [64 v, 64 c] fp32
+  P::for_each_lo(acc, vt, [&](int, int c, float& x, float v) {
+    x = gt.beta[c] * (v - gt.egk[c] * x);
+  });
+  auto x_op = p.template op_lo<T>(acc, 1.f);
+  p.mma_lo(acc, x_op, ts_b);
+  p.wait_mma(acc, s_op, x_op);
+}
+
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
@@ -346,17 +364,7 @@ GDN_HD void state_step(P& p, typename P::template Frag<kK>& S, const Gates& gt,
   P::zero(acc);
   auto s_op = p.template op<T, kK>(S, 1.f);
   p.mma_lo_hi(acc, s_op, k_b, q_b);                 // S^T K^T, then S^T Q^T (for O: in flight until
-  p.wait_mma_lo(acc);                                // X'^T Ts^T's wait)
-  auto vt = p.vt(v_tile);                            // V^T [64 v, 64 c] fp32
-  // X'^T in columns 0..63, then U^T = X'^T + X'^T Ts^T accumulated in place
-  P::for_each_lo(acc, vt, [&](int, int c, float& x, float v) {
-    x = gt.beta[c] * (v - gt.egk[c] * x);
-  });
-  {
-    auto x_op = p.template op_lo<T>(acc, 1.f);
-    p.mma_lo(acc, x_op, ts_b);
-    p.wait_mma(acc, s_op, x_op);
-  }
+  u_of_chunk<P, T>(p, acc, s_op, gt, ts_b, v_tile);  // X'^T Ts^T's wait)
   // O^T = cq (S^T Q^T) + U^T M^T in columns 64..127
   P::for_each_hi(acc, [&](int, int c, float& x) { x *= gt.cq[c]; });
   {
@@ -399,16 +407,7 @@ GDN_HD void state_step_deferred(P& p, typename P::template Frag<kK>& S, typename
   p.mma_lo_hi(acc, s_op, k_b, q_b);                 // S^T K^T, then S^T Q^T
   p.template wait_mma_left<2>(o, u);                 // the previous O (the two just issued may run)
   if (prev) prev_out(o);
-  p.wait_mma_lo(acc);
-  auto vt = p.vt(v_tile);                            // V^T [64 v, 64 c] fp32
-  P::for_each_lo(acc, vt, [&](int, int c, float& x, float v) {
-    x = gt.beta[c] * (v - gt.egk[c] * x);
-  });
-  {
-    auto x_op = p.template op_lo<T>(acc, 1.f);
-    p.mma_lo(acc, x_op, ts_b);
-    p.wait_mma(acc, s_op, x_op);
-  }
+  u_of_chunk<P, T>(p, acc, s_op, gt, ts_b, v_tile);
   P::for_each_hi2(acc, o, [&](int, int c, float x, float& y) { y = x * gt.cq[c]; });
   u = p.template op_lo<T>(acc, 1.f);
   P::for_each_lo(acc, [&](int, int c, float& x) { x *= gt.wk[c]; });

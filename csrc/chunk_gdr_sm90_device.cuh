@@ -129,6 +129,22 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(mbar)) : "memory");
 }
 
+// rows c < length of a staged [64 rows, 64 columns] 16-bit tile (128B-swizzled, at shared address tile) to
+// dst (row c at dst + c * ld elements, 64 contiguous columns), by a warpgroup's 128 threads, 16 bytes at a
+// time: a partial chunk's live rows (the next sequence's follow them)
+template <typename T>
+__device__ __forceinline__ void store_live_rows(uint32_t tile, T* dst, int64_t ld, int length, int wtid) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int id = wtid + 128 * i, c = id >> 3, x = id & 7;
+    if (c < length) {
+      uint4 val;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(tile + swz(c, x)) : "memory");
+      *reinterpret_cast<uint4*>(dst + c * ld + 8 * x) = val;
+    }
+  }
+}
 __device__ __forceinline__ void mbar_expect_tx(uint64_t* b, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)), "r"(bytes) : "memory");
 }
