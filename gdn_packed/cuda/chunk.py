@@ -62,8 +62,8 @@ def prep_first(N, HV, sms):
     SMs) and then the state-only kernel on its outputs, rather than the fused kernel (whose 2 HV N CTAs
     each prep half their chunks themselves): where those CTAs would leave at least half of the SMs idle.
     There prep's work moves off the sequential chain onto the idle SMs; where the CTAs fill the GPU it
-    would only add prep's pass (bench/NOTES.md, "The state-only kernel": the anchor, 64 CTAs on 132 SMs,
-    1077 -> ~960 us in the model; 4 x 8192, 256 CTAs: fused 536 against ~720)."""
+    would only add prep's pass (bench/NOTES.md, "The state-only kernel", in the model: the anchor, 64 CTAs
+    on 132 SMs, fused 1070 us against 233 + 623; 2 x 16384, 128 CTAs, fused 537 against 233 + 452)."""
     return 2 * HV * N <= sms // 2
 
 
