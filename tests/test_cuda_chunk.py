@@ -187,6 +187,17 @@ def test_prep_first_where_the_fused_kernel_leaves_half_the_sms_idle():
     assert _triton_prep(torch.device("cpu"), 1, 1, None) is None and _triton_prep(torch.device("cpu"), 1, 1, False) is None
 
 
+def test_forced_triton_prep_names_why_it_cannot_run(monkeypatch):
+    """triton_prep=True where Triton prep cannot run (CPU tensors without the interpreter) is a RuntimeError
+    with Triton's reason, not an error from inside Triton."""
+    pytest.importorskip("triton", reason="Triton is not installed (the two-kernel forward needs it)")
+    from gdn_packed.cuda.chunk import _triton_prep
+    from gdn_packed.ops import _common
+    monkeypatch.setattr(_common, "triton_usable", lambda device: "no interpreter (test)")
+    with pytest.raises(RuntimeError, match=r"triton_prep=True: Triton prep cannot run here: no interpreter \(test\)"):
+        _triton_prep(torch.device("cpu"), 1, 1, True)
+
+
 # ---- backend="cuda" of the op: dispatch, refusals, autograd through the Triton backward --------------
 
 def test_cuda_backend_refuses_what_its_kernel_does_not_take():

@@ -189,6 +189,9 @@ def _triton_prep(device, N, HV, force):
         return None
     if force is None and not prep_first(N, HV, num_sms(device)):
         return None
+    from gdn_packed.ops._common import triton_usable
+    if triton_usable(device):                       # (CPU tensors without the interpreter)
+        raise RuntimeError(f"triton_prep=True: Triton prep cannot run here: {triton_usable(device)}")
 
     def run(q, k, v, g, beta, table, HV, scale, l2norm, A_log, dt_bias, out):
         if A_log is not None:
