@@ -188,14 +188,16 @@ def test_prep_first_where_the_fused_kernel_leaves_half_the_sms_idle():
 
 
 def test_forced_triton_prep_names_why_it_cannot_run(monkeypatch):
-    """triton_prep=True where Triton prep cannot run (CPU tensors without the interpreter) is a RuntimeError
-    with Triton's reason, not an error from inside Triton."""
+    """triton_prep=True on CPU tensors without the Triton interpreter is a RuntimeError saying so, not an
+    error from inside Triton; the rule (triton_prep=None) never picks it there, and on other devices (the
+    sm_90 report's meta tensors) it is not refused."""
     pytest.importorskip("triton", reason="Triton is not installed (the two-kernel forward needs it)")
     from gdn_packed.cuda.chunk import _triton_prep
-    from gdn_packed.ops import _common
-    monkeypatch.setattr(_common, "triton_usable", lambda device: "no interpreter (test)")
-    with pytest.raises(RuntimeError, match=r"triton_prep=True: Triton prep cannot run here: no interpreter \(test\)"):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match=r"triton_prep=True on CPU tensors .* TRITON_INTERPRET=1"):
         _triton_prep(torch.device("cpu"), 1, 1, True)
+    assert _triton_prep(torch.device("cpu"), 1, 1, None) is None
+    assert _triton_prep(torch.device("meta"), 1, 32, None) is not None      # 64 CTAs <= 132 / 2
 
 
 # ---- backend="cuda" of the op: dispatch, refusals, autograd through the Triton backward --------------
