@@ -600,6 +600,22 @@ def _case_cuda_chunk(dev, skipped):
     return ran
 
 
+def _fused_forward(call):
+    """call (a bench.gdr provider) with backend='cuda''s fused forward kernel forced."""
+    def run(*args, **kw):
+        with _forward_kernel(False):
+            return call(*args, **kw)
+    return run
+
+
+def _prep_first(N, HV, dev):
+    """Whether backend='cuda' runs Triton prep and the state-only kernel for N sequences of HV heads on dev."""
+    import torch
+
+    from gdn_packed.cuda.chunk import prep_first
+    return prep_first(N, HV, torch.cuda.get_device_properties(dev).multi_processor_count)
+
+
 @contextlib.contextmanager
 def _forward_kernel(state_only):
     """backend="cuda"'s forward kernel forced for the block: the fused one (False) or Triton prep and the
@@ -652,7 +668,9 @@ PROFILE_SHAPES = [("1x32768", [32768]), ("4x8192", [8192] * 4), ("32x1024", [102
 
 def case_profile(csv_path=None, providers=None, shapes=None):
     """Each kernel's device time, per call of the chunked op, at the sm_90 model's three shapes (bf16,
-    16/32 heads, K = V = 128): ours-triton, ours-cuda and fla, forward (no grad) and backward (the
+    16/32 heads, K = V = 128): ours-triton, ours-cuda, ours-cuda-fused (backend='cuda' with the fused
+    forward kernel forced, at the shapes where prep_first picks Triton prep and the state-only kernel for
+    ours-cuda: the comparison that sets its threshold) and fla, forward (no grad) and backward (the
     autograd backward alone, from a kept graph), under torch.profiler: 2 warm-up calls, 3 profiled,
     each kernel's time / 3; the configs FLA's autotuner chose (autotuned_configs) in the result. Rows go to csv_path as each (shape, provider, mode) finishes (an out-of-time
     stop keeps what ran); a '(all kernels)' row per (shape, provider, mode) holds their sum and the
@@ -668,14 +686,15 @@ def case_profile(csv_path=None, providers=None, shapes=None):
     if gpu:
         os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"   # FLA's own kernels, not FlashQLA's
         shapes = [x for x in PROFILE_SHAPES if shapes is None or x[0] in shapes.split(",")]
-        providers = (providers or _gpu_providers(os.environ.get(HUNG_ENV) == "1")).split(",")
+        hung = os.environ.get(HUNG_ENV) == "1"
+        providers = (providers or _gpu_providers(hung).replace("ours-cuda", "ours-cuda,ours-cuda-fused")).split(",")
         H, HV, K = 16, 32, 128
         dtype, activity, kind = torch.bfloat16, ProfilerActivity.CUDA, torch.autograd.DeviceType.CUDA
     else:
         shapes, providers, (H, HV, K) = [("1x96", [96])], ["ours-torch"], (1, 2, 32)
         dtype, activity, kind = torch.float32, ProfilerActivity.CPU, torch.autograd.DeviceType.CPU
     calls = {"ours-triton": gdr.ours("triton"), "ours-cuda": gdr.ours("cuda"), "fla": gdr.fla,
-             "ours-torch": gdr.ours("torch")}
+             "ours-torch": gdr.ours("torch"), "ours-cuda-fused": _fused_forward(gdr.ours("cuda"))}
     fields = ["shape", "provider", "mode", "kernel", "calls", "us"]
     f = open(csv_path or os.devnull, "w", newline="")
     w = csv.DictWriter(f, fieldnames=fields)
@@ -683,6 +702,8 @@ def case_profile(csv_path=None, providers=None, shapes=None):
     done, failed, skipped = [], [], []
     for shape, lengths in shapes:
         for name in providers:
+            if name == "ours-cuda-fused" and not _prep_first(len(lengths), HV, dev):
+                continue                          # (ours-cuda runs the fused kernel there already)
             try:
                 xs, cu = gdr.make_inputs(H, HV, K, K, lengths, dtype, dev, requires_grad=True)
                 call = calls[name]
