@@ -234,3 +234,27 @@ def test_plugin_times_a_test_out_and_writes_one_row_per_test(suite):
     assert rows["test_devicey.py::test_uses_dev"]["outcome"] == "passed"
     assert set(rows) == {"test_devicey.py::test_sleeps", "test_devicey.py::test_uses_dev",
                          "test_plain.py::test_gpu_reason_runs_here", "test_via_helper.py::test_helper"}
+
+
+def test_fused_forward_forces_the_fused_kernel_for_its_call_only(monkeypatch):
+    """The profile's ours-cuda-fused provider: the call sees gdn_packed.cuda.chunk.prep_first answer False
+    (backend='cuda' runs the fused forward kernel), and the rule is back as it was after the call, also
+    when the call raises."""
+    monkeypatch.syspath_prepend(TOOLS)
+    import gpu_check
+
+    from gdn_packed.cuda import chunk as cuda_chunk
+    rule = cuda_chunk.prep_first
+    seen = []
+
+    def call(x):
+        seen.append(cuda_chunk.prep_first(1, 32, 132))
+        if x == "raise":
+            raise ValueError("from the call")
+        return x
+
+    fused = gpu_check._fused_forward(call)
+    assert fused("ok") == "ok" and seen == [False] and cuda_chunk.prep_first is rule
+    with pytest.raises(ValueError, match="from the call"):
+        fused("raise")
+    assert seen == [False, False] and cuda_chunk.prep_first is rule and rule(1, 32, 132)
