@@ -146,7 +146,7 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
   Gates gates;
   auto S = std::make_unique<typename P::template Frag<kK>[]>(kVBlocks);
   // the state-only kernel's deferred output per V-block (state_step_deferred): its own group queue, the
-  // previous chunk's O^T and the A operands in flight (u = 0 before the first chunk)
+  // previous chunk's O^T and U^T (u = 0 before the first chunk), its S update's A operand
   const bool deferred = a.prep_ts != nullptr;
   auto ps = std::make_unique<P[]>(kVBlocks);
   auto od = std::make_unique<typename P::template Frag<kC>[]>(kVBlocks);

@@ -303,8 +303,9 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
       store_live_rows(ostage, o + (start * HV + hv) * kV + vb * kVB, HV * kV, length, wtid);
       named_sync(p.bar);                          // every thread's reads of the tile done
     };
-    // the state-only kernel's chunk j - 1 finished in step j (state_step_deferred): its O^T, the A operands
-    // of its last two groups (in flight across the step boundary), and where it goes
+    // the state-only kernel's chunk j - 1 finished in step j (state_step_deferred): its O^T and U^T (the
+    // next step's first product), the A operand of its S update (in flight across the step boundary), and
+    // where its O goes
     typename P::template Frag<kC> od{};
     typename P::template Op<T, kC> ud{}, wd{};          // (ud = 0 before the first chunk)
     int prev_st = 0, prev_b = 0, prev_length = 0;

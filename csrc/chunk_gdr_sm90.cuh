@@ -327,13 +327,6 @@ GDN_HD void prep_chunk(P& p, const typename P::Smem& q_t, const typename P::Smem
 }
 
 // ---- the state step: one chunk, the state warpgroup (the CTA's 64 value columns) -------------------
-// S: S^T [64 v, K] fp32 (accumulator layout). k_b, q_b: K and Q rows as K-major B operands of N = 64;
-// k_mn: K as the MN-major B operand [c, K]; ts_b, m_b: Ts and M [c][c'] as K-major B operands; vt: the
-// v tile for P::vt. o_out(frag): the caller stores O^T [64 v, 64 c] (cols 64..127 of the frag), live
-// rows only.
-// The recurrence's chain is S^T K^T -> X'^T -> X'^T Ts^T -> U^T -> the update U K; S^T Q^T and U^T M^T
-// only feed O. S^T Q^T is its own group, issued after S^T K^T and waited for with X'^T Ts^T, so the
-// tensor pipe runs it while the warps form X'^T.
 // U^T = X'^T + X'^T Ts^T in acc's columns 0..63, X'^T = beta (V^T - egk S^T K^T), once the group of S^T K^T
 // (acc's lo columns, from s_op) has run; on return every group has (S^T Q^T too).
 #if defined(__CUDACC__)
@@ -352,6 +345,13 @@ GDN_HD void u_of_chunk(P& p, typename P::template Frag<2 * kC>& acc, typename P:
   p.wait_mma(acc, s_op, x_op);
 }
 
+// S: S^T [64 v, K] fp32 (accumulator layout). k_b, q_b: K and Q rows as K-major B operands of N = 64;
+// k_mn: K as the MN-major B operand [c, K]; ts_b, m_b: Ts and M [c][c'] as K-major B operands; vt: the
+// v tile for P::vt. o_out(frag): the caller stores O^T [64 v, 64 c] (cols 64..127 of the frag), live
+// rows only.
+// The recurrence's chain is S^T K^T -> X'^T -> X'^T Ts^T -> U^T -> the update U K; S^T Q^T and U^T M^T
+// only feed O. S^T Q^T is its own group, issued after S^T K^T and waited for with X'^T Ts^T, so the
+// tensor pipe runs it while the warps form X'^T.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif

@@ -27,7 +27,8 @@ so time an early step leaves is given to the later ones and the whole run ends i
   bench      python -m bench on the GPU suite's headline cases (one invocation each, merged);
              ours against fla-core where importable; dry run: a tiny CPU case
   profile    each kernel's device time (torch.profiler) at the sm_90 model's three shapes, ours-triton,
-             ours-cuda and fla, forward and backward: what `python -m bench kernels` estimates per kernel
+             ours-cuda (and ours-cuda-fused where ours-cuda runs Triton prep and the state-only kernel) and
+             fla, forward and backward: what `python -m bench kernels` estimates per kernel
   ncu        Nsight Compute on one launch of each of our chunk-parallel kernels and the state pass at
              the anchor (memory throughput, stall reasons, occupancy); dry run: skipped
 Files in --out (at most 8, one folder): summary.csv, summary.json, gpu_check.log (every step's
