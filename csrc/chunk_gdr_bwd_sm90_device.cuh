@@ -144,7 +144,11 @@ chunk_gdr_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
           [&](typename P::template Frag<kC>& dx, const float* beta) {
             p.template stmatrix<T>(dx.d, dxp, false);
             typename P::template Frag<kC> b;             // dv = beta dX', [c][v]
-            P::for_each2(b, dx, [&](int, int c, float& y, float x) { y = x * beta[c]; });
+            P::for_each2_pair(b, dx, [&](int, int c, float& y0, float& y1, float x0, float x1) {
+              const float2 s = col2(beta, c);
+              y0 = x0 * s.x;
+              y1 = x1 * s.y;
+            });
             p.template stmatrix<T>(b.d, dvs, true);
             fence_async_smem();                          // the staging, for the TMA stores
             named_sync(p.bar);

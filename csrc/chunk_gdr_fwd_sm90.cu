@@ -228,8 +228,9 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
         continue;
       }
       state_step<P, T>(p, S[wg], gates, k_b, q_a, k_mn, ts_s, m_s, v_t, [&](typename P::template Frag<2 * kC>& acc) {
-        P::for_each_hi(acc, [&](int r, int c, float& x) {
-          if (c < length) o[((start + c) * HV + hv) * kV + wg * kVB + r] = from_f<T>(x);
+        P::for_each_hi_pair(acc, [&](int r, int c, float& x0, float& x1) {
+          if (c < length) o[((start + c) * HV + hv) * kV + wg * kVB + r] = from_f<T>(x0);
+          if (c + 1 < length) o[((start + c + 1) * HV + hv) * kV + wg * kVB + r] = from_f<T>(x1);
         });
       });
     }

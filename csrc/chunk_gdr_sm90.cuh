@@ -18,7 +18,9 @@
 //   P::Frag<N>            a 64 x N fp32 tile: on the device the thread's share in the wgmma accumulator
 //                         layout, on the host all of it; P::for_each(f, (row, col, value&)) visits it,
 //                         P::for_each_pair(f, (row, col, v0&, v1&)) its pairs (row, col), (row, col + 1)
-//                         with col even, P::for_each_pair2 two tiles' pairs
+//                         with col even, P::for_each_pair2 / for_each2_pair two tiles' pairs, and
+//                         for_each_lo_pair / hi_pair / hi2_pair those of a 64 x 128 tile's column halves
+//                         (a pair's two gate columns are one 8-byte load: col2)
 //   P::Op<T, KD>          a 64 x KD A operand in registers (the fp32 tile rounded to T, times a sign)
 //   P::mma(acc, a, b)     acc += a B, B a [KD, N] tile in shared memory (P::Smem: K-major or MN-major);
 //                         issued only: P::wait_mma(tiles...) waits for every product issued, and the
@@ -71,7 +73,7 @@ constexpr int kStrip = 8;      // rows of a strip of the gate sums (8 strips a c
 constexpr int kStrips = kC / kStrip;
 
 // Per chunk, what prep leaves in shared memory for the state warpgroup (besides Ts and M).
-struct Gates {
+struct alignas(16) Gates {   // (16: col2 reads a row's pairs as one 8-byte load)
   float beta[kC];        // beta (0 on dead rows)
   float egk[kC];         // e^gam rk
   float cq[kC];          // scale e^gam rq
@@ -201,6 +203,13 @@ GDN_HD void gate_factors(PrepScratch& s, int r, int length, float scale, bool l2
 // float pairs at an 8-byte aligned address
 GDN_HD float2 load2(const float* src) { return *reinterpret_cast<const float2*>(src); }
 GDN_HD void store2(float* dst, float x, float y) { *reinterpret_cast<float2*>(dst) = float2{x, y}; }
+// gate columns c, c + 1 (c even) of a row of 64 (8-byte aligned): one load where a thread's accumulator
+// columns come in pairs, half the shared-memory wavefronts of two scalar loads
+GDN_HD float2 col2(const float* row, int c) { return load2(row + c); }
+GDN_HD void scale2(float& x0, float& x1, float2 s) {
+  x0 *= s.x;
+  x1 *= s.y;
+}
 
 // A and M at (r, c) and (r, c + 1), c even, in place (kk, qk: the Gram products there): with
 // E_rc = exp(sum of g over (c, r]) for c <= r on live rows, else 0 (every table entry read is defined, so
@@ -337,8 +346,10 @@ GDN_HD void u_of_chunk(P& p, typename P::template Frag<2 * kC>& acc, typename P:
                        const Gates& gt, const typename P::Smem& ts_b, const typename P::Smem& v_tile) {
   p.wait_mma_lo(acc);
   auto vt = p.vt(v_tile);                            // V^T [64 v, 64 c] fp32
-  P::for_each_lo(acc, vt, [&](int, int c, float& x, float v) {
-    x = gt.beta[c] * (v - gt.egk[c] * x);
+  P::for_each_lo_pair(acc, vt, [&](int, int c, float& x0, float& x1, float v0, float v1) {
+    const float2 b = col2(gt.beta, c), e = col2(gt.egk, c);
+    x0 = b.x * (v0 - e.x * x0);
+    x1 = b.y * (v1 - e.y * x1);
   });
   auto x_op = p.template op_lo<T>(acc, 1.f);
   p.mma_lo(acc, x_op, ts_b);
@@ -366,12 +377,12 @@ GDN_HD void state_step(P& p, typename P::template Frag<kK>& S, const Gates& gt,
   p.mma_lo_hi(acc, s_op, k_b, q_b);                 // S^T K^T, then S^T Q^T (for O: in flight until
   u_of_chunk<P, T>(p, acc, s_op, gt, ts_b, v_tile);  // X'^T Ts^T's wait)
   // O^T = cq (S^T Q^T) + U^T M^T in columns 64..127
-  P::for_each_hi(acc, [&](int, int c, float& x) { x *= gt.cq[c]; });
+  P::for_each_hi_pair(acc, [&](int, int c, float& x0, float& x1) { scale2(x0, x1, col2(gt.cq, c)); });
   {
     auto u_op = p.template op_lo<T>(acc, 1.f);
     p.mma_hi(acc, u_op, m_b);
     // S^T <- e^gam_last S^T + ((w rk) U^T) K, issued before the wait of the output product
-    P::for_each_lo(acc, [&](int, int c, float& x) { x *= gt.wk[c]; });
+    P::for_each_lo_pair(acc, [&](int, int c, float& x0, float& x1) { scale2(x0, x1, col2(gt.wk, c)); });
     auto w_op = p.template op_lo<T>(acc, 1.f);
     P::for_each(S, [&](int, int, float& x) { x *= gt.eg_last; });
     p.mma(S, w_op, k_mn);
@@ -408,9 +419,13 @@ GDN_HD void state_step_deferred(P& p, typename P::template Frag<kK>& S, typename
   p.template wait_mma_left<2>(o, u);                 // the previous O (the two just issued may run)
   if (prev) prev_out(o);
   u_of_chunk<P, T>(p, acc, s_op, gt, ts_b, v_tile);
-  P::for_each_hi2(acc, o, [&](int, int c, float x, float& y) { y = x * gt.cq[c]; });
+  P::for_each_hi2_pair(acc, o, [&](int, int c, float x0, float x1, float& y0, float& y1) {
+    const float2 s = col2(gt.cq, c);
+    y0 = x0 * s.x;
+    y1 = x1 * s.y;
+  });
   u = p.template op_lo<T>(acc, 1.f);
-  P::for_each_lo(acc, [&](int, int c, float& x) { x *= gt.wk[c]; });
+  P::for_each_lo_pair(acc, [&](int, int c, float& x0, float& x1) { scale2(x0, x1, col2(gt.wk, c)); });
   w = p.template op_lo<T>(acc, 1.f);
   P::for_each(S, [&](int, int, float& x) { x *= gt.eg_last; });
   p.mma(S, w, k_mn);                                 // S^T <- e^gam_last S^T + ((w rk) U^T) K
@@ -512,7 +527,11 @@ GDN_HD void dstate_step(P& p, typename P::template Frag<kK>& dS, const float* ga
     p.mma2(dm, do_op, m_mn, du, ds_op, k_b);
     p.wait_mma(du, dm, ds_op, do_op);
   }
-  P::for_each2(du, dm, [&](int, int c, float& x, float y) { x = x * wk[c] + y; });    // dU^T
+  P::for_each2_pair(du, dm, [&](int, int c, float& x0, float& x1, float y0, float y1) {     // dU^T
+    const float2 w = col2(wk, c);
+    x0 = x0 * w.x + y0;
+    x1 = x1 * w.y + y1;
+  });
   {                                                  // dX'^T = dU^T + dU^T Ts, in place
     auto du_op = p.template op<T, kC>(du, 1.f);
     p.mma(du, du_op, ts_mn);
@@ -521,11 +540,11 @@ GDN_HD void dstate_step(P& p, typename P::template Frag<kK>& dS, const float* ga
   dx_out(du, beta);
   // dS^T <- egL dS^T + (dO^T egq) Q - (dX'^T begk) K, the gated dO^T as its rounded value and its rounding
   // error (two operands of one K-dimension each)
-  P::for_each(gdo, [&](int, int c, float& x) { x *= egq[c]; });
+  P::for_each_pair(gdo, [&](int, int c, float& x0, float& x1) { scale2(x0, x1, col2(egq, c)); });
   auto hi = p.template op<T, kC>(gdo, 1.f);
   P::for_each(gdo, [&](int, int, float& x) { x -= to_f(from_f<T>(x)); });
   auto lo = p.template op<T, kC>(gdo, 1.f);
-  P::for_each(du, [&](int, int c, float& x) { x *= begk[c]; });
+  P::for_each_pair(du, [&](int, int c, float& x0, float& x1) { scale2(x0, x1, col2(begk, c)); });
   auto dx_op = p.template op<T, kC>(du, -1.f);
   P::for_each(dS, [&](int, int, float& x) { x *= eg_last; });
   p.mma(dS, hi, q_mn);

@@ -240,11 +240,6 @@ struct DevPolicy {
 #pragma unroll
     for (int i = 0; i < N / 2; ++i) fn(row(i), col(i), f.d[i]);
   }
-  template <int N, class F>
-  static __device__ void for_each2(Frag<N>& f, Frag<N>& g, F&& fn) {
-#pragma unroll
-    for (int i = 0; i < N / 2; ++i) fn(row(i), col(i), f.d[i], g.d[i]);
-  }
   // the accumulator layout's pairs: elements 2j, 2j + 1 are (row, col), (row, col + 1), col even
   template <int N, class F>
   static __device__ void for_each_pair(Frag<N>& f, F&& fn) {
@@ -256,26 +251,32 @@ struct DevPolicy {
 #pragma unroll
     for (int i = 0; i < N / 2; i += 2) fn(row(i), col(i), f.d[i], f.d[i + 1], g.d[i], g.d[i + 1]);
   }
-  template <class F>
-  static __device__ void for_each_lo(Frag<2 * kC>& f, Frag<kC>& v, F&& fn) {
+  template <int N, class F>
+  static __device__ void for_each2_pair(Frag<N>& f, Frag<N>& g, F&& fn) {
 #pragma unroll
-    for (int i = 0; i < kC / 2; ++i) fn(row(i), col(i), f.d[i], v.d[i]);
+    for (int i = 0; i < N / 2; i += 2) fn(row(i), col(i), f.d[i], f.d[i + 1], g.d[i], g.d[i + 1]);
+  }
+  // the pairs of a [64, 128] fragment's lo (hi) 64 columns, col relative to them
+  template <class F>
+  static __device__ void for_each_lo_pair(Frag<2 * kC>& f, Frag<kC>& v, F&& fn) {
+#pragma unroll
+    for (int i = 0; i < kC / 2; i += 2) fn(row(i), col(i), f.d[i], f.d[i + 1], v.d[i], v.d[i + 1]);
   }
   template <class F>
-  static __device__ void for_each_lo(Frag<2 * kC>& f, F&& fn) {
+  static __device__ void for_each_lo_pair(Frag<2 * kC>& f, F&& fn) {
 #pragma unroll
-    for (int i = 0; i < kC / 2; ++i) fn(row(i), col(i), f.d[i]);
+    for (int i = 0; i < kC / 2; i += 2) fn(row(i), col(i), f.d[i], f.d[i + 1]);
   }
   template <class F>
-  static __device__ void for_each_hi(Frag<2 * kC>& f, F&& fn) {
+  static __device__ void for_each_hi_pair(Frag<2 * kC>& f, F&& fn) {
 #pragma unroll
-    for (int i = 0; i < kC / 2; ++i) fn(row(i), col(i), f.d[kC / 2 + i]);
+    for (int i = 0; i < kC / 2; i += 2) fn(row(i), col(i), f.d[kC / 2 + i], f.d[kC / 2 + i + 1]);
   }
-  // f's hi columns beside a 64-column tile g of the same rows and columns: fn(row, col, f_hi, g&)
+  // f's hi columns beside a 64-column tile g of the same rows and columns: fn(row, col, f0, f1, g0&, g1&)
   template <class F>
-  static __device__ void for_each_hi2(Frag<2 * kC>& f, Frag<kC>& g, F&& fn) {
+  static __device__ void for_each_hi2_pair(Frag<2 * kC>& f, Frag<kC>& g, F&& fn) {
 #pragma unroll
-    for (int i = 0; i < kC / 2; ++i) fn(row(i), col(i), f.d[kC / 2 + i], g.d[i]);
+    for (int i = 0; i < kC / 2; i += 2) fn(row(i), col(i), f.d[kC / 2 + i], f.d[kC / 2 + i + 1], g.d[i], g.d[i + 1]);
   }
   template <int N>
   static __device__ void zero(Frag<N>& f) {

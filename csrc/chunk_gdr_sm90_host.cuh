@@ -42,10 +42,6 @@ struct HostPolicy {
     for (int i = 0; i < kC * N; ++i) fn(i / N, i % N, f.d[i]);
   }
   template <int N, class F>
-  static void for_each2(Frag<N>& f, Frag<N>& g, F&& fn) {
-    for (int i = 0; i < kC * N; ++i) fn(i / N, i % N, f.d[i], g.d[i]);
-  }
-  template <int N, class F>
   static void for_each_pair(Frag<N>& f, F&& fn) {
     for (int i = 0; i < kC * N; i += 2) fn(i / N, i % N, f.d[i], f.d[i + 1]);
   }
@@ -53,25 +49,31 @@ struct HostPolicy {
   static void for_each_pair2(Frag<N>& f, Frag<N>& g, F&& fn) {
     for (int i = 0; i < kC * N; i += 2) fn(i / N, i % N, f.d[i], f.d[i + 1], g.d[i], g.d[i + 1]);
   }
-  template <class F>
-  static void for_each_lo(Frag<2 * kC>& f, Frag<kC>& v, F&& fn) {
-    for (int r = 0; r < kC; ++r)
-      for (int c = 0; c < kC; ++c) fn(r, c, f.d[r * 2 * kC + c], v.d[r * kC + c]);
+  template <int N, class F>
+  static void for_each2_pair(Frag<N>& f, Frag<N>& g, F&& fn) {
+    for (int i = 0; i < kC * N; i += 2) fn(i / N, i % N, f.d[i], f.d[i + 1], g.d[i], g.d[i + 1]);
   }
   template <class F>
-  static void for_each_lo(Frag<2 * kC>& f, F&& fn) {
+  static void for_each_lo_pair(Frag<2 * kC>& f, Frag<kC>& v, F&& fn) {
     for (int r = 0; r < kC; ++r)
-      for (int c = 0; c < kC; ++c) fn(r, c, f.d[r * 2 * kC + c]);
+      for (int c = 0; c < kC; c += 2)
+        fn(r, c, f.d[r * 2 * kC + c], f.d[r * 2 * kC + c + 1], v.d[r * kC + c], v.d[r * kC + c + 1]);
   }
   template <class F>
-  static void for_each_hi(Frag<2 * kC>& f, F&& fn) {
+  static void for_each_lo_pair(Frag<2 * kC>& f, F&& fn) {
     for (int r = 0; r < kC; ++r)
-      for (int c = 0; c < kC; ++c) fn(r, c, f.d[r * 2 * kC + kC + c]);
+      for (int c = 0; c < kC; c += 2) fn(r, c, f.d[r * 2 * kC + c], f.d[r * 2 * kC + c + 1]);
   }
   template <class F>
-  static void for_each_hi2(Frag<2 * kC>& f, Frag<kC>& g, F&& fn) {
+  static void for_each_hi_pair(Frag<2 * kC>& f, F&& fn) {
     for (int r = 0; r < kC; ++r)
-      for (int c = 0; c < kC; ++c) fn(r, c, f.d[r * 2 * kC + kC + c], g.d[r * kC + c]);
+      for (int c = 0; c < kC; c += 2) fn(r, c, f.d[r * 2 * kC + kC + c], f.d[r * 2 * kC + kC + c + 1]);
+  }
+  template <class F>
+  static void for_each_hi2_pair(Frag<2 * kC>& f, Frag<kC>& g, F&& fn) {
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < kC; c += 2)
+        fn(r, c, f.d[r * 2 * kC + kC + c], f.d[r * 2 * kC + kC + c + 1], g.d[r * kC + c], g.d[r * kC + c + 1]);
   }
   template <int N>
   static void zero(Frag<N>& f) {
