@@ -99,6 +99,9 @@ struct ChunkSm90Params {
   int dtype = 0;                          // 1 float16, 2 bfloat16 (0 float32: host mirror only)
   float scale = 1.f;
   bool l2norm = false, raw_gates = false;
+  // the split kernel (a cluster of 4 a (value head, sequence): two state CTAs fed by two prep CTAs) in
+  // place of the fused one (with neither prep_* nor split); the host mirror runs the same tile program
+  bool split = false;
 };
 Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::uintptr_t stream);
 int chunk_gdr_fwd_sm90_smem_bytes();     // the kernel's dynamic shared memory per CTA (the model reads it)

@@ -32,6 +32,10 @@
 //   warpgroup 2, state (240 registers): S^T [64 v, 128] fp32 in registers, the chunk step of
 //        chunk_gdr_sm90.cuh (wgmma with S^T, X'^T, U^T as register A operands), O through a
 //        transposing stmatrix into the consumed v tile and a TMA store of the chunk
+// Two more kernels of the same CTA body (chunk_gdr_fwd_sm90_device.cuh, FwdKind): the split kernel (where
+// the CTAs above would leave half the SMs idle: grid (4, HV, N) in clusters of 4, the two state CTAs, prep
+// warpgroup idle, fed by two prep CTAs of two prep warpgroups each over the cluster's shared memory) and
+// the state-only kernel (on Triton prep's outputs in memory; forced only).
 // A sequence's last chunk, the only one that can be partial, runs outside the chunk loops of prep and
 // state: its rows of other sequences (loaded by TMA) are zeroed there and its live rows of o stored one
 // by one.
@@ -79,6 +83,7 @@ struct Args {
   int64_t NC, N, T, H, HV;
   float scale;
   bool l2norm, raw_gates;
+  bool split;                                 // the split kernel (ChunkSm90Params), not the fused one
 };
 
 // softplus and sigmoid in fp32: on the device from ex2 / lg2 / rcp (2 ulp each; log1p(e) as
@@ -147,7 +152,7 @@ void mirror_head(const Args& a, int64_t hv, int64_t n) {
   auto S = std::make_unique<typename P::template Frag<kK>[]>(kVBlocks);
   // the state-only kernel's deferred output per V-block (state_step_deferred): its own group queue, the
   // previous chunk's O^T and U^T (u = 0 before the first chunk), its S update's A operand
-  const bool deferred = a.prep_ts != nullptr;
+  const bool deferred = a.prep_ts != nullptr || a.split;   // (the state-only and split kernels)
   auto ps = std::make_unique<P[]>(kVBlocks);
   auto od = std::make_unique<typename P::template Frag<kC>[]>(kVBlocks);
   auto ud = std::make_unique<typename P::template Op<T, kC>[]>(kVBlocks);
@@ -290,6 +295,8 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
   if (prep != 0 && kept != 0)
     return bad("prep_* (the state-only kernel: Triton prep's outputs, which the backward keeps) and kept_gates .. "
                "kept_mm exclude each other");
+  if (prep != 0 && p.split)
+    return bad("split (prep in the kernel's own prep CTAs) and prep_* (Triton prep's outputs) exclude each other");
   if (prep != 0 && (p.NC < 1 || p.NC * p.HV > kInt32Max))
     return bad("prep_* need NC >= 1 chunk slots, NC HV < 2^31 (TMA coordinates)");
   if (prep != 0 && !host &&
@@ -327,6 +334,7 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
   a.scale = p.scale;
   a.l2norm = p.l2norm;
   a.raw_gates = p.raw_gates;
+  a.split = p.split;
   if (host) {
     switch (p.dtype) {
       case kF32: sm90::run_mirror<float>(a); break;

@@ -46,6 +46,13 @@ static_assert(kRegsProducer < kRegsLaunch && kRegsPrep > kRegsLaunch && kRegsSta
 
 struct alignas(16) GatesBuf : Gates {};    // a bulk copy's size and addresses are multiples of 16
 
+// The forward's kernels (one CTA body, fwd_cta, for the state CTAs of all three):
+//   kFused      chunk_gdr_fwd_sm90_kernel: each CTA of the cluster of 2 preps every other chunk for both
+//   kStateOnly  chunk_gdr_fwd_sm90_state_kernel: Triton prep's outputs loaded from global memory
+//   kSplit      chunk_gdr_fwd_sm90_split_kernel: a cluster of 4, the two state CTAs (ranks 0, 1) fed by two
+//               prep CTAs (ranks 2, 3: prep_cta) over the cluster's shared memory
+enum class FwdKind { kFused, kStateOnly, kSplit };
+
 struct alignas(1024) Shared {
   uint8_t kq[kStages][2][2 * kBlock];   // per stage and K half: [K rows 0..63 ; Q rows 0..63] x 64 cols
   uint8_t v[kStages][kBlock];           // per stage: the CTA's 64 value columns, [64 rows, 64 cols]; after
@@ -66,8 +73,41 @@ constexpr uint32_t kPrepBytes = 2 * kBlock + sizeof(GatesBuf);          // what 
 // the state-only kernel's prep buffer, as it lands in each CTA: Ts (rank 0's multicast), M (rank 1's) and
 // the gate rows (each CTA's own bulk copy)
 constexpr uint32_t kPrepInBytes = 2 * kBlock + kPrepGateBytes;
-constexpr int kSmemBytes = sizeof(Shared) + 1024;     // + the 1024-byte alignment of the base
+
+// The split kernel's prep CTA (ranks 2 and 3 of its cluster of 4; rank 2 + r preps the chunks j with
+// j % 2 == r): two prep warpgroups, w = 0, 1, take its chunks in turn (chunk j: w = (j / 2) % 2, so prep
+// buffer j % 4 = 2 w + r of the state CTAs is always the same warpgroup's), each with its own ring stage
+// (the producer loads the warpgroup's next chunk once it released the stage) and two staging buffers of
+// Ts, M and gates (by the parity of the warpgroup's chunk count), which its bulk copies send to both state CTAs.
+constexpr int kPrepWgs = 2;
+struct alignas(1024) PrepWg {
+  uint8_t ts[2][kBlock];                // Ts [c][c'] (input dtype), by parity: the bulk copies' source
+  uint8_t mm[2][kBlock];                // M [c][c']
+  uint8_t at[kBlock];                   // A^T (the inverse's operand type)
+  uint8_t dt[kBlock];                   // D_b^T
+  GatesBuf gates[2];
+  PrepScratch scratch;
+};
+struct alignas(1024) PrepShared {
+  uint8_t kq[kPrepWgs][2][2 * kBlock];  // per prep warpgroup and K half: [K rows 0..63 ; Q rows 0..63] x 64 cols
+  PrepWg wg[kPrepWgs];
+  int32_t rows[kPrepWgs][2];            // the chunk's start row and length (the producer's)
+  alignas(16) float graw[kPrepWgs][2][kC];   // g log2 e and beta of the chunk's live rows, 0 on the others
+  uint64_t full[kPrepWgs], empty[kPrepWgs], prepfree[kPrepBufs];
+};
+// the prep CTA's producer and two prep warpgroups: 32 + 232 + 232 <= 504
+static_assert(kRegsProducer + 2 * kRegsPrep <= (kThreads / 128) * kRegsLaunch, "setmaxnreg pool");
+constexpr int kSmemBytes = (sizeof(Shared) > sizeof(PrepShared) ? sizeof(Shared) : sizeof(PrepShared)) + 1024;
 static_assert(kSmemBytes <= 232448, "one CTA's shared memory on sm_90 (227 KB)");
+
+// The 1024-byte aligned base of the dynamic shared memory (the same offset in every CTA of a launch), as
+// the layout L: aligned by an offset from smem_raw (not through an integer), so the compiler keeps knowing
+// that every access through it is to shared memory (ld.shared, not generic loads)
+template <class L>
+__device__ __forceinline__ L& smem_as() {
+  extern __shared__ uint8_t smem_raw[];
+  return *reinterpret_cast<L*>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
+}
 
 // ---- the kernel
 // Rows [length, 64) of stage st's k, q and v tiles (TMA loads rows of the next sequences there): 0.
@@ -101,21 +141,25 @@ __device__ __forceinline__ void keep_tile(const uint8_t* tile, T* dst, int wtid)
 //   prepped[b]   Ts, M, gates of chunk j in buffer b = j % 4: by this CTA's prep (kPrepArrivals), or by
 //                the peer's (its arrival with the bytes of its bulk copy) (1)
 //   prepfree[b]  buffer b read by both state warpgroups (at the CTA that preps it; 2)
-// kPrepIn (the state-only kernel, chunk_gdr_fwd_sm90_state_kernel): no prep here; the prep warpgroup idles
-// and the producer also loads Triton prep's outputs of each chunk slot (a.prep_*) into its prep buffer:
+// kStateOnly (chunk_gdr_fwd_sm90_state_kernel): no prep here; the prep warpgroup idles and the producer
+// also loads Triton prep's outputs of each chunk slot (a.prep_*) into its prep buffer:
 //   prepped[b]   Ts (multicast by rank 0's producer), M (by rank 1's) and the gate rows (each CTA's bulk
 //                copy) landed, e^gam_last stored (1: the producer's arrival + the bytes)
 //   prepfree[b]  buffer b read by both state warpgroups (the multicasts write both CTAs: at each CTA; 2)
-template <typename T, bool kPrepIn>
+// kSplit (chunk_gdr_fwd_sm90_split_kernel, ranks 0 and 1 of its cluster of 4): no prep here either (it
+// idles); prep CTA 2 + b % 2 (prep_cta) sends Ts, M and gates (e^gam_last with them) of buffer b:
+//   prepped[b]   its bulk copies landed (1: its arrival + the bytes)
+//   prepfree[b]  at that prep CTA: buffer b read by both state warpgroups (2)
+// The state warpgroup of kStateOnly and kSplit stores a chunk's O a step later (state_step_deferred).
+template <typename T, FwdKind kKind>
 __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                                         const CUtensorMap& tm_o, const CUtensorMap& tm_ts, const CUtensorMap& tm_mm,
                                         const Args a) {
   using P = DevPolicy<T>;
   using TInv = __half;
-  extern __shared__ uint8_t smem_raw[];
-  // aligned by an offset from smem_raw (not through an integer), so the compiler keeps knowing that every
-  // access through `sm` is to shared memory (ld.shared, not generic loads)
-  Shared& sm = *reinterpret_cast<Shared*>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
+  constexpr bool kPrepIn = kKind != FwdKind::kFused;            // no prep here: Ts, M, gates arrive
+  constexpr bool kFromGlobal = kKind == FwdKind::kStateOnly;     // (by TMA from Triton prep's outputs)
+  Shared& sm = smem_as<Shared>();
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
   const int vb = static_cast<int>(cluster_rank());           // blockIdx.x
   const uint32_t peer = vb ^ 1;
@@ -147,15 +191,15 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
       const GateFn gate = gate_fn(a, hv);
       const int4* table = reinterpret_cast<const int4*>(a.table) + c0;   // rows (seq, idx, start, length)
       int4 next = nchunks > 0 ? __ldg(table) : make_int4(0, 0, 0, 0);
-      // kPrepIn: e^gam_last of the next chunk slot (lane 0), in flight as the table row is
-      float next_eg = kPrepIn && wtid == 0 && nchunks > 0 ? __ldg(a.prep_eg_last + c0 * HV + hv) : 0.f;
+      // kFromGlobal: e^gam_last of the next chunk slot (lane 0), in flight as the table row is
+      float next_eg = kFromGlobal && wtid == 0 && nchunks > 0 ? __ldg(a.prep_eg_last + c0 * HV + hv) : 0.f;
       for (int it = 0; it < nchunks; ++it) {
         const int st = it % kStages;
         const int32_t start = next.z, length = next.w;
         const float eg = next_eg;
         if (it + 1 < nchunks) {                   // the next chunk's row, in flight during this one
           next = __ldg(table + it + 1);
-          if (kPrepIn && wtid == 0) next_eg = __ldg(a.prep_eg_last + (c0 + it + 1) * HV + hv);
+          if (kFromGlobal && wtid == 0) next_eg = __ldg(a.prep_eg_last + (c0 + it + 1) * HV + hv);
         }
         // g, beta (or a, b) of the lane's two rows, for the chunks prepped here; 0 on the others (kPrepIn: none)
         const bool mine = !kPrepIn && it % kVBlocks == vb;
@@ -194,7 +238,7 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
           cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_q, &sm.full[st], both, hint, sm.kq[st][vb] + kBlock, vb * 64, h,
                                                  start);
           cute::SM90_TMA_LOAD_3D::copy(&tm_v, &sm.full[st], hint, sm.v[st], vb * kVB, static_cast<int>(hv), start);
-          if constexpr (kPrepIn) {                // Triton prep's outputs of the slot into prep buffer it % 4,
+          if constexpr (kFromGlobal) {            // Triton prep's outputs of the slot into prep buffer it % 4,
             const int b = it % kPrepBufs;         // once both CTAs' state read it (chunk it - 4)
             const int slot = static_cast<int>((c0 + it) * HV + hv);
             if (it >= kPrepBufs)
@@ -210,7 +254,7 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
         }
       }
     }
-  } else if (wg == 1 && kPrepIn) {                // ---- (the state-only kernel: no prep here)
+  } else if (wg == 1 && kPrepIn) {                // ---- (the state-only and split kernels: no prep here)
     set_regs<kRegsProducer, kRegsLaunch>();
   } else if (wg == 1) {                           // ---- prep of this CTA's chunks, for both CTAs
     set_regs<kRegsPrep, kRegsLaunch>();
@@ -311,6 +355,10 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
     int prev_st = 0, prev_b = 0, prev_length = 0;
     int64_t prev_start = 0;
     auto release_prep = [&](int b, bool mine) {   // (thread 0) prep buffer b read by this state warpgroup
+      if constexpr (kKind == FwdKind::kSplit) {   // at the prep CTA that fills it (its layout's barrier)
+        mbar_arrive_at(peer_addr(&smem_as<PrepShared>().prepfree[b], kVBlocks + b % kVBlocks));
+        return;
+      }
       if (kPrepIn || mine) mbar_arrive(&sm.prepfree[b]);
       if (kPrepIn || !mine) mbar_arrive_at(peer_addr(&sm.prepfree[b], peer));
     };
@@ -413,13 +461,157 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
   cluster_sync();          // neither CTA leaves while the peer may still copy to or arrive on its barriers
 }
 
-// The fused kernel (its prep warpgroup preps every chunk) and the state-only kernel (on Triton prep's outputs)
+// Rows [length, 64) of a prep warpgroup's k and q tiles: 0 (as zero_dead_rows).
+__device__ __forceinline__ void zero_dead_kq(PrepShared& ps, int w, int length, int wtid) {
+  for (int half = 0; half < 2; ++half) {
+    zero_rows_from(smem_u32(ps.kq[w][half]), length, wtid);
+    zero_rows_from(smem_u32(ps.kq[w][half]) + kBlock, length, wtid);
+  }
+}
+
+// The split kernel's prep CTA (cluster rank kVBlocks + r): the prep of chunks j with j % 2 == r of the
+// (value head, sequence) for its two state CTAs (PrepShared). Barriers:
+//   full[w]      chunk j of prep warpgroup w landed in its stage: k, q (both K-halves, this CTA's own TMA)
+//                and the producer's gates (32 arrivals, one per producer lane, + the bytes)
+//   empty[w]     stage w read by prep warpgroup w (1)
+//   prepfree[b]  the state CTAs' prep buffer b (= 2 w + r) read by both of their state warpgroups (2)
+// and at the state CTAs, prepped[b] (fwd_cta, kSplit).
+template <typename T>
+__device__ __forceinline__ void prep_cta(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const Args a) {
+  using P = DevPolicy<T>;
+  using TInv = __half;
+  PrepShared& ps = smem_as<PrepShared>();
+  Shared& sv = smem_as<Shared>();                 // the state CTAs' layout, for their buffers' addresses
+  const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
+  const int r = static_cast<int>(cluster_rank()) - kVBlocks;
+  const int64_t hv = blockIdx.y, n = blockIdx.z, HV = a.HV;
+  const int h = static_cast<int>(hv / (HV / a.H));
+  const int64_t c0 = a.cu_chunks[n], c1 = a.cu_chunks[n + 1];
+  const int nchunks = static_cast<int>(c1 - c0);
+  if (tid == 0) {
+    for (int w = 0; w < kPrepWgs; ++w) {
+      mbar_init(&ps.full[w], kFullArrivals);
+      mbar_init(&ps.empty[w], 1);
+    }
+    for (int i = 0; i < kPrepBufs; ++i) mbar_init(&ps.prepfree[i], kVBlocks);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cluster_sync();                                 // every CTA's barriers initialised before any arrival
+
+  if (wg == 0) {                                  // ---- producer: warp 0 (the TMA from its lane 0)
+    set_regs<kRegsProducer, kRegsLaunch>();
+    if (wtid < 32) {
+      const GateFn gate = gate_fn(a, hv);
+      const int4* table = reinterpret_cast<const int4*>(a.table) + c0;   // rows (seq, idx, start, length)
+      int4 next = r < nchunks ? __ldg(table + r) : make_int4(0, 0, 0, 0);
+      for (int i = 0, j = r; j < nchunks; ++i, j += kVBlocks) {   // this CTA's i-th chunk, j
+        const int w = i % kPrepWgs, u = i / kPrepWgs;
+        const int32_t start = next.z, length = next.w;
+        if (j + kVBlocks < nchunks) next = __ldg(table + j + kVBlocks);   // in flight during this one
+        float x[2], y[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = wtid + 32 * e;
+          const int64_t t = static_cast<int64_t>(start) + c;
+          x[e] = c < length ? a.g[t * HV + hv] : 0.f;
+          y[e] = c < length ? a.beta[t * HV + hv] : 0.f;
+        }
+        if (u > 0) mbar_wait(&ps.empty[w], (u + 1) & 1, "split producer, empty[w]: the stage read by prep w", j);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {              // the gates (from raw a, b with raw_gates), 0 on dead rows
+          const int c = wtid + 32 * e;
+          float gg, bb;
+          gate(x[e], y[e], &gg, &bb);
+          ps.graw[w][0][c] = c < length ? gg : 0.f;
+          ps.graw[w][1][c] = c < length ? bb : 0.f;
+        }
+        if (wtid == 0) {
+          ps.rows[w][0] = start;
+          ps.rows[w][1] = length;
+        }
+        if (wtid != 0) mbar_arrive(&ps.full[w]);  // each lane releases its own gate stores (kFullArrivals)
+        if (wtid == 0) {                          // both K-halves of k and q (rows past T arrive as 0)
+          constexpr uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+          mbar_expect_tx(&ps.full[w], 4 * kBlock);
+          for (int half = 0; half < 2; ++half) {
+            cute::SM90_TMA_LOAD_3D::copy(&tm_k, &ps.full[w], hint, ps.kq[w][half], half * 64, h, start);
+            cute::SM90_TMA_LOAD_3D::copy(&tm_q, &ps.full[w], hint, ps.kq[w][half] + kBlock, half * 64, h, start);
+          }
+        }
+      }
+    }
+  } else {                                        // ---- prep warpgroups w = wg - 1
+    set_regs<kRegsPrep, kRegsLaunch>();
+    const int w = wg - 1;
+    P p{wg};
+    PrepWg& x = ps.wg[w];
+    const typename P::Smem at{smem_u32(x.at), 0, true}, dt{smem_u32(x.dt), 0, true};
+    const typename P::Smem k_t{smem_u32(ps.kq[w][0]), 2 * kBlock, true};
+    const typename P::Smem q_t{smem_u32(ps.kq[w][0]) + kBlock, 2 * kBlock, true};
+    // a sequence's last chunk (the only one that can be partial: kLast) apart, as in fwd_cta
+    auto prep_one = [&](int j, int u, auto last) {
+      constexpr bool kLast = decltype(last)::value;
+      const int sb = u & 1, b = j % kPrepBufs;
+      mbar_wait(&ps.full[w], u & 1, "split prep, full[w]: the TMA of k/q landed", j);
+      const int length = ps.rows[w][1];
+      if constexpr (kLast) {
+        if (length < kC) {                        // (the Gram products read the zeroed rows: fenced)
+          zero_dead_kq(ps, w, length, wtid);
+          p.sync();
+        }
+      }
+      const typename P::Smem ts{smem_u32(x.ts[sb]), 0, true}, m{smem_u32(x.mm[sb]), 0, true};
+      // (staging sb was last sent for chunk j - 8: its copies read it before the state CTAs released
+      // buffer b for chunk j - 8, which thread 0 waited for before sending chunk j - 4, before the first
+      // named barrier of this prep, which precedes its first write of the staging)
+      prep_chunk<P, T, TInv>(p, q_t, k_t, x.scratch, ps.graw[w][0], ps.graw[w][1], length, a.scale, a.l2norm,
+                             x.gates[sb], at, at, dt, dt, ts, m);
+      p.sync();                                   // (its fence: Ts, M, gates visible to the async proxy)
+      if (wtid == 0) {
+        mbar_arrive(&ps.empty[w]);                // the stage back to the producer (every read of it done)
+        if (j >= kPrepBufs)
+          mbar_wait(&ps.prepfree[b], ((j / kPrepBufs) + 1) & 1,
+                    "split prep, prepfree[j % 4]: the state CTAs' buffer read by both state warpgroups", j);
+        for (uint32_t dst = 0; dst < kVBlocks; ++dst) {   // to both state CTAs' buffer b
+          const uint32_t bar = peer_addr(&sv.prepped[b], dst);
+          mbar_expect_tx_at(bar, kPrepBytes);
+          copy_to_peer(peer_addr(sv.ts[b], dst), x.ts[sb], kBlock, bar);
+          copy_to_peer(peer_addr(sv.mm[b], dst), x.mm[sb], kBlock, bar);
+          copy_to_peer(peer_addr(&sv.gates[b], dst), &x.gates[sb], sizeof(GatesBuf), bar);
+        }
+      }
+      if (a.kept_ts) {                            // the backward's Prep of this chunk slot (as fwd_cta's prep)
+        const int64_t slot = (c0 + j) * HV + hv;
+        keep_tile(x.ts[sb], static_cast<T*>(a.kept_ts) + slot * kC * kC, wtid);
+        keep_tile(x.mm[sb], static_cast<T*>(a.kept_mm) + slot * kC * kC, wtid);
+        if (wtid < kC)
+          keep_gate_row(x.gates[sb], x.scratch, wtid, length, a.kept_gates + slot * kGateRows * kC,
+                        a.kept_rn + slot * 2 * kC, a.kept_eg_last + slot);
+      }
+    };
+    int j = r + kVBlocks * w, u = 0;              // this warpgroup's chunks: every 4th from r + 2 w
+    for (; j + 1 < nchunks; j += kVBlocks * kPrepWgs, ++u) prep_one(j, u, std::false_type{});
+    if (j == nchunks - 1) prep_one(j, u, std::true_type{});
+  }
+  cluster_sync();          // no CTA leaves while another may still copy to or arrive on its barriers
+}
+
+// The fused kernel (its prep warpgroup preps every chunk), the state-only kernel (on Triton prep's outputs)
+// and the split kernel (state CTAs and prep CTAs in a cluster of 4: FwdKind)
 template <typename T>
 __global__ void __cluster_dims__(kVBlocks, 1, 1) __launch_bounds__(kThreads, 1)
 chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                           const Args a) {
-  fwd_cta<T, false>(tm_q, tm_k, tm_v, tm_o, tm_q, tm_q, a);
+  fwd_cta<T, FwdKind::kFused>(tm_q, tm_k, tm_v, tm_o, tm_q, tm_q, a);
+}
+template <typename T>
+__global__ void __cluster_dims__(2 * kVBlocks, 1, 1) __launch_bounds__(kThreads, 1)
+chunk_gdr_fwd_sm90_split_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                                const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                                const Args a) {
+  if (cluster_rank() < kVBlocks) fwd_cta<T, FwdKind::kSplit>(tm_q, tm_k, tm_v, tm_o, tm_q, tm_q, a);
+  else prep_cta<T>(tm_q, tm_k, a);
 }
 template <typename T>
 __global__ void __cluster_dims__(kVBlocks, 1, 1) __launch_bounds__(kThreads, 1)
@@ -427,7 +619,7 @@ chunk_gdr_fwd_sm90_state_kernel(const __grid_constant__ CUtensorMap tm_q, const 
                                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                                 const __grid_constant__ CUtensorMap tm_ts, const __grid_constant__ CUtensorMap tm_mm,
                                 const Args a) {
-  fwd_cta<T, true>(tm_q, tm_k, tm_v, tm_o, tm_ts, tm_mm, a);
+  fwd_cta<T, FwdKind::kStateOnly>(tm_q, tm_k, tm_v, tm_o, tm_ts, tm_mm, a);
 }
 
 template <typename T>
@@ -445,6 +637,13 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
   if (a.N > 65535 || a.HV > 65535)
     return Status::invalid("chunk_gdr_fwd_sm90: at most 65535 sequences and value heads");
   const dim3 grid(kVBlocks, static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N));
+  if (a.split) {                                  // state CTAs and prep CTAs, a cluster of 4 a (head, sequence)
+    auto kernel = chunk_gdr_fwd_sm90_split_kernel<T>;
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (e != cudaSuccess) return cuda_error("chunk_gdr_fwd_sm90: cudaFuncSetAttribute", e);
+    kernel<<<dim3(2 * kVBlocks, grid.y, grid.z), kThreads, kSmemBytes, stream>>>(tq, tk, tv, to, a);
+    return launch_status("chunk_gdr_fwd_sm90 (split)");
+  }
   if (a.prep_ts) {                                // the state-only kernel on Triton prep's Ts, M
     const uint32_t blk[3] = {kC, kC, 1};
     const int64_t slots = a.NC * a.HV;

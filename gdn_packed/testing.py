@@ -215,17 +215,17 @@ def cuda_forward_probe():
     """backend='cuda' of the chunked forward on one 64-token sequence (1 head, K = V = 128, bf16, no
     initial state), synchronized: the launch that hung on an H200 (2026-12-04). Run in a child process
     with a timeout (tests/test_cuda_chunk_gpu.py, tools/gpu_check.py's sanitizer step): a hung kernel
-    holds the GPU until its process dies. Both forward kernels: the fused one and, after Triton prep, the
-    state-only one (gdn_packed.cuda.chunk.prep_first picks between them by shape)."""
-    from gdn_packed.cuda.chunk import chunk_gdr_fwd_cuda
+    holds the GPU until its process dies. Every forward kernel (gdn_packed.cuda.chunk.KERNELS: the fused
+    one, the split one, and after Triton prep the state-only one)."""
+    from gdn_packed.cuda.chunk import KERNELS, chunk_gdr_fwd_cuda
     from gdn_packed.ops.chunk_table import make_chunk_table
     q, k, v, g, beta = (t.cuda() for t in gdr_inputs(64, 1, 1, 128, 128, torch.bfloat16, N=1, seed=0)[:5])
     cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
     table, cc = make_chunk_table(cu, None, 64, 64)
-    for triton_prep in (False, True):
+    for kernel in KERNELS:
         o, ht = torch.empty_like(v[0]), torch.empty(1, 1, 128, 128, device="cuda")
         chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, None, 128 ** -0.5, 64, False, o, ht,
-                           triton_prep=triton_prep)
+                           kernel=kernel)
         torch.cuda.synchronize()
 
 

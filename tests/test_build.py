@@ -26,18 +26,26 @@ ARCHS = ("sm_80", "sm_90a")
 KERNEL_FAMILIES = ("chunk_count_scan_kernel", "chunk_table_fill_kernel", "conv1d_fwd_kernel", "conv1d_bwd_kernel",
                    "conv1d_final_state_kernel", "conv1d_bwd_state_kernel", "conv1d_wgrad_reduce_kernel",
                    "recurrent_gdr_fwd_kernel", "chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_state_kernel",
-                   "chunk_gdr_bwd_sm90_kernel")
+                   "chunk_gdr_fwd_sm90_split_kernel", "chunk_gdr_bwd_sm90_kernel")
 # kernels built for sm_90a only (wgmma / TMA / setmaxnreg), with the CuTe headers of nvidia-cutlass, by file
-SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": ("chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_state_kernel"),
+SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": ("chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_state_kernel",
+                                      "chunk_gdr_fwd_sm90_split_kernel"),
              "chunk_gdr_bwd_sm90.cu": ("chunk_gdr_bwd_sm90_kernel",)}
-# the forwards' setmaxnreg (decreases, increases): the fused kernel's producer down, prep and state up; the
-# state-only kernel's producer and idle prep warpgroup down, its state up to the most there is
-SETMAXNREG = {"chunk_gdr_fwd_sm90_kernel": ([32], [232, 240]), "chunk_gdr_fwd_sm90_state_kernel": ([32, 32], [256])}
+# the forwards' setmaxnreg (decreases, increases in the SASS) and the registers of each kind of CTA's
+# three warpgroups (each kind's sum within the launch pool, 3 x 168): the fused kernel's producer down, prep
+# and state up; the state-only kernel's producer and idle prep warpgroup down, its state up to the most
+# there is; the split kernel's state CTA as the state-only kernel's, its prep CTA's producer down and both
+# prep warpgroups up (one setmaxnreg each, the same instruction)
+SETMAXNREG = {"chunk_gdr_fwd_sm90_kernel": ([32], [232, 240]), "chunk_gdr_fwd_sm90_state_kernel": ([32, 32], [256]),
+              "chunk_gdr_fwd_sm90_split_kernel": ([32, 32, 32], [232, 256])}
+POOLS = {"chunk_gdr_fwd_sm90_kernel": [(32, 232, 240)], "chunk_gdr_fwd_sm90_state_kernel": [(32, 32, 256)],
+         "chunk_gdr_fwd_sm90_split_kernel": [(32, 32, 256), (32, 232, 232)]}
 
 
 def forward_of(name):
     """The forward kernel (SETMAXNREG's key) a SASS function or ptxas record name is an instantiation of."""
-    return "chunk_gdr_fwd_sm90_state_kernel" if "chunk_gdr_fwd_sm90_state_kernel" in name else "chunk_gdr_fwd_sm90_kernel"
+    return next((k for k in ("chunk_gdr_fwd_sm90_state_kernel", "chunk_gdr_fwd_sm90_split_kernel") if k in name),
+                "chunk_gdr_fwd_sm90_kernel")
 
 
 def setmaxnreg(body):
@@ -128,7 +136,8 @@ def test_csrc_compiles_without_spills(ptxas_report, report_table):
 def test_sm90_chunk_kernel_resources(ptxas_report, report_table):
     """The warp-specialised chunked forwards (384 threads: 65536 / 384 -> 168 registers at launch, which
     setmaxnreg redistributes 32 / 232 / 240 to the producer, prep and state warpgroups; the state-only
-    kernel 32 / 32 / 256: its prep warpgroup idles) and the backward's
+    kernel 32 / 32 / 256: its prep warpgroup idles; the split kernel's state CTAs as those, its prep CTAs
+    32 / 232 / 232) and the backward's
     reverse dS pass (256 threads: at most 255 registers, one CTA per SM as its shared memory allows): no
     local memory in either instantiation (bf16, fp16) of either; ptxas checks every setmaxnreg region
     against its count; no wait that ptxas had to inject before a use of a wgmma's registers (C7517: a
@@ -184,16 +193,18 @@ def test_sm90_chunk_loops_run_the_tile_program_on_the_tensor_cores(ptxas_report,
     levels, 2 x 4 each) in 5 waits; state 4 HGMMA 64x128x16 (the state update U K) and 24 HGMMA 64x64x16
     (S^T K^T and S^T Q^T 8 each, X'^T Ts^T 4, U^T M^T 4) in 3 waits (S^T Q^T waited for with X'^T Ts^T; U^T M^T
     and U K share one). The state-only kernel: the state loop alone, in 4 waits (its output deferred a
-    step: the previous chunk's U^T M^T first, waited for on its own before that O is stored)."""
+    step: the previous chunk's U^T M^T first, waited for on its own before that O is stored). The split
+    kernel: the fused kernel's prep loop (its prep CTAs) and the state-only kernel's state loop."""
     sass = SASS.get("chunk_gdr_fwd_sm90.cu")
     assert sass, "no SASS of chunk_gdr_fwd_sm90.cu"
     loops = sass_loops(sass)
-    assert len(loops) == 4, list(loops)
+    assert len(loops) == 6, list(loops)
     state, prep = (Counter({"64x128x16": 4, "64x64x16": 24}), 3), (Counter({"64x64x16": 32}), 5)
     for name, got in loops.items():
         report_table("sm_90a chunked kernel, HGMMA per chunk loop (cuobjdump)",
                      f"{name[-60:]}: " + "; ".join(f"{dict(c)} in {w} waits" for c, w in got))
-        want = [(state[0], 4)] if forward_of(name) == "chunk_gdr_fwd_sm90_state_kernel" else [prep, state]
+        want = {"chunk_gdr_fwd_sm90_state_kernel": [(state[0], 4)], "chunk_gdr_fwd_sm90_split_kernel": [prep, (state[0], 4)],
+                "chunk_gdr_fwd_sm90_kernel": [prep, state]}[forward_of(name)]
         key = lambda x: sorted(x[0].items())  # noqa: E731
         assert sorted(got, key=key) == sorted(want, key=key), (name, got)
 
@@ -205,7 +216,8 @@ def test_sm90_setmaxnreg_fits_the_launch_allocation(ptxas_report, report_table):
     forward's SASS, the producer's decrease plus the prep and state warpgroups' increases (one warpgroup
     each, 128 threads) must not exceed 3 x the launch registers, or a warp retries USETMAXREG.TRY_ALLOC
     forever. 40 + 232 + 240 = 512 > 3 x 168 = 504 was the split when the forward hung on an H200
-    (2026-12-04), its likely cause. The state-only kernel's idle prep warpgroup gives registers back too."""
+    (2026-12-04), its likely cause. The state-only kernel's idle prep warpgroup gives registers back too.
+    The split kernel's two kinds of CTA each stay within the pool (POOLS)."""
     sass = SASS.get("chunk_gdr_fwd_sm90.cu")
     assert sass, "no SASS of chunk_gdr_fwd_sm90.cu"
     launch = {r["registers"] for src, _, p in ptxas_report if os.path.basename(src) == "chunk_gdr_fwd_sm90.cu"
@@ -214,10 +226,13 @@ def test_sm90_setmaxnreg_fits_the_launch_allocation(ptxas_report, report_table):
     for body in re.split(r"\n\s*Function : ", sass)[1:]:
         name = body.split("\n", 1)[0].strip()
         dec, inc = setmaxnreg(body)
+        pools = POOLS[forward_of(name)]
         report_table("sm_90a chunked forward, setmaxnreg (cuobjdump)",
-                     f"{name[-50:]}: decreases {dec}, increases {inc}, sum {sum(dec) + sum(inc)} <= 3 x 168 = 504")
+                     f"{name[-50:]}: decreases {dec}, increases {inc}, per kind of CTA "
+                     f"{' / '.join(str(sum(p)) for p in pools)} <= 3 x 168 = 504")
         assert (dec, inc) == SETMAXNREG[forward_of(name)], (name, dec, inc)
-        assert sum(dec) + sum(inc) <= 3 * 168, (name, dec, inc)
+        assert sorted({x for p in pools for x in p[1:] if x > 168}) == inc, (name, pools, inc)
+        assert all(len(p) == 3 and sum(p) <= 3 * 168 for p in pools), (name, pools)
 
 
 @needs_nvcc
@@ -309,7 +324,7 @@ def test_sm90_prep_arrivals_build_keeps_the_kernels_budget(report_table):
     out = cuda_chunk.nvcc_cached("cuda_chunk_prep_arrivals", src, prep_arrivals_command, keys)
     assert "error" not in out, out.get("error")
     recs = parse_ptxas(out["ptxas"])
-    assert len(recs) == 4 and all((r["registers"], r["spill"], r["stack"]) == (168, 0, 0) for r in recs), recs
+    assert len(recs) == 6 and all((r["registers"], r["spill"], r["stack"]) == (168, 0, 0) for r in recs), recs
     for r in recs:
         report_table("sm_90a forward, per-thread prep arrivals (-DGDN_SM90_PREP_ARRIVALS), ptxas -v",
                      f"{r['name'][-40:]}: {r['registers']} registers, spill {r['spill']} B, stack {r['stack']} B")

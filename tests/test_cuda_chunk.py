@@ -6,7 +6,9 @@ tensors, K = V = 128 (the kernel's only head size), GVA 2:
     gdn_packed.testing.PACKINGS: fp32 (no rounding in the mirror) within 1e-5, bf16 / fp16 within the
     budgets, padding rows exactly 0 with NaN-poisoned outputs, NaN in the inputs' padding rows isolated;
   - bf16 no worse than 1.1x FLA's chunk_gated_delta_rule on the same inputs (fla-core, the oracle);
-  - the gates from raw a, b (A_log, dt_bias) as the torch backend forms them.
+  - the gates from raw a, b (A_log, dt_bias) as the torch backend forms them;
+  - the same for the tile programs of the split kernel (prep CTAs beside the state CTAs; the state step's
+    output a step later) and of the state-only kernel (on Triton prep's outputs, under the interpreter).
 What the mirror cannot check (fragment layouts, swizzles, barriers, async proxies): docs/DESIGN.md
 section 10; tools/gpu_check.py runs the device kernel."""
 import functools
@@ -31,8 +33,9 @@ IDS = [case_id(p, f"H{H}x{HV}", f"K{K}") for p in PACKINGS]
 
 
 @functools.lru_cache(maxsize=None)
-def case(pi, dtype, poison_padding=False):
-    """Inputs of packing pi (l2norm, h0), the mirror's (o, final state) and the float64 reference."""
+def case(pi, dtype, poison_padding=False, kernel="fused"):
+    """Inputs of packing pi (l2norm, h0), the mirror's (o, final state) of `kernel`'s tile program and the
+    float64 reference."""
     p = PACKINGS[pi]
     cu, cu_pad, rows = p.layout()
     N = len(p.lengths)
@@ -44,28 +47,31 @@ def case(pi, dtype, poison_padding=False):
     table, cc = make_chunk_table(cu, cu_pad, rows, 64)
     o = torch.full_like(v[0], float("nan"))
     fs = torch.full((N, HV, K, K), float("nan"))
-    chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, h0, K ** -0.5, 64, True, o, fs, host=True)
+    chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, h0, K ** -0.5, 64, True, o, fs, host=True,
+                       kernel=kernel)
     clean = [torch.where(pad[None, :, None, None], 0.0, x.double()) for x in (q, k, v)]
     ro, rf = reference_gdr(*clean, g.double(), beta.double(), initial_state=h0.double(), cu_seqlens=cu,
                            cu_seqlens_padded=cu_pad, use_qk_l2norm_in_kernel=True)
     return (q, k, v, g, beta, h0), cu, pad, o[None], fs, ro, rf
 
 
+@pytest.mark.parametrize("kernel", ["fused", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=DTYPE_ID.get)
 @pytest.mark.parametrize("pi", range(len(PACKINGS)), ids=IDS)
-def test_mirror_matches_float64_reference(pi, dtype):
-    _, _, pad, o, fs, ro, rf = case(pi, dtype)
+def test_mirror_matches_float64_reference(pi, dtype, kernel):
+    _, _, pad, o, fs, ro, rf = case(pi, dtype, kernel=kernel)
     b = BUDGETS[dtype]
     assert rel_err(o, ro) <= b["o"] and rel_err(fs, rf) <= b["state"], (rel_err(o, ro), rel_err(fs, rf))
     assert (o[0, pad] == 0).all() and torch.isfinite(o).all()
 
 
+@pytest.mark.parametrize("kernel", ["fused", "split"])
 @pytest.mark.parametrize("pi", [1, 2, 3], ids=[IDS[i] for i in (1, 2, 3)])
-def test_mirror_isolates_nan_in_padding_rows(pi):
+def test_mirror_isolates_nan_in_padding_rows(pi, kernel):
     """NaN in q, k, v of every padding row: o and the state as without it (TMA loads those rows; prep
     zeroes them), padding rows 0."""
-    _, _, pad, o, fs, _, _ = case(pi, torch.bfloat16, poison_padding=True)
-    _, _, _, o0, fs0, _, _ = case(pi, torch.bfloat16)
+    _, _, pad, o, fs, _, _ = case(pi, torch.bfloat16, poison_padding=True, kernel=kernel)
+    _, _, _, o0, fs0, _, _ = case(pi, torch.bfloat16, kernel=kernel)
     assert torch.equal(o, o0) and torch.equal(fs, fs0) and (o[0, pad] == 0).all()
 
 
@@ -110,12 +116,12 @@ def _skip_without_triton_prep():
         pytest.skip(f"Triton prep cannot run here: {triton_usable(torch.device('cpu'))}")
 
 
-@pytest.mark.parametrize("triton_prep", [False, True], ids=["fused", "state-only"])
-def test_mirror_raw_gates(triton_prep):
-    """With A_log, dt_bias the fused kernel forms g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b);
-    the two-kernel forward forms them with the Triton gate pass before prep: o and the final state as from
-    the gates formed by the torch backend (float32)."""
-    if triton_prep:
+@pytest.mark.parametrize("kernel", ["fused", "split", "state"])
+def test_mirror_raw_gates(kernel):
+    """With A_log, dt_bias the fused and split kernels form g = -exp(A_log) softplus(a + dt_bias),
+    beta = sigmoid(b) (their producers); the two-kernel forward ("state") forms them with the Triton gate
+    pass before prep: o and the final state as from the gates formed by the torch backend (float32)."""
+    if kernel == "state":
         _skip_without_triton_prep()
     from gdn_packed.torch_ref.chunk import gate_fwd_torch
     cu, cu_pad, rows = PACKINGS[2].layout()
@@ -128,7 +134,7 @@ def test_mirror_raw_gates(triton_prep):
     for gg, bb, raw in ((g, beta, False), (a[0], b[0], True)):
         o, fs = torch.full_like(v[0], float("nan")), torch.full((N, HV, K, K), float("nan"))
         chunk_gdr_fwd_cuda(q[0], k[0], v[0], gg, bb, table, cc, h0, K ** -0.5, 64, True, o, fs, host=True,
-                           A_log=A_log if raw else None, dt_bias=dt_bias if raw else None, triton_prep=triton_prep)
+                           A_log=A_log if raw else None, dt_bias=dt_bias if raw else None, kernel=kernel)
         outs.append((o, fs))
     assert rel_err(outs[1][0], outs[0][0].double()) <= 1e-6 and rel_err(outs[1][1], outs[0][1].double()) <= 1e-6
 
@@ -137,7 +143,7 @@ def test_mirror_raw_gates(triton_prep):
 @functools.lru_cache(maxsize=None)
 def two_kernel_case(pi, dtype, poison_padding=False):
     """case(pi, dtype)'s inputs through Triton prep (the interpreter) and the state-only kernel's mirror
-    (triton_prep=True): (o [1, T, HV, V], final state)."""
+    (kernel="state"): (o [1, T, HV, V], final state)."""
     (q, k, v, g, beta, h0), cu, pad, _, _, _, _ = case(pi, dtype)
     if poison_padding:
         q, k, v = (torch.where(pad[None, :, None, None], float("nan"), x) for x in (q, k, v))
@@ -145,7 +151,7 @@ def two_kernel_case(pi, dtype, poison_padding=False):
     table, cc = make_chunk_table(cu, p.layout()[1], q.shape[1], 64)
     o, fs = torch.full_like(v[0], float("nan")), torch.full((len(p.lengths), HV, K, K), float("nan"))
     chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, h0, K ** -0.5, 64, True, o, fs, host=True,
-                       triton_prep=True)
+                       kernel="state")
     return o[None], fs
 
 
@@ -175,29 +181,33 @@ def test_state_only_mirror_isolates_nan_in_padding_rows(pi):
     assert torch.equal(o, o0) and torch.equal(fs, fs0) and (o[0, pad] == 0).all()
 
 
-def test_prep_first_where_the_fused_kernel_leaves_half_the_sms_idle():
-    """The dispatch rule (gdn_packed.cuda.chunk.prep_first): Triton prep first where the fused kernel's
+def test_forward_kernel_splits_where_the_fused_kernel_leaves_half_the_sms_idle():
+    """The dispatch rule (gdn_packed.cuda.chunk.forward_kernel): the split kernel where the fused kernel's
     2 HV N CTAs fill at most half of the SMs (the anchor, 1 x 32768 with 32 value heads: 64 CTAs on an
-    H200's 132), the fused kernel from there on (4 x 8192: 256 CTAs); CPU tensors (the host mirror) take the
-    fused kernel unless triton_prep says otherwise."""
-    from gdn_packed.cuda.chunk import _triton_prep, prep_first
-    assert prep_first(1, 32, 132) and prep_first(2, 16, 132) and prep_first(1, 33, 132)
-    assert not prep_first(1, 34, 132) and not prep_first(4, 32, 132) and not prep_first(2, 32, 132)
-    assert prep_first(1, 32, 128) and not prep_first(1, 33, 128)
-    assert _triton_prep(torch.device("cpu"), 1, 1, None) is None and _triton_prep(torch.device("cpu"), 1, 1, False) is None
+    H200's 132; the split kernel's 128 then fit one wave), the fused kernel from there on (4 x 8192: 256
+    CTAs); CPU tensors (the host mirror) take the fused kernel's tile program unless `kernel` names one;
+    "state" is never picked, and a kernel not in KERNELS is a ValueError naming them."""
+    from gdn_packed.cuda.chunk import KERNELS, _kernel, forward_kernel
+    split = lambda *a: forward_kernel(*a) == "split"   # noqa: E731
+    assert split(1, 32, 132) and split(2, 16, 132) and split(1, 33, 132)
+    assert not split(1, 34, 132) and not split(4, 32, 132) and not split(2, 32, 132)
+    assert split(1, 32, 128) and not split(1, 33, 128)
+    assert {forward_kernel(n, hv, 132) for n in (1, 2, 4, 64) for hv in (1, 8, 32, 64)} == {"fused", "split"}
+    assert _kernel(torch.device("cpu"), 1, 1, None) == "fused" and _kernel(torch.device("meta"), 1, 32, None) == "split"
+    assert all(_kernel(torch.device("cpu"), 1, 1, k) == k for k in KERNELS)
+    with pytest.raises(ValueError, match=r"kernel must be one of \('fused', 'split', 'state'\)"):
+        _kernel(torch.device("cpu"), 1, 1, "two")
 
 
-def test_forced_triton_prep_names_why_it_cannot_run(monkeypatch):
-    """triton_prep=True on CPU tensors without the Triton interpreter is a RuntimeError saying so, not an
-    error from inside Triton; the rule (triton_prep=None) never picks it there, and on other devices (the
-    sm_90 report's meta tensors) it is not refused."""
+def test_forced_state_kernel_names_why_it_cannot_run(monkeypatch):
+    """kernel='state' on CPU tensors without the Triton interpreter is a RuntimeError saying so, not an
+    error from inside Triton; on other devices (the sm_90 report's meta tensors) it is not refused."""
     pytest.importorskip("triton", reason="Triton is not installed (the two-kernel forward needs it)")
     from gdn_packed.cuda.chunk import _triton_prep
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match=r"triton_prep=True on CPU tensors .* TRITON_INTERPRET=1"):
-        _triton_prep(torch.device("cpu"), 1, 1, True)
-    assert _triton_prep(torch.device("cpu"), 1, 1, None) is None
-    assert _triton_prep(torch.device("meta"), 1, 32, None) is not None      # 64 CTAs <= 132 / 2
+    with pytest.raises(RuntimeError, match=r"kernel='state' on CPU tensors .* TRITON_INTERPRET=1"):
+        _triton_prep(torch.device("cpu"))
+    assert _triton_prep(torch.device("meta")) is not None
 
 
 # ---- backend="cuda" of the op: dispatch, refusals, autograd through the Triton backward --------------
@@ -253,7 +263,7 @@ def mirror_as_cuda_forward(monkeypatch):
     from gdn_packed.ops import _dispatch
 
     class Calls(list):
-        opts = {}           # chunk_gdr_fwd_cuda's own options for the test (triton_prep)
+        opts = {}           # chunk_gdr_fwd_cuda's own options for the test (kernel)
     calls = Calls()
     real_dstate = cuda_chunk.chunk_bwd_dstate_cuda
 
@@ -271,13 +281,14 @@ def mirror_as_cuda_forward(monkeypatch):
     _dispatch.kernel.cache_clear()
 
 
-@pytest.mark.parametrize("keep, segments, gating, two",
-                         [(k, 1, g, False) for k in (False, True) for g in (False, True)] + [(True, 3, False, False)]
-                         + [(True, 1, g, True) for g in (False, True)] + [(True, 3, False, True)],
+@pytest.mark.parametrize("keep, segments, gating, kernel",
+                         [(k, 1, g, "fused") for k in (False, True) for g in (False, True)] + [(True, 3, False, "fused")]
+                         + [(True, 1, g, "state") for g in (False, True)] + [(True, 3, False, "state")]
+                         + [(True, 1, True, "split"), (True, 3, False, "split")],
                          ids=["recompute-g-beta", "recompute-raw-a-b", "kept-prep-g-beta", "kept-prep-raw-a-b",
                               "kept-segments-g-beta", "two-kernel-g-beta", "two-kernel-raw-a-b",
-                              "two-kernel-segments"])
-def test_cuda_op_autograd_is_the_triton_backward(gating, keep, segments, two, mirror_as_cuda_forward, monkeypatch):
+                              "two-kernel-segments", "split-raw-a-b", "split-segments"])
+def test_cuda_op_autograd_is_the_triton_backward(gating, keep, segments, kernel, mirror_as_cuda_forward, monkeypatch):
     """gdn_packed::chunk_gdr_fwd with backend='cuda' (the host mirrors standing in for the forward kernel
     and the backward's dS pass, the rest of the Triton backward under the interpreter; fp16: the
     interpreter's bf16 is wrong): o within the fp16 budget of float64. Without keep, the backward runs
@@ -290,8 +301,9 @@ def test_cuda_op_autograd_is_the_triton_backward(gating, keep, segments, two, mi
     on a GPU its tf32 dots round as much; measured 1.13x on dg with g, beta given, 1.00-1.02x elsewhere,
     every error under 4.1e-4). With the Triton state pass in 3 segments (state_segments forced), the forward
     also keeps the state entering each segment, and the backward's recompute starts from them: no pass A
-    (entering_states) in the backward, the same bounds. The two-kernel forward (triton_prep: Triton prep,
-    then the state-only kernel) keeps Triton prep's own outputs: the same bounds, no prep in the backward."""
+    (entering_states) in the backward, the same bounds. The two-kernel forward (kernel="state": Triton prep,
+    then the state-only kernel) keeps Triton prep's own outputs, the split kernel its prep CTAs' (the fused
+    kernel's prep): the same bounds, no prep in the backward."""
     from gdn_packed.ops.chunk_gdr import chunk_gdr_fwd
     from gdn_packed.ops._common import triton_usable
     from gdn_packed.triton import chunk as triton_chunk
@@ -308,7 +320,7 @@ def test_cuda_op_autograd_is_the_triton_backward(gating, keep, segments, two, mi
     monkeypatch.setattr(triton_chunk, "entering_states",
                         lambda *a, **kw: passes_a.append(1) or real_entering(*a, **kw))
     monkeypatch.setattr(triton_chunk, "state_segments", lambda *a, **kw: segments)
-    mirror_as_cuda_forward.opts["triton_prep"] = two
+    mirror_as_cuda_forward.opts["kernel"] = kernel
     for backend in ("cuda", "triton"):
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
         gates = [x.clone().requires_grad_() for x in (A_log, dt_bias)] if gating else [None, None]
@@ -453,7 +465,7 @@ def _entry_args(T=5, N=1, H=1, HV=2, raw=False):
               kept_ts=z(NC, HV, 64, 64), kept_mm=z(NC, HV, 64, 64), kept_entering=z(2 * N, HV, K, K))
     args = {n: t.data_ptr() for n, t in ts.items()}
     args.update(kept_segments=2, prep_gates=None, prep_eg_last=None, prep_ts=None, prep_mm=None, NC=NC, N=N, T=T,
-                H=H, HV=HV, K=K, V=K, chunk_size=64, dtype=0, scale=0.1, l2norm=True, raw_gates=raw)
+                H=H, HV=HV, K=K, V=K, chunk_size=64, dtype=0, scale=0.1, l2norm=True, raw_gates=raw, split=False)
     return args, ts
 
 
@@ -462,7 +474,7 @@ def test_entry_point_names_its_arguments():
     a ValueError naming it before anything runs (A_log, dt_bias only with raw_gates; initial_state and
     final_state are optional; the five kept_* pointers of prep are too, but come together or not at all;
     kept_entering is too, with kept_segments >= 1; so are the four prep_* inputs of the state-only kernel,
-    together, with NC >= 1 and never with kept_*)."""
+    together, with NC >= 1 and never with kept_* or split)."""
     C = _cext.get_C()
     args, keep = _entry_args()
     doc = "chunk_gdr_fwd_sm90_host(*, " + ", ".join(args) + ")"
@@ -492,6 +504,9 @@ def test_entry_point_names_its_arguments():
             C.chunk_gdr_fwd_sm90_host(**dict(args, **no_kept, **dict(prep, **{name: None})))
     with pytest.raises(ValueError, match="prep_.* and kept_gates .. kept_mm exclude each other"):
         C.chunk_gdr_fwd_sm90_host(**dict(args, **prep))
+    with pytest.raises(ValueError, match=r"split \(prep in the kernel's own prep CTAs\) and prep_\* .* exclude"):
+        C.chunk_gdr_fwd_sm90_host(**dict(args, **no_kept, **prep, split=True))
+    C.chunk_gdr_fwd_sm90_host(**dict(args, split=True))                 # the split kernel's tile program
     with pytest.raises(ValueError, match="prep_\\* need NC >= 1"):
         C.chunk_gdr_fwd_sm90_host(**dict(args, **no_kept, **prep, NC=0))
     with pytest.raises(TypeError, match="unexpected keyword argument 'cu_chunk'"):

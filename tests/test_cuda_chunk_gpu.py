@@ -8,8 +8,10 @@ mbarrier phases, the cluster's copies or setmaxnreg (docs/DESIGN.md section 10):
     against backend="triton"; bit-identical reruns;
   - the gates from raw a, b in the kernel; autograd through backend="cuda" = the Triton backward on the
     prep outputs the kernel kept (against its host mirror's and Triton prep's);
-  - each of the above (but the kept prep, the fused kernel's own) for both forward kernels (fwd_kernel):
-    the fused one and, after Triton prep, the state-only one (chunk_gdr_fwd_sm90_state_kernel);
+  - each of the above for the three forward kernels (fwd_kernel): the fused one, the split one (prep CTAs
+    beside the state CTAs: chunk_gdr_fwd_sm90_split_kernel) and, after Triton prep, the state-only one
+    (chunk_gdr_fwd_sm90_state_kernel; its kept prep is Triton prep's own, so the kept-prep test takes the
+    other two);
   - the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) on Triton prep's outputs against the
     Triton pass it replaces and its host mirror, on every packing and on long sequences (fp16 too),
     bit-identical reruns.
@@ -74,12 +76,12 @@ def test_forward_finishes():
     assert not why, why
 
 
-@pytest.fixture(params=["fused", "state-only"])
+@pytest.fixture(params=["fused", "split", "state"])
 def fwd_kernel(request, monkeypatch):
-    """The forward kernel backend='cuda' runs here: the fused one, or Triton prep and then the state-only
-    one (gdn_packed.cuda.chunk.prep_first forced either way; it would pick the latter for these few heads)."""
+    """The forward kernel backend='cuda' runs here (gdn_packed.cuda.chunk.KERNELS; forward_kernel forced:
+    it would pick the split one for these few heads)."""
     from gdn_packed.cuda import chunk as cuda_chunk
-    monkeypatch.setattr(cuda_chunk, "prep_first", lambda *a: request.param == "state-only")
+    monkeypatch.setattr(cuda_chunk, "forward_kernel", lambda *a: request.param)
     return request.param
 
 
@@ -147,11 +149,10 @@ def test_long_sequences_match_triton_and_rerun_bit_identical(packing, fwd_kernel
     assert torch.equal(o, o2) and torch.equal(fs, fs2)
 
 
-def kept_prep(x, cu, cu_pad, device, triton_prep=False):
+def kept_prep(x, cu, cu_pad, device, kernel="fused"):
     """(Prep of the sequences' chunk slots the forward keeps for the backward, a mask of those slots, the
     chunk table, the states entering the segments [N S, HV, K, V] or None): the cuda forward with kept (the
-    kernel on `device`, its host mirror on "cpu"; the fused kernel, or Triton prep and the state-only kernel
-    with triton_prep)."""
+    kernel on `device`, its host mirror on "cpu"), `kernel` one of gdn_packed.cuda.chunk.KERNELS."""
     from gdn_packed.cuda.chunk import _kept_parts, chunk_gdr_fwd_cuda, kept_shape
     from gdn_packed.ops.chunk_table import make_chunk_table
     q, k, v, g, beta, h0 = (t.to(device) for t in x)
@@ -161,25 +162,27 @@ def kept_prep(x, cu, cu_pad, device, triton_prep=False):
     kept = torch.full((words,), float("nan"), device=device)
     o, fs = torch.empty_like(v[0]), torch.empty(h0.shape, device=device)
     chunk_gdr_fwd_cuda(q[0], k[0], v[0], g[0], beta[0], table, cc, h0, K ** -0.5, 64, True, o, fs, kept=kept,
-                       host=device == "cpu", triton_prep=triton_prep)
+                       host=device == "cpu", kernel=kernel)
     entering, prep = _kept_parts(kept, q.shape[1], N, table.shape[0], HV, q.dtype, torch.device(device))
     return (type(prep)(*(t.cpu() for t in prep)), (torch.arange(table.shape[0]) < int(cc[-1])), table.cpu(),
             None if entering is None else entering.cpu())
 
 
+@pytest.mark.parametrize("kernel", ["fused", "split"])
 @pytest.mark.parametrize("pi", range(len(PACKINGS)), ids=IDS)
-def test_kept_prep_matches_the_mirror_and_triton_prep(pi):
+def test_kept_prep_matches_the_mirror_and_triton_prep(pi, kernel):
     """With kept (the forward under autograd), the kernel's prep writes its outputs of the sequences' chunk
     slots for the backward (Ts, M unswizzled from their shared-memory tiles, the gate rows and row factors):
     against its host mirror on the same inputs (a layout or swizzle bug shows as O(1); the same arithmetic
     but the tensor cores' order: within 1e-2) and Triton prep's (chunk_fwd_prep, whose values the Triton
     backward otherwise takes: within one bf16 rounding of Ts, M, 1e-4 of the rest); slots of no chunk
-    untouched."""
+    untouched. Both kernels that prep themselves: the fused kernel's prep warpgroups, the split kernel's
+    prep CTAs."""
     if forward_hangs():
         pytest.fail(f"not launched: {forward_hangs()}")
     from gdn_packed.triton import chunk as triton_chunk
     x, cu, cu_pad, _ = inputs(PACKINGS[pi], torch.bfloat16, pi)
-    got, used, table, _ = kept_prep(x, cu, cu_pad, "cuda")
+    got, used, table, _ = kept_prep(x, cu, cu_pad, "cuda", kernel)
     mir, _, _, _ = kept_prep(x, cu, cu_pad, "cpu")
     q, k, v, g, beta, _ = (t.cuda() for t in x)
     qr, kr, _, gr, br, rws = triton_chunk._rows(q[0], k[0], v[0], g[0], beta[0])
@@ -203,7 +206,7 @@ def test_kept_entering_states_match_the_mirror(pi, fwd_kernel, monkeypatch):
     from gdn_packed.triton import chunk as triton_chunk
     monkeypatch.setattr(triton_chunk, "fwd_segments", lambda *a, **kw: 3)
     x, cu, cu_pad, _ = inputs(PACKINGS[pi], torch.bfloat16, pi)
-    *_, got = kept_prep(x, cu, cu_pad, "cuda", fwd_kernel == "state-only")
+    *_, got = kept_prep(x, cu, cu_pad, "cuda", fwd_kernel)
     *_, mir = kept_prep(x, cu, cu_pad, "cpu")
     assert got.shape == mir.shape == (3 * x[5].shape[0], HV, K, K) and not got.isnan().any()
     assert rel_err(got, mir.double()) <= 2e-2

@@ -236,25 +236,26 @@ def test_plugin_times_a_test_out_and_writes_one_row_per_test(suite):
                          "test_plain.py::test_gpu_reason_runs_here", "test_via_helper.py::test_helper"}
 
 
-def test_fused_forward_forces_the_fused_kernel_for_its_call_only(monkeypatch):
-    """The profile's ours-cuda-fused provider: the call sees gdn_packed.cuda.chunk.prep_first answer False
-    (backend='cuda' runs the fused forward kernel), and the rule is back as it was after the call, also
-    when the call raises."""
+def test_forced_forward_forces_its_kernel_for_its_call_only(monkeypatch):
+    """The profile's ours-cuda-fused / ours-cuda-state providers: the call sees
+    gdn_packed.cuda.chunk.forward_kernel answer the forced kernel, and the rule is back as it was after
+    the call, also when the call raises."""
     monkeypatch.syspath_prepend(TOOLS)
     import gpu_check
 
     from gdn_packed.cuda import chunk as cuda_chunk
-    rule = cuda_chunk.prep_first
+    rule = cuda_chunk.forward_kernel
     seen = []
 
     def call(x):
-        seen.append(cuda_chunk.prep_first(1, 32, 132))
+        seen.append(cuda_chunk.forward_kernel(1, 32, 132))
         if x == "raise":
             raise ValueError("from the call")
         return x
 
-    fused = gpu_check._fused_forward(call)
-    assert fused("ok") == "ok" and seen == [False] and cuda_chunk.prep_first is rule
+    fused = gpu_check._forced_forward(call, "fused")
+    assert fused("ok") == "ok" and seen == ["fused"] and cuda_chunk.forward_kernel is rule
     with pytest.raises(ValueError, match="from the call"):
         fused("raise")
-    assert seen == [False, False] and cuda_chunk.prep_first is rule and rule(1, 32, 132)
+    assert seen == ["fused", "fused"] and cuda_chunk.forward_kernel is rule and rule(1, 32, 132) == "split"
+    assert gpu_check._forced_forward(call, "state")("ok") == "ok" and seen[-1] == "state"

@@ -27,7 +27,7 @@ so time an early step leaves is given to the later ones and the whole run ends i
   bench      python -m bench on the GPU suite's headline cases (one invocation each, merged);
              ours against fla-core where importable; dry run: a tiny CPU case
   profile    each kernel's device time (torch.profiler) at the sm_90 model's three shapes, ours-triton,
-             ours-cuda (and ours-cuda-fused where ours-cuda runs Triton prep and the state-only kernel) and
+             ours-cuda (and ours-cuda-fused, ours-cuda-state where ours-cuda runs the split kernel) and
              fla, forward and backward: what `python -m bench kernels` estimates per kernel
   ncu        Nsight Compute on one launch of each of our chunk-parallel kernels and the state pass at
              the anchor (memory throughput, stall reasons, occupancy); dry run: skipped
@@ -80,12 +80,12 @@ OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench
              "ncu.csv")
 # the ncu step: our chunk-parallel kernels (1.8-2.8x the model on the second H200 run, 2026-12-04), the
 # sequential state pass for contrast (one launch of each in one forward+backward at the anchor), and the
-# sm_90a forward (1.76x its model; at the anchor now Triton prep, then the state-only kernel)
+# sm_90a forward (the fused kernel 1.76x its model; at the anchor now the split kernel)
 NCU_KERNELS = ("chunk_fwd_prep_kernel|chunk_fwd_state_kernel|chunk_bwd_p_kernel|chunk_bwd_dq_kernel|"
                "chunk_bwd_a_kernel|chunk_bwd_dk_kernel|chunk_bwd_finalize_kernel|chunk_gdr_fwd_sm90_kernel|"
-               "chunk_gdr_fwd_sm90_state_kernel")
-NCU_LAUNCHES = 12       # one of each above in one Triton forward + backward (the state kernel three times),
-                        # then the cuda forward's Triton prep and state-only kernel
+               "chunk_gdr_fwd_sm90_state_kernel|chunk_gdr_fwd_sm90_split_kernel")
+NCU_LAUNCHES = 11       # one of each above in one Triton forward + backward (the state kernel three times),
+                        # then the cuda forward's split kernel
 NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "LaunchStats", "Occupancy",
                 "SchedulerStats")
 # what the sections above do not break down (the second H200 session: prep, dq and dk had L1/TEX 50-77%
@@ -586,49 +586,49 @@ def _case_cuda_chunk(dev, skipped):
         skipped.append(f"cuda chunked forward: {why}")
         return ran
     outs = {}
-    for backend, state_only in (("cuda", False), ("cuda", True), ("triton", None)):
-        with _forward_kernel(state_only):
+    for backend, kernel in [("cuda", k) for k in ("fused", "split", "state")] + [("triton", None)]:
+        with _forward_kernel(kernel):
             o, ht = gdn_packed.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                                       cu_seqlens=cu, cu_seqlens_padded=cu_pad,
                                                       use_qk_l2norm_in_kernel=True, backend=backend)
             grads = torch.autograd.grad((o.float().square().sum() + ht.square().sum()), (q, k, v, g, beta, h0))
         assert all(torch.isfinite(x).all() for x in (o, ht, *grads)), f"non-finite {backend} output or gradient"
-        outs[backend, state_only] = o.detach()
-    for state_only, name in ((False, "fused"), (True, "Triton prep + state-only")):
-        err = rel_err(outs["cuda", state_only], outs["triton", None].double())
+        outs[backend, kernel] = o.detach()
+    for kernel, name in (("fused", "fused"), ("split", "split"), ("state", "Triton prep + state-only")):
+        err = rel_err(outs["cuda", kernel], outs["triton", None].double())
         assert err <= 2e-2, f"cuda chunked forward ({name}) {err:.2e} from the Triton forward"
         ran.append(f"cuda chunk fwd (sm_90a, {name}) + Triton bwd (o {err:.1e} from triton)")
     return ran
 
 
-def _fused_forward(call):
-    """call (a bench.gdr provider) with backend='cuda''s fused forward kernel forced."""
+def _forced_forward(call, kernel):
+    """call (a bench.gdr provider) with backend='cuda''s forward kernel `kernel` forced."""
     def run(*args, **kw):
-        with _forward_kernel(False):
+        with _forward_kernel(kernel):
             return call(*args, **kw)
     return run
 
 
-def _prep_first(N, HV, dev):
-    """Whether backend='cuda' runs Triton prep and the state-only kernel for N sequences of HV heads on dev."""
+def _picks_split(N, HV, dev):
+    """Whether backend='cuda' runs the split forward kernel for N sequences of HV heads on dev."""
     import torch
 
-    from gdn_packed.cuda.chunk import prep_first
-    return prep_first(N, HV, torch.cuda.get_device_properties(dev).multi_processor_count)
+    from gdn_packed.cuda.chunk import forward_kernel
+    return forward_kernel(N, HV, torch.cuda.get_device_properties(dev).multi_processor_count) == "split"
 
 
 @contextlib.contextmanager
-def _forward_kernel(state_only):
-    """backend="cuda"'s forward kernel forced for the block: the fused one (False) or Triton prep and the
-    state-only one (True); None: as gdn_packed.cuda.chunk.prep_first picks."""
+def _forward_kernel(kernel):
+    """backend="cuda"'s forward kernel forced for the block (one of gdn_packed.cuda.chunk.KERNELS); None:
+    as gdn_packed.cuda.chunk.forward_kernel picks."""
     from gdn_packed.cuda import chunk as cuda_chunk
-    real = cuda_chunk.prep_first
-    if state_only is not None:
-        cuda_chunk.prep_first = lambda *a: state_only
+    real = cuda_chunk.forward_kernel
+    if kernel is not None:
+        cuda_chunk.forward_kernel = lambda *a: kernel
     try:
         yield
     finally:
-        cuda_chunk.prep_first = real
+        cuda_chunk.forward_kernel = real
 
 
 def _case_cuda_dstate(q, k, v, g, beta, cu, cu_pad):
@@ -669,9 +669,9 @@ PROFILE_SHAPES = [("1x32768", [32768]), ("4x8192", [8192] * 4), ("32x1024", [102
 
 def case_profile(csv_path=None, providers=None, shapes=None):
     """Each kernel's device time, per call of the chunked op, at the sm_90 model's three shapes (bf16,
-    16/32 heads, K = V = 128): ours-triton, ours-cuda, ours-cuda-fused (backend='cuda' with the fused
-    forward kernel forced, at the shapes where prep_first picks Triton prep and the state-only kernel for
-    ours-cuda: the comparison that sets its threshold) and fla, forward (no grad) and backward (the
+    16/32 heads, K = V = 128): ours-triton, ours-cuda, ours-cuda-fused and ours-cuda-state (backend='cuda'
+    with the fused forward kernel, or Triton prep and the state-only one, forced, at the shapes where
+    forward_kernel picks the split kernel for ours-cuda: the comparison that sets its rule) and fla, forward (no grad) and backward (the
     autograd backward alone, from a kept graph), under torch.profiler: 2 warm-up calls, 3 profiled,
     each kernel's time / 3; the configs FLA's autotuner chose (autotuned_configs) in the result. Rows go to csv_path as each (shape, provider, mode) finishes (an out-of-time
     stop keeps what ran); a '(all kernels)' row per (shape, provider, mode) holds their sum and the
@@ -688,14 +688,16 @@ def case_profile(csv_path=None, providers=None, shapes=None):
         os.environ["FLA_DISABLE_BACKEND_DISPATCH"] = "1"   # FLA's own kernels, not FlashQLA's
         shapes = [x for x in PROFILE_SHAPES if shapes is None or x[0] in shapes.split(",")]
         hung = os.environ.get(HUNG_ENV) == "1"
-        providers = (providers or _gpu_providers(hung).replace("ours-cuda", "ours-cuda,ours-cuda-fused")).split(",")
+        providers = (providers or _gpu_providers(hung).replace("ours-cuda", "ours-cuda,ours-cuda-fused,ours-cuda-state")
+                     ).split(",")
         H, HV, K = 16, 32, 128
         dtype, activity, kind = torch.bfloat16, ProfilerActivity.CUDA, torch.autograd.DeviceType.CUDA
     else:
         shapes, providers, (H, HV, K) = [("1x96", [96])], ["ours-torch"], (1, 2, 32)
         dtype, activity, kind = torch.float32, ProfilerActivity.CPU, torch.autograd.DeviceType.CPU
     calls = {"ours-triton": gdr.ours("triton"), "ours-cuda": gdr.ours("cuda"), "fla": gdr.fla,
-             "ours-torch": gdr.ours("torch"), "ours-cuda-fused": _fused_forward(gdr.ours("cuda"))}
+             "ours-torch": gdr.ours("torch"), "ours-cuda-fused": _forced_forward(gdr.ours("cuda"), "fused"),
+             "ours-cuda-state": _forced_forward(gdr.ours("cuda"), "state")}
     fields = ["shape", "provider", "mode", "kernel", "calls", "us"]
     f = open(csv_path or os.devnull, "w", newline="")
     w = csv.DictWriter(f, fieldnames=fields)
@@ -703,8 +705,8 @@ def case_profile(csv_path=None, providers=None, shapes=None):
     done, failed, skipped = [], [], []
     for shape, lengths in shapes:
         for name in providers:
-            if name == "ours-cuda-fused" and not _prep_first(len(lengths), HV, dev):
-                continue                          # (ours-cuda runs the fused kernel there already)
+            if name in ("ours-cuda-fused", "ours-cuda-state") and not _picks_split(len(lengths), HV, dev):
+                continue                          # (ours-cuda runs the fused kernel there)
             try:
                 xs, cu = gdr.make_inputs(H, HV, K, K, lengths, dtype, dev, requires_grad=True)
                 call = calls[name]
@@ -873,7 +875,7 @@ def _sync_errors(torch):
 def case_ncu():
     """One ours-triton forward+backward at the anchor (bf16, 16/32 heads, K = V = 128) for ncu, then one
     sm_90a forward where it may run (the fused kernel ran at 1.76x its model on the H200: which of its roles
-    waits; at the anchor backend="cuda" now runs Triton prep and the state-only kernel)."""
+    waits; at the anchor backend="cuda" now runs the split kernel)."""
     import torch
 
     from bench import gdr

@@ -34,11 +34,22 @@ outside the chunk loops, so the loops simulated are the common chunk's. The op's
 chunk table) are recorded from the op body with backend="cuda" and the kernel launch itself stubbed
 (launches.Recorder).
 
-The state-only kernel (chunk_gdr_fwd_sm90_state_kernel, phase "fwd_state": the forward where the fused
-kernel's CTAs would leave half the SMs idle, gdn_packed.cuda.chunk.prep_first) runs after Triton prep,
+The state-only kernel (chunk_gdr_fwd_sm90_state_kernel, phase "fwd_state": the forward's kernel="state",
+forced only) runs after Triton prep,
 whose launch is recorded and modelled as the Triton kernels are: the same CTA without a prep loop (D(n) of
 its state and producer loops; the ring the loads alone), each chunk's Ts or M (multicast), gate rows and
 chunk decay read in place of g, beta, and no prep FLOPs.
+
+The split kernel (chunk_gdr_fwd_sm90_split_kernel, phase "fwd_split": the forward where the fused kernel's
+CTAs would leave half the SMs idle, gdn_packed.cuda.chunk.forward_kernel) runs the state-only kernel's
+state CTA beside a prep CTA of two prep warpgroups, two of each a (value head, sequence) in a cluster of
+4. Per chunk step its state CTA is bound as the state-only kernel's, but for the ring: 4 prep warpgroups
+take the chunks in turn, each reloading its stage once it has prepped (ldg + p per 4 chunks); its prep
+CTA issues p_instr / 2 + r_instr / 2 a sub-partition and p_mma / 2 on the tensor pipe; its shared memory is
+the prep loop's over 2 (every other chunk), half of k / q loaded and two copies of Ts, M and gates read
+per chunk, against the state CTA's (which receives that copy in place of Triton prep's loads). One CTA per
+SM, so the slower of the two kinds bounds each term; the bytes: the state CTAs' tiles and the prep CTAs'
+q, k and g, beta (and the kept prep outputs), no Ts / M through memory.
 
 The dS pass (cta_cycles without a prep loop, bwd_estimate): one CTA per (V-block, value head, sequence),
 two roles, the dS warpgroup's chunk loop (its "state" loop: s cycles a chunk, the three dependent wgmma groups of
@@ -72,26 +83,32 @@ CSRC = os.path.join(ROOT, "csrc")
 SOURCE = os.path.join(CSRC, "chunk_gdr_fwd_sm90.cu")
 KERNEL = "chunk_gdr_fwd_sm90_kernel"
 STATE_KERNEL = "chunk_gdr_fwd_sm90_state_kernel"     # the two-kernel forward's, after Triton prep
+SPLIT_KERNEL = "chunk_gdr_fwd_sm90_split_kernel"     # state CTAs fed by prep CTAs, a cluster of 4
 BWD_SOURCE = os.path.join(CSRC, "chunk_gdr_bwd_sm90.cu")      # the backward's reverse dS pass
 BWD_KERNEL = "chunk_gdr_bwd_sm90_kernel"
 BWD_THREADS = 256
 # per phase: the file, its kernel, the roles of its loops (_role_loops; the dS warpgroup's loop is "state")
 KERNELS = {"fwd": (SOURCE, KERNEL, {"state", "prep", "producer"}), "fwd_state": (SOURCE, STATE_KERNEL, {"state", "producer"}),
+           "fwd_split": (SOURCE, SPLIT_KERNEL, {"state", "prep", "producer", "prep_producer"}),
            "bwd": (BWD_SOURCE, BWD_KERNEL, {"state", "producer"})}
 THREADS, V_BLOCK, HEAD_DIM, STAGES = 384, 64, 128, 3     # STAGES: the k / q / v ring (kStages)
+PREP_PIPES = 4                     # the split kernel's prep warpgroups a cluster (2 prep CTAs x kPrepWgs)
 BLOCK = 64 * 64 * 2                # kBlock: one [64 rows, 64 columns] 16-bit block of shared memory
 # per chunk and CTA, the bytes the TMA / bulk copies move through its shared memory: a stage of the ring
 # (the kernels' expect-tx counts, kStageBytes: k, q, v; kBwdStageBytes: k, q, Ts, M, dO, the gate rows),
 # the stores (O; dSn^T, dX'^T, dv) and the forward's Ts / M / gates bulk copy to the peer (kPrepBytes: every
 # other chunk sent, every other one received; tests/test_cuda_chunk_model.py finds both counts in the SASS);
 # the state-only kernel's stage as the forward's, O, and its prep buffer as loaded (kPrepInBytes: Ts, M and
-# the first 4 gate rows)
+# the first 4 gate rows); the split kernel's state CTA as the state-only one's with the prep CTA's copy
+# (kPrepBytes) in place of those loads, its prep CTA (per chunk it preps) both K-halves of k and q in, two
+# copies out
 STAGE_BYTES = {"fwd": 5 * BLOCK, "bwd": 7 * BLOCK + 1280}
 PEER_BYTES = 2 * BLOCK + 1040
 PREP_IN_BYTES = 2 * BLOCK + 1024
 TMA_BYTES = {"fwd": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "fwd_state": STAGE_BYTES["fwd"] + BLOCK + PREP_IN_BYTES,
-             "bwd": STAGE_BYTES["bwd"] + 4 * BLOCK}
-ROLE_WARPS = {"state": 4, "prep": 4, "producer": 1}     # the warps that run each role's loop
+             "fwd_split": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "bwd": STAGE_BYTES["bwd"] + 4 * BLOCK}
+SPLIT_PREP_BYTES = 4 * BLOCK + 2 * PEER_BYTES
+ROLE_WARPS = {"state": 4, "prep": 4, "producer": 1, "prep_producer": 1}     # the warps that run each role's loop
 DTYPES = ("bf16", "fp16")          # the kernel's inputs (fp32: refused, no row)
 
 
@@ -222,7 +239,9 @@ def _kernel_sass(text, dtype, kernel=KERNEL):
 
 def _role_loops(prog):
     """{role: (first, last)} of the kernel's loops (backward branches before its last EXIT): state holds
-    a 64x128 HGMMA, prep only 64x64 ones, the producer the TMA loads (UTMALDG)."""
+    a 64x128 HGMMA, prep only 64x64 ones, the producer the TMA loads (UTMALDG), some multicast to the
+    cluster; the split kernel's prep CTA's producer (prep_producer) loads its k and q itself (none
+    multicast)."""
     last_exit = max(x.addr for x in prog if x.op == "EXIT")
     index = {x.addr: i for i, x in enumerate(prog)}
     roles = {}
@@ -232,7 +251,8 @@ def _role_loops(prog):
         ops = [y.op for y in prog[index[x.target]:j + 1]]
         role = ("state" if any(o.startswith("HGMMA.64x128") for o in ops) else
                 "prep" if any(o.startswith("HGMMA") for o in ops) else
-                "producer" if any(o.startswith("UTMALDG") for o in ops) else None)
+                "producer" if any(o.startswith("UTMALDG") and "MULTICAST" in o for o in ops) else
+                "prep_producer" if any(o.startswith("UTMALDG") for o in ops) else None)
         if role and (role not in roles or j - index[x.target] > roles[role][1] - roles[role][0]):
             roles[role] = (index[x.target], j)
     return roles
@@ -289,17 +309,24 @@ def smem_by_line(phase="fwd", dtype="bf16"):
     most first, for one warp's path through each of the phase's loops (_role_loops), the wavefronts as
     _simulate_loop counts them (bank conflicts resolved by banks.py). The kernel is compiled again with
     -lineinfo to a cubin (nvdisasm -g attributes every instruction to its csrc line, the innermost one of
-    an inlined call); not cached: ~10 s. {"error": why} without nvcc / cuobjdump / nvdisasm."""
+    an inlined call); not cached: ~20 s. It is compiled to an object exactly as the build does
+    (nvcc_command) and its sm_90a cubin extracted for nvdisasm: a -cubin compile of the same source and
+    flags can differ (2026-12-05: 3 LDS more in the fused kernel's prep loop from -c than from -cubin).
+    {"error": why} without nvcc / cuobjdump / nvdisasm."""
     source, kernel, want = KERNELS[phase]
     tools = {t: find_tool(t) for t in ("nvcc", "cuobjdump", "nvdisasm")}
     if missing() or not all(tools.values()):
         return dict(error=missing() or "no " + ", ".join(t for t, p in tools.items() if not p))
     with tempfile.TemporaryDirectory(prefix="gdn_lines_") as tmp:
-        cubin = os.path.join(tmp, "k.cubin")
-        cmd = [c for c in nvcc_command(source, cubin) if c not in ("-c", "-Xptxas", "-v")] + ["-cubin"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        obj = os.path.join(tmp, "k.o")
+        p = subprocess.run(nvcc_command(source, obj), capture_output=True, text=True)
         if p.returncode:
             return dict(error=f"nvcc failed: {(p.stderr or p.stdout).strip().splitlines()[-1][:300]}")
+        subprocess.run([tools["cuobjdump"], "-xelf", "all", obj], cwd=tmp, capture_output=True, check=True)
+        cubins = glob.glob(os.path.join(tmp, "*sm_90a*.cubin"))
+        if len(cubins) != 1:
+            return dict(error=f"cuobjdump -xelf: {len(cubins)} sm_90a cubins in the object")
+        cubin = cubins[0]
         dump = subprocess.run([tools["cuobjdump"], "-sass", cubin], capture_output=True, text=True, check=True).stdout
         lines = subprocess.run([tools["nvdisasm"], "-g", "-c", cubin], capture_output=True, text=True,
                                check=True).stdout
@@ -374,7 +401,7 @@ def _smem_bytes(phase="fwd"):
     """The phase's kernel's dynamic shared memory (gdn_packed._C says, where it is built), else 0."""
     try:
         from gdn_packed import _cext
-        kernel = "fwd" if phase == "fwd_state" else phase          # (one Shared layout for both forwards)
+        kernel = "fwd" if phase.startswith("fwd") else phase       # (one shared-memory size for the forwards)
         return int(getattr(_cext.get_C(), f"chunk_gdr_{kernel}_sm90_smem_bytes", 0) or 0)
     except Exception:  # noqa: BLE001 (the report still runs without the extension)
         return 0
@@ -390,6 +417,14 @@ def cta_cycles(f, n, const, phase="fwd"):
     (the state-only kernel: STAGES - 2, since it stores a chunk's O in the next step and releases the stage
     after that store has read it)."""
     s, p, pr = f.loops["state"], f.loops.get("prep", NO_PREP), f.loops["producer"]
+    if phase == "fwd_split":     # (module docstring; the prep CTA's producer loads every other chunk)
+        pp = f.loops["prep_producer"]
+        terms = dict(state=n * s["cycles"], ring=n * (const.lat.ldg + p["cycles"]) / PREP_PIPES,
+                     producer=n * max(pr["cycles"], pp["cycles"] / 2),
+                     issue=n * max(s["instr"] + pr["instr"], (p["instr"] + pp["instr"]) / 2),
+                     mma=n * max(s["mma_cycles"], p["mma_cycles"] / 2))
+        bound = max(terms, key=terms.get)
+        return terms[bound], bound
     slack = STAGES - 2 if phase == "fwd_state" else STAGES - 1
     terms = dict(state=n * s["cycles"], ring=n * (const.lat.ldg + p["cycles"]) / slack,
                  producer=n * pr["cycles"],
@@ -405,18 +440,24 @@ def smem_cycles(f, phase="fwd"):
     wavefronts times its warps (ROLE_WARPS; prep's loop runs every other chunk), its warpgroup MMAs' operand
     reads once, and the bytes the TMA loads, stores and bulk copies move (TMA_BYTES)."""
     share = {"state": 1.0, "prep": 0.5, "producer": 1.0}
-    own = sum(share[r] * (ROLE_WARPS[r] * x["smem"] + x["smem_mma"]) for r, x in f.loops.items())
-    return own + TMA_BYTES[phase] / sass.SMEM_BYTES_PER_CYCLE
+    part = lambda r: ROLE_WARPS[r] * f.loops[r]["smem"] + f.loops[r]["smem_mma"]   # noqa: E731
+    if phase == "fwd_split":     # the slower of its state CTA and its prep CTA (every other chunk)
+        state = part("state") + part("producer") + TMA_BYTES[phase] / sass.SMEM_BYTES_PER_CYCLE
+        return max(state, 0.5 * (part("prep") + part("prep_producer") + SPLIT_PREP_BYTES / sass.SMEM_BYTES_PER_CYCLE))
+    return sum(share[r] * part(r) for r in f.loops) + TMA_BYTES[phase] / sass.SMEM_BYTES_PER_CYCLE
 
 
 def estimate(f, dims, dtype, const, kept=False, phase="fwd"):
     """The model's numbers of the launch at dims = (N, L, H, HV, K, V), as model.estimate's dict; kept:
     with the prep outputs it writes for the backward (their bytes; its loop's SASS holds that code either
     way, which the simulator charges as it charges both sides of any branch). phase "fwd_state": the
-    state-only kernel, which reads Triton prep's outputs in place of g, beta and runs no prep."""
+    state-only kernel, which reads Triton prep's outputs in place of g, beta and runs no prep; "fwd_split":
+    the split kernel, a prep CTA beside each state CTA (module docstring)."""
     N, L, H, HV, K, V = dims
     esize, C = 2, M.CHUNK
-    ctas = 2 * HV * N
+    split = phase == "fwd_split"
+    pairs = 2 * HV * N                 # state CTAs (the fused and state-only kernels: every CTA)
+    ctas = 2 * pairs if split else pairs
     n = -(-L // C)
     d, bound = cta_cycles(f, n, const, phase)
     fill = const.lat.ldg + f.loops.get("prep", NO_PREP)["cycles"]      # chunk 0 loaded (and prepped) before step 0
@@ -424,21 +465,25 @@ def estimate(f, dims, dtype, const, kept=False, phase="fwd"):
     # tiles per CTA: the K-half of k and of q it multicasts to the cluster (one read from L2 for both CTAs),
     # its v half and o half (64 x 64) per chunk; g, beta of the chunks it preps (the state-only kernel: Ts or
     # M, multicast, the gate rows and the chunk decay); its half of h0 and of the final state (fp32)
+    # (the split kernel: beside each state CTA a prep CTA loading both K-halves of k and q and g, beta of
+    # every other chunk)
     state_only = phase == "fwd_state"
     prep_in = C * C * esize + 4 * C * 4 + 4
-    per_chunk = C * (K + 2 * V_BLOCK) * esize + (prep_in if state_only else C * 4)
+    per_chunk = C * (K + 2 * V_BLOCK) * esize + (prep_in if state_only else C * K * esize + C * 4 if split else C * 4)
     # kept: a chunk slot's Ts, M, gate rows, row factors, chunk decay, by the CTA that prepped it
     keep = (2 * C * C * esize + 7 * C * 4 + 4) if kept and not state_only else 0
-    tiles = ctas * (n * (per_chunk + keep / 2) + 2 * K * V_BLOCK * 4)
+    tiles = pairs * (n * (per_chunk + keep / 2) + 2 * K * V_BLOCK * 4)
     footprint = (N * L * (2 * H * K + 2 * HV * V) * esize + 2 * N * HV * K * V * 4 + N * n * HV * keep
                  + (N * n * HV * (2 * C * C * esize + 4 * C * 4 + 4) if state_only else N * L * HV * 8))
     hbm = min(tiles, footprint)
     busy = min(ctas, NUM_SMS)
     t_mem = max(hbm / HBM_BPS + (tiles - hbm) / const.l2_bps, tiles / (busy * SM_BPS))
     C = M.CHUNK
-    flops = ctas * n * (2 * V_BLOCK * (3 * C * K + 2 * C * C)       # state: S^T [K; Q]^T, X'^T Ts^T, U^T M^T, U^T K
-                        + (0 if state_only else (4 * C * C * K + 8 * C ** 3) / 2))   # prep, every other chunk:
+    flops = pairs * n * (2 * V_BLOCK * (3 * C * K + 2 * C * C)      # state: S^T [K; Q]^T, X'^T Ts^T, U^T M^T, U^T K
+                         + (0 if state_only else (4 * C * C * K + 8 * C ** 3) / 2))   # prep, every other chunk:
     t_tc = flops / TC_FLOPS["bf16"]                                                 # 2 Grams, 2 doublings
+    # (the split kernel: every CTA charged its slower kind's cycles, exact while its CTAs fit one wave,
+    # where forward_kernel runs it)
     t_smem = ctas * n * smem_cycles(f, phase) / busy / CLOCK_HZ
     t, top = M.bounded({"latency": t_lat, "bytes": t_mem, "smem": t_smem, "FLOPs": t_tc}, 1, const)  # 1 CTA per SM
     return dict(ctas=ctas, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc, t_smem=t_smem, hbm_bytes=tiles, flops=flops,
@@ -487,9 +532,9 @@ class CudaLaunch:
 def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
     """The op bodies' launches with backend="cuda" (l2norm off, no h0, as launches.record_ours, whose
     meta_inputs and op_body it takes) on meta tensors into `rec` (an active launches.Recorder), as under
-    autograd: fwd: chunk_gdr_fwd's torch operators and, where the forward runs it first (prep_first),
-    Triton prep's launch, then a CudaLaunch for the forward kernel (the fused or the state-only one), whose
-    launch is stubbed (kept when the fused kernel keeps its prep outputs: kept_shape). bwd: chunk_gdr_bwd on the forward's
+    autograd: fwd: chunk_gdr_fwd's torch operators and, where the forward runs the state-only kernel,
+    Triton prep's launch, then a CudaLaunch for the forward kernel (gdn_packed.cuda.chunk.forward_kernel's
+    choice), whose launch is stubbed (kept when the fused kernel keeps its prep outputs: kept_shape). bwd: chunk_gdr_bwd on the forward's
     kept (the Triton backward on those prep outputs, or running prep where the forward keeps none) with its
     reverse dS pass on the sm_90a dS kernel (gdn_packed.cuda.chunk.chunk_bwd_dstate_cuda, stubbed), a
     CudaLaunch: what the backward of backend="cuda" launches."""
@@ -506,9 +551,8 @@ def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
     real_launch, real_dstate = cuda_chunk.launch, cuda_chunk.chunk_bwd_dstate_cuda
 
     def fwd_launch(entry, device, *, reads, writes, **scalars):     # the forward kernels: modelled, not run
-        state_only = reads["prep_ts"] is not None
-        rec.launches.append(CudaLaunch(STATE_KERNEL if state_only else KERNEL, "fwd_state" if state_only else "fwd",
-                                       kept=writes["kept_ts"] is not None))
+        phase = "fwd_state" if reads["prep_ts"] is not None else "fwd_split" if scalars["split"] else "fwd"
+        rec.launches.append(CudaLaunch(KERNELS[phase][1], phase, kept=writes["kept_ts"] is not None))
     cuda_chunk.launch = fwd_launch
     cuda_chunk.chunk_bwd_dstate_cuda = lambda *a, **kw: rec.launches.append(CudaLaunch(BWD_KERNEL, "bwd"))
     _dispatch.kernel.cache_clear()
@@ -533,7 +577,8 @@ def row(name, dims, dtype, const, launch=None):
     fwd = phase != "bwd"
     f = facts(dtype, const, phase)
     base = dict(impl="cuda", shape=name, dtype=dtype, mode="fwd" if fwd else "bwd", kernel=KERNELS[phase][1],
-                config="VB64 cluster2 s3 p4" if fwd else "VB64 cluster2 s3", candidates=1,
+                config=("VB64 cluster4 s3 p4" if phase == "fwd_split" else "VB64 cluster2 s3 p4") if fwd
+                else "VB64 cluster2 s3", candidates=1,
                 warps=(THREADS if fwd else BWD_THREADS) // 32, stages=STAGES, loop_hmma="", loop_f2fp="",
                 step_stalls={}, dots="bf16+f16" if dtype == "bf16" else "f16", error=f.error)
     if f.error or not takes(dims, dtype):
@@ -545,7 +590,7 @@ def row(name, dims, dtype, const, launch=None):
     s, p = f.loops["state"], f.loops.get("prep", dict(hgmma=0, instr=0, waits=0))
     n = -(-dims[1] // M.CHUNK)
     us = lambda t: round(t * 1e6, 1)  # noqa: E731
-    return dict(base, grid=f"2x{dims[3]}x{dims[0]}", ctas=est["ctas"], regs=f.regs, smem_kb=round(f.smem / 1024, 1),
+    return dict(base, grid=f"{4 if phase == 'fwd_split' else 2}x{dims[3]}x{dims[0]}", ctas=est["ctas"], regs=f.regs, smem_kb=round(f.smem / 1024, 1),
                 spill_b=f.spill, ctas_per_sm=1, waves=math.ceil(est["ctas"] / NUM_SMS),
                 loop_hgmma=s["hgmma"] + p["hgmma"] / 2, loop_instr=round(s["instr"] + p["instr"] / 2),
                 loop_waits=s["waits"] + p["waits"] / 2, loop_bars="",

@@ -8,10 +8,10 @@ autograd will need them), so that backward runs neither pass A nor prep of its o
 
     refusal(q, v, device)   None when backend="cuda" of the chunked op takes these inputs on `device`,
                             else the exception saying why (resolve_backend's `refuse`)
-    chunk_gdr_fwd_cuda(...) the forward, the dispatch table's "fwd" and "fwd_raw" (raw a, b gates): the
-                            fused kernel, or where it would leave most SMs idle (prep_first), Triton prep
-                            and then the state-only kernel on its outputs
-    prep_first(N, HV, sms)  whether the forward runs Triton prep first (few long sequences)
+    chunk_gdr_fwd_cuda(...) the forward, the dispatch table's "fwd" and "fwd_raw" (raw a, b gates): one of
+                            the three forward kernels (KERNELS), as forward_kernel picks
+    forward_kernel(N, HV, sms)  which kernel the forward runs on a device of `sms` SMs: "split" for few
+                            long sequences, else "fused"
     chunk_bwd_dstate_cuda(...)  the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) in place of
                             the Triton one (gdn_packed.triton.chunk.chunk_bwd_dstate): the same inputs
                             (Triton prep's outputs) and outputs
@@ -59,14 +59,23 @@ def refusal(q, v, device, N=None):
     return None
 
 
-def prep_first(N, HV, sms):
-    """Whether the forward runs Triton prep (chunk_fwd_prep: every chunk slot in parallel, on all `sms`
-    SMs) and then the state-only kernel on its outputs, rather than the fused kernel (whose 2 HV N CTAs
-    each prep half their chunks themselves): where those CTAs would leave at least half of the SMs idle.
-    There prep's work moves off the sequential chain onto the idle SMs; where the CTAs fill the GPU it
-    would only add prep's pass (bench/NOTES.md, "The state-only kernel", in the model: the anchor, 64 CTAs
-    on 132 SMs, fused 1070 us against 233 + 623; 2 x 16384, 128 CTAs, fused 537 against 233 + 452)."""
-    return 2 * HV * N <= sms // 2
+# The forward's kernels (csrc/chunk_gdr_fwd_sm90_device.cuh, FwdKind):
+#   "fused"  2 HV N CTAs in clusters of 2, each with a state warpgroup (its 64 value columns) and a prep
+#            warpgroup that preps every other chunk for both
+#   "split"  4 HV N CTAs in clusters of 4: the two state CTAs fed by two prep CTAs (two prep warpgroups
+#            each) over the cluster's shared memory
+#   "state"  Triton prep (every chunk slot in parallel) first, then 2 HV N state-only CTAs on its outputs
+KERNELS = ("fused", "split", "state")
+
+
+def forward_kernel(N, HV, sms):
+    """The kernel the forward runs on a device of `sms` SMs: "split" where the fused kernel's 2 HV N CTAs
+    would leave at least half of the SMs idle (few long sequences), so that its 2 HV N prep CTAs take
+    them and prep leaves the state CTAs' chain; "fused" where the CTAs fill the GPU (more than one wave of
+    the split kernel's clusters would only add the prep CTAs' wave). In the model (bench/NOTES.md, "The
+    split kernel"): the anchor (64 state CTAs on 132 SMs) fused 1070 us, Triton prep + state-only 233 +
+    614, split ~650 (prediction). "state" is never picked: the split kernel does its work on chip."""
+    return "split" if 2 * HV * N <= sms // 2 else "fused"
 
 
 def kept_shape(T, N, HV, K, V, C, device, dtype):
@@ -117,16 +126,17 @@ def _aligned(x):
 
 
 def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm, o,
-                       final_state, kept=None, *, A_log=None, dt_bias=None, host=False, triton_prep=None):
+                       final_state, kept=None, *, A_log=None, dt_bias=None, host=False, kernel=None):
     """Writes o [T, HV, V] (every row: padding rows 0) and final_state [N, HV, K, V] float32, as
     gdn_packed.triton.chunk.chunk_gdr_fwd_triton. q, k [T, H, K], v [T, HV, V] (bf16 / fp16; fp32 with
     host=True); g, beta [T, HV]; table int32 [NC, 4], cu_chunks int32 [N+1]. With A_log, dt_bias [HV],
     g and beta are the raw a, b and the kernel forms g = -exp(A_log) softplus(a + dt_bias),
     beta = sigmoid(b) itself (fp32). kept (kept_shape, or None / empty): the states entering the segments
     and prep's outputs of the sequences' chunk slots are written there for the backward (its other slots
-    are left as they are). triton_prep: run Triton prep first and the state-only kernel on its outputs
-    (True), the fused kernel (False), or as prep_first says on the device (None; the fused kernel on CPU
-    tensors, the host mirror); Triton prep writes every chunk slot of kept's Prep then."""
+    are left as they are). kernel: one of KERNELS, or None: as forward_kernel says on the device, the
+    fused kernel's tile program on CPU tensors (the host mirror; "split" runs the split kernel's, "state"
+    Triton prep under the Triton interpreter and the state-only kernel's); with "state" Triton prep writes
+    every chunk slot of kept's Prep."""
     if C != CHUNK:
         raise ValueError(f"the cuda chunked kernel is written for chunk size {CHUNK}, got {C}")
     T, H, K = q.shape
@@ -151,9 +161,9 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
     raw = A_log is not None
     entering, prep = _kept_parts(kept, T, N, NC, HV, q.dtype, q.device)
     ins = dict(prep_gates=None, prep_eg_last=None, prep_ts=None, prep_mm=None)    # the fused kernel's
-    run_prep = _triton_prep(q.device, N, HV, triton_prep)
-    if run_prep is not None:
-        g, beta, prep = run_prep(q, k, v, g, beta, table, HV, scale, use_l2norm, A_log, dt_bias, prep)
+    kernel = _kernel(q.device, N, HV, kernel)
+    if kernel == "state":
+        g, beta, prep = _triton_prep(q.device)(q, k, v, g, beta, table, HV, scale, use_l2norm, A_log, dt_bias, prep)
         ins = {f"prep_{n}": _aligned(getattr(prep, n)) for n in ("gates", "eg_last", "ts", "mm")}
         raw, prep = False, None                     # the gates are prep's; the backward keeps its outputs
     keep = {f"kept_{n}": None if prep is None else getattr(prep, n) for n in ("gates", "eg_last", "rn", "ts", "mm")}
@@ -168,32 +178,35 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
                       initial_state=None if initial_state is None else initial_state.to(torch.float32), **ins),
            writes=dict(o=out, final_state=final_state, kept_entering=entering, **keep), kept_segments=segments,
            NC=NC, N=N, T=T, H=H, HV=HV, K=K, V=Vd, chunk_size=C, dtype=q.dtype, scale=float(scale),
-           l2norm=bool(use_l2norm), raw_gates=raw)
+           l2norm=bool(use_l2norm), raw_gates=raw, split=kernel == "split")
     if out is not o:
         o.copy_(out)
 
 
-def _triton_prep(device, N, HV, force):
-    """The first launches of the two-kernel forward where it runs (force: True, False, or None: as
-    prep_first says on `device`, never on CPU tensors, and not where Triton is not installed), else None:
-    fn(q, k, v, g, beta, table, HV, scale, l2norm, A_log, dt_bias, out) -> (g, beta, Prep), the gates
-    formed from the raw a, b first (the Triton gate pass) when A_log is given, Triton prep's outputs of
-    every chunk slot written into `out` (a Prep of views: kept's) when given."""
-    if force is False or (force is None and device.type == "cpu"):
-        return None
-    try:
-        from gdn_packed.triton.chunk import _rows, chunk_fwd_prep
-        from gdn_packed.triton.chunk_gate import gate_fwd_triton
-        from gdn_packed.triton.configs import num_sms
-    except ImportError:
-        if force:
-            raise
-        return None
-    if force is None and not prep_first(N, HV, num_sms(device)):
-        return None
-    if force and device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise RuntimeError("triton_prep=True on CPU tensors runs Triton prep under the Triton interpreter: set "
+def _kernel(device, N, HV, kernel):
+    """The forward kernel to run (chunk_gdr_fwd_cuda's `kernel`): the one named, else the fused one on CPU
+    tensors (the host mirror) and forward_kernel's choice on a device."""
+    if kernel is not None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
+        return kernel
+    if device.type == "cpu":
+        return "fused"
+    # (the SMs as gdn_packed.triton.configs.num_sms counts them, without importing Triton)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return forward_kernel(N, HV, sms)
+
+
+def _triton_prep(device):
+    """The first launches of the "state" forward: fn(q, k, v, g, beta, table, HV, scale, l2norm, A_log,
+    dt_bias, out) -> (g, beta, Prep), the gates formed from the raw a, b first (the Triton gate pass) when
+    A_log is given, Triton prep's outputs of every chunk slot written into `out` (a Prep of views: kept's)
+    when given. On CPU tensors only under the Triton interpreter (else a RuntimeError saying so)."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise RuntimeError("kernel='state' on CPU tensors runs Triton prep under the Triton interpreter: set "
                            "TRITON_INTERPRET=1 before importing triton")
+    from gdn_packed.triton.chunk import _rows, chunk_fwd_prep
+    from gdn_packed.triton.chunk_gate import gate_fwd_triton
 
     def run(q, k, v, g, beta, table, HV, scale, l2norm, A_log, dt_bias, out):
         if A_log is not None:
