@@ -664,6 +664,34 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
   return launch_status("chunk_gdr_fwd_sm90");
 }
 
+// The split kernel's clusters of 4 that can be resident at once on `device` (a cluster's CTAs share one GPC,
+// whose SM count need not be a multiple of 4: fewer than SMs / 4 where some is not), or -1 where the
+// runtime cannot say (gdn_packed/cuda/chunk.py:forward_kernel then takes SMs / 4)
+int split_clusters(int device) {
+  if (!use_device(device, "chunk_gdr_fwd_sm90_split_clusters").ok()) return -1;
+  auto kernel = chunk_gdr_fwd_sm90_split_kernel<__nv_bfloat16>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2 * kVBlocks;
+  cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(2 * kVBlocks, 1, 1);
+  cfg.blockDim = dim3(kThreads, 1, 1);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.attrs = &cluster;
+  cfg.numAttrs = 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return -1;
+  }
+  return n;
+}
+
 Status launch(const Args& a, int dtype, cudaStream_t stream) {
   if (a.N == 0 || a.HV == 0) return {};
   if (dtype == kF16) return launch_t<__half>(a, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, stream);

@@ -184,14 +184,19 @@ def test_state_only_mirror_isolates_nan_in_padding_rows(pi):
 def test_forward_kernel_splits_where_the_fused_kernel_leaves_half_the_sms_idle():
     """The dispatch rule (gdn_packed.cuda.chunk.forward_kernel): the split kernel where the fused kernel's
     2 HV N CTAs fill at most half of the SMs (the anchor, 1 x 32768 with 32 value heads: 64 CTAs on an
-    H200's 132; the split kernel's 128 then fit one wave), the fused kernel from there on (4 x 8192: 256
-    CTAs); CPU tensors (the host mirror) take the fused kernel's tile program unless `kernel` names one;
+    H200's 132; the split kernel's 128 then fit one wave) and the device can hold its HV N clusters of 4
+    at once (as many as cudaOccupancyMaxActiveClusters says; SMs / 4 where it cannot say), the fused
+    kernel from there on (4 x 8192: 256 CTAs); CPU tensors (the host mirror) take the fused kernel's tile program unless `kernel` names one;
     "state" is never picked, and a kernel not in KERNELS is a ValueError naming them."""
     from gdn_packed.cuda.chunk import KERNELS, _kernel, forward_kernel
     split = lambda *a: forward_kernel(*a) == "split"   # noqa: E731
     assert split(1, 32, 132) and split(2, 16, 132) and split(1, 33, 132)
     assert not split(1, 34, 132) and not split(4, 32, 132) and not split(2, 32, 132)
     assert split(1, 32, 128) and not split(1, 33, 128)
+    # the split kernel's HV N clusters of 4 must be resident at once (GPC placement: split_clusters)
+    assert forward_kernel(1, 32, 132, 32) == "split" and forward_kernel(1, 32, 132, 31) == "fused"
+    assert forward_kernel(1, 32, 132, -1) == "split" and forward_kernel(1, 33, 132, -1) == "split"
+    assert forward_kernel(1, 33, 132, 32) == "fused"
     assert {forward_kernel(n, hv, 132) for n in (1, 2, 4, 64) for hv in (1, 8, 32, 64)} == {"fused", "split"}
     assert _kernel(torch.device("cpu"), 1, 1, None) == "fused" and _kernel(torch.device("meta"), 1, 32, None) == "split"
     assert all(_kernel(torch.device("cpu"), 1, 1, k) == k for k in KERNELS)

@@ -76,6 +76,18 @@ def test_forward_finishes():
     assert not why, why
 
 
+def test_split_kernel_clusters_are_counted(report_table):
+    """The split kernel's clusters of 4 the GPU holds at once (cudaOccupancyMaxActiveClusters, which
+    forward_kernel bounds the split kernel by): a positive count of at most SMs / 4 (GPC placement can
+    make it fewer: the anchor's 32 clusters then take two waves and the rule picks the fused kernel)."""
+    from gdn_packed.cuda.chunk import split_clusters
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    n = split_clusters(0)
+    report_table("sm_90a split forward kernel, resident clusters of 4", f"{torch.cuda.get_device_name(0)}: {n} "
+                                                                         f"(SMs {sms}, SMs / 4 = {sms // 4})")
+    assert 0 < n <= sms // 4, (n, sms)
+
+
 @pytest.fixture(params=["fused", "split", "state"])
 def fwd_kernel(request, monkeypatch):
     """The forward kernel backend='cuda' runs here (gdn_packed.cuda.chunk.KERNELS; forward_kernel forced:

@@ -20,6 +20,7 @@ autograd will need them), so that backward runs neither pass A nor prep of its o
     kept_shape(...)         the dispatch table's "kept_shape": what the forward keeps (the segments'
                             entering states, a Prep's words)
 """
+import functools
 import os
 
 import torch
@@ -68,14 +69,25 @@ def refusal(q, v, device, N=None):
 KERNELS = ("fused", "split", "state")
 
 
-def forward_kernel(N, HV, sms):
+def forward_kernel(N, HV, sms, clusters=None):
     """The kernel the forward runs on a device of `sms` SMs: "split" where the fused kernel's 2 HV N CTAs
-    would leave at least half of the SMs idle (few long sequences), so that its 2 HV N prep CTAs take
-    them and prep leaves the state CTAs' chain; "fused" where the CTAs fill the GPU (more than one wave of
-    the split kernel's clusters would only add the prep CTAs' wave). In the model (bench/NOTES.md, "The
+    would leave at least half of the SMs idle (few long sequences), so that the split kernel's 2 HV N prep
+    CTAs take them and prep leaves the state CTAs' chain, provided its HV N clusters of 4 are resident at
+    once (`clusters`: how many can be, split_clusters; SMs / 4 where unknown); else "fused" (a second wave
+    of the split kernel's clusters would take as long as the first). In the model (bench/NOTES.md, "The
     split kernel"): the anchor (64 state CTAs on 132 SMs) fused 1070 us, Triton prep + state-only 233 +
-    614, split ~650 (prediction). "state" is never picked: the split kernel does its work on chip."""
-    return "split" if 2 * HV * N <= sms // 2 else "fused"
+    614, split 726. "state" is never picked: the split kernel does its prep on chip."""
+    clusters = sms // 4 if clusters is None or clusters < 0 else clusters
+    return "split" if 2 * HV * N <= sms // 2 and HV * N <= clusters else "fused"
+
+
+@functools.lru_cache(maxsize=None)
+def split_clusters(device_index):
+    """The split kernel's clusters of 4 that can be resident at once on CUDA device `device_index`
+    (cudaOccupancyMaxActiveClusters: a cluster's CTAs share one GPC, whose SMs need not be a multiple of 4),
+    or -1 where the runtime cannot say."""
+    from gdn_packed import _cext
+    return int(_cext.get_C().chunk_gdr_fwd_sm90_split_clusters(device_index))
 
 
 def kept_shape(T, N, HV, K, V, C, device, dtype):
@@ -192,9 +204,10 @@ def _kernel(device, N, HV, kernel):
         return kernel
     if device.type == "cpu":
         return "fused"
-    # (the SMs as gdn_packed.triton.configs.num_sms counts them, without importing Triton)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return forward_kernel(N, HV, sms)
+    if device.type != "cuda":           # (the sm_90 report's meta tensors: an H200's 132 SMs)
+        return forward_kernel(N, HV, 132)
+    return forward_kernel(N, HV, torch.cuda.get_device_properties(device).multi_processor_count,
+                          split_clusters(device.index if device.index is not None else torch.cuda.current_device()))
 
 
 def _triton_prep(device):
