@@ -106,7 +106,8 @@ struct ChunkSm90Params {
 Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::uintptr_t stream);
 int chunk_gdr_fwd_sm90_smem_bytes();     // the kernel's dynamic shared memory per CTA (the model reads it)
 int chunk_gdr_fwd_sm90_prep_arrivals();  // the arrivals that publish a prep buffer (the build's kPrepArrivals)
-int chunk_gdr_fwd_sm90_split_clusters(int device);   // the split kernel's resident clusters on device, or -1
+// the split kernel's resident clusters on device (pairs: its clusters of 8 on GVA pairs), or -1
+int chunk_gdr_fwd_sm90_split_clusters(int device, bool pairs);
 
 // ---- chunk_gdr_bwd_sm90.cu: the backward's reverse dS pass (compiled with the forward: GDN_HAVE_SM90) ----
 struct ChunkBwdSm90Params {

@@ -356,8 +356,9 @@ PYBIND11_MODULE(_C, m) {
   m.attr("chunk_gdr_fwd_sm90_missing") = std::string();
   m.attr("chunk_gdr_fwd_sm90_smem_bytes") = gdn::chunk_gdr_fwd_sm90_smem_bytes();
   m.def("chunk_gdr_fwd_sm90_split_clusters", &gdn::chunk_gdr_fwd_sm90_split_clusters, pybind11::arg("device"),
-        "The split forward kernel's clusters of 4 that can be resident at once on a CUDA device (GPC "
-        "placement), or -1 where the runtime cannot say.");
+        pybind11::arg("pairs"),
+        "The split forward kernel's clusters (of 4; pairs: of 8, on GVA pairs of value heads) that can be "
+        "resident at once on a CUDA device (GPC placement), or -1 where the runtime cannot say.");
   def_kernel(m, "chunk_gdr_fwd_sm90", chunk_sm90_args(), &gdn::chunk_gdr_fwd_sm90,
              "Chunked gated delta rule forward, sm_90a, K = V = 128 (gdn_packed/cuda/chunk.py).");
   m.attr("chunk_gdr_bwd_sm90_smem_bytes") = gdn::chunk_gdr_bwd_sm90_smem_bytes();

@@ -277,7 +277,7 @@ namespace gdn {
 
 int chunk_gdr_fwd_sm90_smem_bytes() { return sm90::kSmemBytes; }
 int chunk_gdr_fwd_sm90_prep_arrivals() { return sm90::kPrepArrivals; }
-int chunk_gdr_fwd_sm90_split_clusters(int device) { return sm90::split_clusters(device); }
+int chunk_gdr_fwd_sm90_split_clusters(int device, bool pairs) { return sm90::split_clusters(device, pairs); }
 
 Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::uintptr_t stream) {
   auto bad = [](const std::string& m) { return Status::invalid("chunk_gdr_fwd_sm90: " + m); };

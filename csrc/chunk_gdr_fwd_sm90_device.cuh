@@ -151,7 +151,7 @@ __device__ __forceinline__ void keep_tile(const uint8_t* tile, T* dst, int wtid)
 //   prepped[b]   its bulk copies landed (1: its arrival + the bytes)
 //   prepfree[b]  at that prep CTA: buffer b read by both state warpgroups (2)
 // The state warpgroup of kStateOnly and kSplit stores a chunk's O a step later (state_step_deferred).
-template <typename T, FwdKind kKind>
+template <typename T, FwdKind kKind, int kPair = 1>
 __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                                         const CUtensorMap& tm_o, const CUtensorMap& tm_ts, const CUtensorMap& tm_mm,
                                         const Args a) {
@@ -159,18 +159,23 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
   using TInv = __half;
   constexpr bool kPrepIn = kKind != FwdKind::kFused;            // no prep here: Ts, M, gates arrive
   constexpr bool kFromGlobal = kKind == FwdKind::kStateOnly;     // (by TMA from Triton prep's outputs)
+  // the state CTAs that share each k / q stage (their multicasts write all of them): the two V-blocks of
+  // the value head, or (kPair = 2, the split kernel on GVA pairs) of both value heads of a qk head
+  constexpr int kShare = kVBlocks * kPair;
+  static_assert(kPair == 1 || kKind == FwdKind::kSplit, "value-head pairs: the split kernel only");
   Shared& sm = smem_as<Shared>();
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
-  const int vb = static_cast<int>(cluster_rank());           // blockIdx.x
-  const uint32_t peer = vb ^ 1;
-  const int64_t hv = blockIdx.y, n = blockIdx.z, HV = a.HV;
+  const int rank = static_cast<int>(cluster_rank());           // blockIdx.x
+  const int vb = rank % kVBlocks, hh = rank / kVBlocks;          // V-block, value head of the pair
+  const uint32_t peer = rank ^ 1;
+  const int64_t hv = kPair * static_cast<int64_t>(blockIdx.y) + hh, n = blockIdx.z, HV = a.HV;
   const int h = static_cast<int>(hv / (HV / a.H));
   const int64_t c0 = a.cu_chunks[n], c1 = a.cu_chunks[n + 1];
   const int nchunks = static_cast<int>(c1 - c0);
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(&sm.full[i], kFullArrivals);      // the producer warp's lanes
-      mbar_init(&sm.empty[i], kVBlocks);          // the state warpgroups of both CTAs
+      mbar_init(&sm.empty[i], kShare);            // the state warpgroups of the CTAs sharing the stage
     }
     for (int i = 0; i < kPrepBufs; ++i) {         // buffer i is prepped by CTA i % 2 (chunk j: j % 4, j % 2)
       mbar_init(&sm.prepped[i], !kPrepIn && i % kVBlocks == vb ? kPrepArrivals : 1);
@@ -230,13 +235,20 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
           sm.rows[st][1] = length;
         }
         if (wtid != 0) mbar_arrive(&sm.full[st]);   // each lane releases its own gate stores (kFullArrivals)
-        if (wtid == 0) {                          // k, q: this CTA's K-half to both CTAs (multicast); its v
+        if (wtid == 0) {                          // k, q: this CTA's share to all kShare CTAs (multicast); its v
           constexpr uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-          constexpr uint16_t both = (1u << kVBlocks) - 1;
-          mbar_expect_tx(&sm.full[st], kStageBytes);   // all of the stage: the peer's K-half arrives here too
-          cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_k, &sm.full[st], both, hint, sm.kq[st][vb], vb * 64, h, start);
-          cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_q, &sm.full[st], both, hint, sm.kq[st][vb] + kBlock, vb * 64, h,
-                                                 start);
+          constexpr uint16_t both = (1u << kVBlocks) - 1, share = (1u << kShare) - 1;
+          mbar_expect_tx(&sm.full[st], kStageBytes);   // all of the stage: the others' blocks arrive here too
+          // the stage's four [64, 64] blocks (k and q, K-halves 0 and 1): each CTA its K-half vb of both, or
+          // on pairs (4 CTAs) one block, k's (hh = 0) or q's (hh = 1) K-half vb
+          if constexpr (kShare == kVBlocks) {
+            cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_k, &sm.full[st], share, hint, sm.kq[st][vb], vb * 64, h, start);
+            cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_q, &sm.full[st], share, hint, sm.kq[st][vb] + kBlock, vb * 64,
+                                                   h, start);
+          } else {
+            cute::SM90_TMA_LOAD_MULTICAST_3D::copy(hh == 0 ? &tm_k : &tm_q, &sm.full[st], share, hint,
+                                                   sm.kq[st][vb] + hh * kBlock, vb * 64, h, start);
+          }
           cute::SM90_TMA_LOAD_3D::copy(&tm_v, &sm.full[st], hint, sm.v[st], vb * kVB, static_cast<int>(hv), start);
           if constexpr (kFromGlobal) {            // Triton prep's outputs of the slot into prep buffer it % 4,
             const int b = it % kPrepBufs;         // once both CTAs' state read it (chunk it - 4)
@@ -323,8 +335,12 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
     auto release_held = [&]() {                   // (thread 0) the stage back to the producer once read
       if (held >= 0) {
         asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-        mbar_arrive(&sm.empty[held]);           // both CTAs' stage (k, q land in both by multicast)
+        mbar_arrive(&sm.empty[held]);           // every sharing CTA's stage (k, q land in all by multicast)
         mbar_arrive_at(peer_addr(&sm.empty[held], peer));
+        if constexpr (kShare > kVBlocks) {      // (pairs: the other value head's two CTAs too)
+          mbar_arrive_at(peer_addr(&sm.empty[held], rank ^ 2));
+          mbar_arrive_at(peer_addr(&sm.empty[held], rank ^ 3));
+        }
         held = -1;
       }
     };
@@ -356,7 +372,7 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
     int64_t prev_start = 0;
     auto release_prep = [&](int b, bool mine) {   // (thread 0) prep buffer b read by this state warpgroup
       if constexpr (kKind == FwdKind::kSplit) {   // at the prep CTA that fills it (its layout's barrier)
-        mbar_arrive_at(peer_addr(&smem_as<PrepShared>().prepfree[b], kVBlocks + b % kVBlocks));
+        mbar_arrive_at(peer_addr(&smem_as<PrepShared>().prepfree[b], kShare + kVBlocks * hh + b % kVBlocks));
         return;
       }
       if (kPrepIn || mine) mbar_arrive(&sm.prepfree[b]);
@@ -476,15 +492,16 @@ __device__ __forceinline__ void zero_dead_kq(PrepShared& ps, int w, int length, 
 //   empty[w]     stage w read by prep warpgroup w (1)
 //   prepfree[b]  the state CTAs' prep buffer b (= 2 w + r) read by both of their state warpgroups (2)
 // and at the state CTAs, prepped[b] (fwd_cta, kSplit).
-template <typename T>
+template <typename T, int kPair>
 __device__ __forceinline__ void prep_cta(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const Args a) {
   using P = DevPolicy<T>;
   using TInv = __half;
   PrepShared& ps = smem_as<PrepShared>();
   Shared& sv = smem_as<Shared>();                 // the state CTAs' layout, for their buffers' addresses
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
-  const int r = static_cast<int>(cluster_rank()) - kVBlocks;
-  const int64_t hv = blockIdx.y, n = blockIdx.z, HV = a.HV;
+  const int p = static_cast<int>(cluster_rank()) - kVBlocks * kPair;    // among the prep CTAs
+  const int r = p % kVBlocks, hh = p / kVBlocks;                          // its chunks' parity, its value head
+  const int64_t hv = kPair * static_cast<int64_t>(blockIdx.y) + hh, n = blockIdx.z, HV = a.HV;
   const int h = static_cast<int>(hv / (HV / a.H));
   const int64_t c0 = a.cu_chunks[n], c1 = a.cu_chunks[n + 1];
   const int nchunks = static_cast<int>(c1 - c0);
@@ -572,7 +589,7 @@ __device__ __forceinline__ void prep_cta(const CUtensorMap& tm_q, const CUtensor
         if (j >= kPrepBufs)
           mbar_wait(&ps.prepfree[b], ((j / kPrepBufs) + 1) & 1,
                     "split prep, prepfree[j % 4]: the state CTAs' buffer read by both state warpgroups", j);
-        for (uint32_t dst = 0; dst < kVBlocks; ++dst) {   // to both state CTAs' buffer b
+        for (uint32_t dst = kVBlocks * hh; dst < kVBlocks * (hh + 1); ++dst) {   // to both state CTAs' buffer b
           const uint32_t bar = peer_addr(&sv.prepped[b], dst);
           mbar_expect_tx_at(bar, kPrepBytes);
           copy_to_peer(peer_addr(sv.ts[b], dst), x.ts[sb], kBlock, bar);
@@ -605,13 +622,29 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
                           const Args a) {
   fwd_cta<T, FwdKind::kFused>(tm_q, tm_k, tm_v, tm_o, tm_q, tm_q, a);
 }
+template <typename T, int kPair>
+__device__ __forceinline__ void split_cta(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
+                                          const CUtensorMap& tm_o, const Args& a) {
+  if (cluster_rank() < kVBlocks * kPair) fwd_cta<T, FwdKind::kSplit, kPair>(tm_q, tm_k, tm_v, tm_o, tm_q, tm_q, a);
+  else prep_cta<T, kPair>(tm_q, tm_k, a);
+}
+// the split kernel, a cluster of 4 per (value head, sequence): ranks 0, 1 state, 2, 3 prep; and on GVA pairs
+// (value heads 2 y and 2 y + 1 of one qk head), a cluster of 8 per (pair, sequence): ranks 2 hh + vb the
+// state CTAs of value head 2 y + hh (all four sharing each k / q stage: one block loaded by each), 4 + 2 hh + r
+// its prep CTAs
 template <typename T>
 __global__ void __cluster_dims__(2 * kVBlocks, 1, 1) __launch_bounds__(kThreads, 1)
 chunk_gdr_fwd_sm90_split_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                                 const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
                                 const Args a) {
-  if (cluster_rank() < kVBlocks) fwd_cta<T, FwdKind::kSplit>(tm_q, tm_k, tm_v, tm_o, tm_q, tm_q, a);
-  else prep_cta<T>(tm_q, tm_k, a);
+  split_cta<T, 1>(tm_q, tm_k, tm_v, tm_o, a);
+}
+template <typename T>
+__global__ void __cluster_dims__(4 * kVBlocks, 1, 1) __launch_bounds__(kThreads, 1)
+chunk_gdr_fwd_sm90_split_pair_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                                     const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                                     const Args a) {
+  split_cta<T, 2>(tm_q, tm_k, tm_v, tm_o, a);
 }
 template <typename T>
 __global__ void __cluster_dims__(kVBlocks, 1, 1) __launch_bounds__(kThreads, 1)
@@ -621,6 +654,10 @@ chunk_gdr_fwd_sm90_state_kernel(const __grid_constant__ CUtensorMap tm_q, const 
                                 const Args a) {
   fwd_cta<T, FwdKind::kStateOnly>(tm_q, tm_k, tm_v, tm_o, tm_ts, tm_mm, a);
 }
+
+// Whether the split kernel takes value heads in GVA pairs (clusters of 8): when every qk head has an even
+// number of them
+bool split_pairs(const Args& a) { return (a.HV / a.H) % 2 == 0; }
 
 template <typename T>
 Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
@@ -637,11 +674,13 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
   if (a.N > 65535 || a.HV > 65535)
     return Status::invalid("chunk_gdr_fwd_sm90: at most 65535 sequences and value heads");
   const dim3 grid(kVBlocks, static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N));
-  if (a.split) {                                  // state CTAs and prep CTAs, a cluster of 4 a (head, sequence)
-    auto kernel = chunk_gdr_fwd_sm90_split_kernel<T>;
+  if (a.split) {       // state CTAs and prep CTAs, a cluster of 4 a (head, sequence), or of 8 a (GVA pair, sequence)
+    const bool pairs = split_pairs(a);
+    auto kernel = pairs ? chunk_gdr_fwd_sm90_split_pair_kernel<T> : chunk_gdr_fwd_sm90_split_kernel<T>;
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
     if (e != cudaSuccess) return cuda_error("chunk_gdr_fwd_sm90: cudaFuncSetAttribute", e);
-    kernel<<<dim3(2 * kVBlocks, grid.y, grid.z), kThreads, kSmemBytes, stream>>>(tq, tk, tv, to, a);
+    const int per = pairs ? 2 : 1;
+    kernel<<<dim3(2 * kVBlocks * per, grid.y / per, grid.z), kThreads, kSmemBytes, stream>>>(tq, tk, tv, to, a);
     return launch_status("chunk_gdr_fwd_sm90 (split)");
   }
   if (a.prep_ts) {                                // the state-only kernel on Triton prep's Ts, M
@@ -664,22 +703,22 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
   return launch_status("chunk_gdr_fwd_sm90");
 }
 
-// The split kernel's clusters of 4 that can be resident at once on `device` (a cluster's CTAs share one GPC,
-// whose SM count need not be a multiple of 4: fewer than SMs / 4 where some is not), or -1 where the
-// runtime cannot say (gdn_packed/cuda/chunk.py:forward_kernel then takes SMs / 4)
-int split_clusters(int device) {
-  if (!use_device(device, "chunk_gdr_fwd_sm90_split_clusters").ok()) return -1;
-  auto kernel = chunk_gdr_fwd_sm90_split_kernel<__nv_bfloat16>;
+// The split kernel's clusters (of 4, or with pairs of 8) that can be resident at once on `device` (a
+// cluster's CTAs share one GPC, whose SM count need not be a multiple of the cluster's: fewer than SMs / 4
+// (/ 8) where some is not), or -1 where the runtime cannot say (gdn_packed/cuda/chunk.py:forward_kernel
+// then takes SMs / 4 (/ 8))
+template <class K>
+int resident_clusters(K kernel, int size) {
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess) {
     (void)cudaGetLastError();
     return -1;
   }
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2 * kVBlocks;
+  cluster.val.clusterDim.x = size;
   cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(2 * kVBlocks, 1, 1);
+  cfg.gridDim = dim3(size, 1, 1);
   cfg.blockDim = dim3(kThreads, 1, 1);
   cfg.dynamicSmemBytes = kSmemBytes;
   cfg.attrs = &cluster;
@@ -690,6 +729,11 @@ int split_clusters(int device) {
     return -1;
   }
   return n;
+}
+int split_clusters(int device, bool pairs) {
+  if (!use_device(device, "chunk_gdr_fwd_sm90_split_clusters").ok()) return -1;
+  return pairs ? resident_clusters(chunk_gdr_fwd_sm90_split_pair_kernel<__nv_bfloat16>, 4 * kVBlocks)
+               : resident_clusters(chunk_gdr_fwd_sm90_split_kernel<__nv_bfloat16>, 2 * kVBlocks);
 }
 
 Status launch(const Args& a, int dtype, cudaStream_t stream) {

@@ -26,26 +26,28 @@ ARCHS = ("sm_80", "sm_90a")
 KERNEL_FAMILIES = ("chunk_count_scan_kernel", "chunk_table_fill_kernel", "conv1d_fwd_kernel", "conv1d_bwd_kernel",
                    "conv1d_final_state_kernel", "conv1d_bwd_state_kernel", "conv1d_wgrad_reduce_kernel",
                    "recurrent_gdr_fwd_kernel", "chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_state_kernel",
-                   "chunk_gdr_fwd_sm90_split_kernel", "chunk_gdr_bwd_sm90_kernel")
+                   "chunk_gdr_fwd_sm90_split_kernel", "chunk_gdr_fwd_sm90_split_pair_kernel", "chunk_gdr_bwd_sm90_kernel")
 # kernels built for sm_90a only (wgmma / TMA / setmaxnreg), with the CuTe headers of nvidia-cutlass, by file
 SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": ("chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_state_kernel",
-                                      "chunk_gdr_fwd_sm90_split_kernel"),
+                                      "chunk_gdr_fwd_sm90_split_kernel", "chunk_gdr_fwd_sm90_split_pair_kernel"),
              "chunk_gdr_bwd_sm90.cu": ("chunk_gdr_bwd_sm90_kernel",)}
 # the forwards' setmaxnreg (decreases, increases in the SASS) and the registers of each kind of CTA's
 # three warpgroups (each kind's sum within the launch pool, 3 x 168): the fused kernel's producer down, prep
 # and state up; the state-only kernel's producer and idle prep warpgroup down, its state up to the most
 # there is; the split kernel's state CTA as the state-only kernel's, its prep CTA's producer down and both
-# prep warpgroups up (one setmaxnreg each, the same instruction)
+# prep warpgroups up (one setmaxnreg each, the same instruction); its pair form (GVA pairs) the same
+SPLIT = ([32, 32, 32], [232, 256])
 SETMAXNREG = {"chunk_gdr_fwd_sm90_kernel": ([32], [232, 240]), "chunk_gdr_fwd_sm90_state_kernel": ([32, 32], [256]),
-              "chunk_gdr_fwd_sm90_split_kernel": ([32, 32, 32], [232, 256])}
+              "chunk_gdr_fwd_sm90_split_kernel": SPLIT, "chunk_gdr_fwd_sm90_split_pair_kernel": SPLIT}
 POOLS = {"chunk_gdr_fwd_sm90_kernel": [(32, 232, 240)], "chunk_gdr_fwd_sm90_state_kernel": [(32, 32, 256)],
-         "chunk_gdr_fwd_sm90_split_kernel": [(32, 32, 256), (32, 232, 232)]}
+         "chunk_gdr_fwd_sm90_split_kernel": [(32, 32, 256), (32, 232, 232)],
+         "chunk_gdr_fwd_sm90_split_pair_kernel": [(32, 32, 256), (32, 232, 232)]}
 
 
 def forward_of(name):
     """The forward kernel (SETMAXNREG's key) a SASS function or ptxas record name is an instantiation of."""
-    return next((k for k in ("chunk_gdr_fwd_sm90_state_kernel", "chunk_gdr_fwd_sm90_split_kernel") if k in name),
-                "chunk_gdr_fwd_sm90_kernel")
+    return next((k for k in ("chunk_gdr_fwd_sm90_state_kernel", "chunk_gdr_fwd_sm90_split_kernel",
+                             "chunk_gdr_fwd_sm90_split_pair_kernel") if k in name), "chunk_gdr_fwd_sm90_kernel")
 
 
 def setmaxnreg(body):
@@ -198,12 +200,13 @@ def test_sm90_chunk_loops_run_the_tile_program_on_the_tensor_cores(ptxas_report,
     sass = SASS.get("chunk_gdr_fwd_sm90.cu")
     assert sass, "no SASS of chunk_gdr_fwd_sm90.cu"
     loops = sass_loops(sass)
-    assert len(loops) == 6, list(loops)
+    assert len(loops) == 8, list(loops)
     state, prep = (Counter({"64x128x16": 4, "64x64x16": 24}), 3), (Counter({"64x64x16": 32}), 5)
     for name, got in loops.items():
         report_table("sm_90a chunked kernel, HGMMA per chunk loop (cuobjdump)",
                      f"{name[-60:]}: " + "; ".join(f"{dict(c)} in {w} waits" for c, w in got))
         want = {"chunk_gdr_fwd_sm90_state_kernel": [(state[0], 4)], "chunk_gdr_fwd_sm90_split_kernel": [prep, (state[0], 4)],
+                "chunk_gdr_fwd_sm90_split_pair_kernel": [prep, (state[0], 4)],
                 "chunk_gdr_fwd_sm90_kernel": [prep, state]}[forward_of(name)]
         key = lambda x: sorted(x[0].items())  # noqa: E731
         assert sorted(got, key=key) == sorted(want, key=key), (name, got)
@@ -324,7 +327,7 @@ def test_sm90_prep_arrivals_build_keeps_the_kernels_budget(report_table):
     out = cuda_chunk.nvcc_cached("cuda_chunk_prep_arrivals", src, prep_arrivals_command, keys)
     assert "error" not in out, out.get("error")
     recs = parse_ptxas(out["ptxas"])
-    assert len(recs) == 6 and all((r["registers"], r["spill"], r["stack"]) == (168, 0, 0) for r in recs), recs
+    assert len(recs) == 8 and all((r["registers"], r["spill"], r["stack"]) == (168, 0, 0) for r in recs), recs
     for r in recs:
         report_table("sm_90a forward, per-thread prep arrivals (-DGDN_SM90_PREP_ARRIVALS), ptxas -v",
                      f"{r['name'][-40:]}: {r['registers']} registers, spill {r['spill']} B, stack {r['stack']} B")

@@ -9,7 +9,8 @@ mbarrier phases, the cluster's copies or setmaxnreg (docs/DESIGN.md section 10):
   - the gates from raw a, b in the kernel; autograd through backend="cuda" = the Triton backward on the
     prep outputs the kernel kept (against its host mirror's and Triton prep's);
   - each of the above for the three forward kernels (fwd_kernel): the fused one, the split one (prep CTAs
-    beside the state CTAs: chunk_gdr_fwd_sm90_split_kernel) and, after Triton prep, the state-only one
+    beside the state CTAs; on these GVA pairs chunk_gdr_fwd_sm90_split_pair_kernel, and without pairs
+    chunk_gdr_fwd_sm90_split_kernel, tested on its own) and, after Triton prep, the state-only one
     (chunk_gdr_fwd_sm90_state_kernel; its kept prep is Triton prep's own, so the kept-prep test takes the
     other two);
   - the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) on Triton prep's outputs against the
@@ -76,16 +77,18 @@ def test_forward_finishes():
     assert not why, why
 
 
-def test_split_kernel_clusters_are_counted(report_table):
-    """The split kernel's clusters of 4 the GPU holds at once (cudaOccupancyMaxActiveClusters, which
-    forward_kernel bounds the split kernel by): a positive count of at most SMs / 4 (GPC placement can
-    make it fewer: the anchor's 32 clusters then take two waves and the rule picks the fused kernel)."""
+@pytest.mark.parametrize("pairs", [False, True], ids=["clusters-of-4", "pairs-clusters-of-8"])
+def test_split_kernel_clusters_are_counted(pairs, report_table):
+    """The split kernel's clusters the GPU holds at once (cudaOccupancyMaxActiveClusters, which
+    forward_kernel bounds the split kernel by): a positive count of at most SMs / 4 (/ 8 on GVA pairs; GPC
+    placement can make it fewer: the anchor's 32 (16) clusters then take two waves and the rule picks the
+    fused kernel)."""
     from gdn_packed.cuda.chunk import split_clusters
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    n = split_clusters(0)
-    report_table("sm_90a split forward kernel, resident clusters of 4", f"{torch.cuda.get_device_name(0)}: {n} "
-                                                                         f"(SMs {sms}, SMs / 4 = {sms // 4})")
-    assert 0 < n <= sms // 4, (n, sms)
+    sms, size = torch.cuda.get_device_properties(0).multi_processor_count, 8 if pairs else 4
+    n = split_clusters(0, pairs)
+    report_table("sm_90a split forward kernel, resident clusters", f"{torch.cuda.get_device_name(0)}: {n} of {size} "
+                                                                   f"(SMs {sms}, SMs / {size} = {sms // size})")
+    assert 0 < n <= sms // size, (n, sms)
 
 
 @pytest.fixture(params=["fused", "split", "state"])
@@ -134,6 +137,26 @@ def test_kernel_matches_float64_and_the_mirror(pi, dtype, fwd_kernel):
     mo, mf = mirror(x, cu, cu_pad)        # the same tile program on the CPU: a layout bug shows as O(1)
     assert rel_err(o, mo.double()) <= 1e-2 and rel_err(fs, mf.double()) <= 1e-2, (rel_err(o, mo.double()),
                                                                                      rel_err(fs, mf.double()))
+
+
+@pytest.mark.parametrize("pi", [1, 2, 5], ids=[IDS[i] for i in (1, 2, 5)])
+def test_split_kernel_without_value_head_pairs(pi, monkeypatch):
+    """The split kernel where the value heads do not pair (H = HV = 2: clusters of 4,
+    chunk_gdr_fwd_sm90_split_kernel; the tests above, GVA 2:1, run its pair form with clusters of 8): o and
+    the final state within the bf16 budgets of float64, padding rows 0."""
+    from gdn_packed.cuda import chunk as cuda_chunk
+    monkeypatch.setattr(cuda_chunk, "forward_kernel", lambda *a: "split")
+    p = PACKINGS[pi]
+    cu, cu_pad, rows = p.layout()
+    x = gdr_inputs(rows, 2, 2, K, K, torch.bfloat16, N=len(p.lengths), initial_state=True, unit_k=False, seed=pi)
+    pad = ~real_rows(cu, cu_pad, rows)
+    o, fs = run(x, cu, cu_pad, "cuda")
+    clean = [torch.where(pad[None, :, None, None], 0.0, t.double()) for t in x[:3]]
+    ro, rf = reference_gdr(*clean, x[3].double(), x[4].double(), initial_state=x[5].double(), cu_seqlens=cu,
+                           cu_seqlens_padded=cu_pad, use_qk_l2norm_in_kernel=True)
+    b = BUDGETS[torch.bfloat16]
+    assert torch.isfinite(o).all() and (o[0, pad] == 0).all()
+    assert rel_err(o, ro) <= b["o"] and rel_err(fs, rf) <= b["state"], (rel_err(o, ro), rel_err(fs, rf))
 
 
 @pytest.mark.parametrize("pi", [2, 3], ids=[IDS[2], IDS[3]])

@@ -152,8 +152,8 @@ def _record(dims, modes):
 def test_report_rows_of_the_cuda_forward(facts):
     """The op body with backend="cuda" on meta tensors records its torch operators (the chunk table) and
     the kernel's launch (stubbed), as under autograd: at 4 x 8192 (256 CTAs) the fused kernel keeping its
-    prep outputs; at the anchor (64 state CTAs: forward_kernel's "split") the split kernel's, keeping its
-    prep CTAs' outputs, and no Triton prep. Each kernel's row names its bound; K != 128 is a row with the
+    prep outputs; at the anchor (64 state CTAs: forward_kernel's "split"; 16 / 32 heads: GVA pairs) the
+    split kernel's pair form, keeping its prep CTAs' outputs, and no Triton prep. Each kernel's row names its bound; K != 128 is a row with the
     reason."""
     out = _record((4, 8192, 16, 32, 128, 128), ("fwd",))
     assert out["names"].count(cuda_chunk.KERNEL) == 1 and "chunk_fwd_prep_kernel" not in out["names"]
@@ -173,13 +173,13 @@ def test_report_rows_of_the_cuda_forward(facts):
 
     out = _record(ANCHOR, ("fwd",))
     names = out["names"]
-    assert names.count(cuda_chunk.SPLIT_KERNEL) == 1 and names[-1] == cuda_chunk.SPLIT_KERNEL
-    assert not {cuda_chunk.KERNEL, cuda_chunk.STATE_KERNEL, "chunk_fwd_prep_kernel"} & set(names)
-    (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.SPLIT_KERNEL]
+    assert names.count(cuda_chunk.SPLIT_PAIR_KERNEL) == 1 and names[-1] == cuda_chunk.SPLIT_PAIR_KERNEL
+    assert not {cuda_chunk.KERNEL, cuda_chunk.STATE_KERNEL, cuda_chunk.SPLIT_KERNEL, "chunk_fwd_prep_kernel"} & set(names)
+    (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.SPLIT_PAIR_KERNEL]
     assert k["mode"] == "fwd" and k["ctas"] == 128 and k["spill_b"] == 0 and not k["error"]
-    assert k["config"] == "VB64 cluster4 s3 p4" and k["grid"] == "4x32x1"
-    split = cuda_chunk.facts("bf16", M.CONSTANTS, "fwd_split")
-    est = cuda_chunk.estimate(split, ANCHOR, "bf16", M.CONSTANTS, True, "fwd_split")
+    assert k["config"] == "VB64 cluster8 s3 p4" and k["grid"] == "8x16x1"
+    split = cuda_chunk.facts("bf16", M.CONSTANTS, "fwd_split_pair")
+    est = cuda_chunk.estimate(split, ANCHOR, "bf16", M.CONSTANTS, True, "fwd_split_pair")
     assert math.isclose(k["est_us"], 1e6 * est["est_s"], abs_tol=0.1)
     (t,) = out["totals"]
     assert t["est_us"] >= k["est_us"]
@@ -188,8 +188,9 @@ def test_report_rows_of_the_cuda_forward(facts):
     assert not cuda_chunk.takes((1, 1024, 2, 4, 64, 64), "bf16") and not cuda_chunk.takes(ANCHOR, "fp32")
 
 
+@pytest.mark.parametrize("phase", cuda_chunk.SPLIT)
 @pytest.mark.parametrize("dtype", cuda_chunk.DTYPES)
-def test_the_split_kernels_roles_and_estimate(facts, dtype):
+def test_the_split_kernels_roles_and_estimate(facts, dtype, phase):
     """The split kernel (chunk_gdr_fwd_sm90_split_kernel): in its SASS the state-only kernel's state loop
     (28 HGMMA in 4 waits), the fused kernel's prep loop (32 in 5), the state CTA's producer (multicast TMA)
     and the prep CTA's (its own k, q: prep_producer); 168 launch registers, no spill. Its estimate at the
@@ -198,22 +199,25 @@ def test_the_split_kernels_roles_and_estimate(facts, dtype):
     (16 KB a state CTA and chunk; no Ts / M through memory); its chain no shorter than the state loop's
     chunks or the 4 prep warpgroups' turns (ldg + prep a chunk each); its shared memory the slower kind of
     CTA's: at least the state CTA's MMA operand reads and TMA bytes, and half the prep loop's operand reads
-    (96 KB a prepped chunk) and its k, q loads and two copies out."""
-    f = cuda_chunk.facts(dtype, M.CONSTANTS, "fwd_split")
+    (96 KB a prepped chunk) and its k, q loads and two copies out. Its pair form (GVA pairs, clusters of
+    8): the same, but each state CTA loads one of the four k / q blocks a stage for the pair's four
+    (8 KB a state CTA and chunk less)."""
+    f = cuda_chunk.facts(dtype, M.CONSTANTS, phase)
     assert not f.error and (f.regs, f.spill) == (168, 0) and set(f.loops) == {"state", "prep", "producer", "prep_producer"}
     assert (f.loops["state"]["hgmma"], f.loops["state"]["waits"], f.loops["prep"]["hgmma"], f.loops["prep"]["waits"]) == \
         (28, 4, 32, 5)
     assert f.loops["producer"]["hgmma"] == f.loops["prep_producer"]["hgmma"] == 0
-    e = cuda_chunk.estimate(f, ANCHOR, dtype, M.CONSTANTS, False, "fwd_split")
+    e = cuda_chunk.estimate(f, ANCHOR, dtype, M.CONSTANTS, False, phase)
     ef = cuda_chunk.estimate(facts[dtype], ANCHOR, dtype, M.CONSTANTS, False)
     assert e["ctas"] == 128 and e["flops"] == ef["flops"]
-    assert e["hbm_bytes"] == ef["hbm_bytes"] + 64 * 512 * (64 * 128 * 2)
+    shared = 64 * 64 * 2 if phase == "fwd_split_pair" else 0
+    assert e["hbm_bytes"] == ef["hbm_bytes"] + 64 * 512 * (64 * 128 * 2 - shared)
     n, lat = 512, M.CONSTANTS.lat
-    d, bound = cuda_chunk.cta_cycles(f, n, M.CONSTANTS, "fwd_split")
+    d, bound = cuda_chunk.cta_cycles(f, n, M.CONSTANTS, phase)
     assert d >= n * f.loops["state"]["cycles"] and d >= n * (lat.ldg + f.loops["prep"]["cycles"]) / 4
     assert math.isclose(e["t_lat"], (d + lat.ldg + f.loops["prep"]["cycles"]) / M.CLOCK_HZ)   # one wave
-    sm = cuda_chunk.smem_cycles(f, "fwd_split")
-    assert sm >= 512 + cuda_chunk.TMA_BYTES["fwd_split"] / 128 and f.loops["prep"]["smem_mma"] == 768
+    sm = cuda_chunk.smem_cycles(f, phase)
+    assert sm >= 512 + cuda_chunk.TMA_BYTES[phase] / 128 and f.loops["prep"]["smem_mma"] == 768
     assert sm >= (768 + (4 * cuda_chunk.BLOCK + 2 * cuda_chunk.PEER_BYTES) / 128) / 2
     assert math.isclose(e["t_smem"], n * sm / M.CLOCK_HZ)
 

@@ -40,7 +40,8 @@ whose launch is recorded and modelled as the Triton kernels are: the same CTA wi
 its state and producer loops; the ring the loads alone), each chunk's Ts or M (multicast), gate rows and
 chunk decay read in place of g, beta, and no prep FLOPs.
 
-The split kernel (chunk_gdr_fwd_sm90_split_kernel, phase "fwd_split": the forward where the fused kernel's
+The split kernel (chunk_gdr_fwd_sm90_split_kernel, phase "fwd_split", and on GVA pairs
+chunk_gdr_fwd_sm90_split_pair_kernel, "fwd_split_pair": the forward where the fused kernel's
 CTAs would leave half the SMs idle, gdn_packed.cuda.chunk.forward_kernel) runs the state-only kernel's
 state CTA beside a prep CTA of two prep warpgroups, two of each a (value head, sequence) in a cluster of
 4. Per chunk step its state CTA is bound as the state-only kernel's, but for the ring: 4 prep warpgroups
@@ -84,15 +85,19 @@ SOURCE = os.path.join(CSRC, "chunk_gdr_fwd_sm90.cu")
 KERNEL = "chunk_gdr_fwd_sm90_kernel"
 STATE_KERNEL = "chunk_gdr_fwd_sm90_state_kernel"     # the two-kernel forward's, after Triton prep
 SPLIT_KERNEL = "chunk_gdr_fwd_sm90_split_kernel"     # state CTAs fed by prep CTAs, a cluster of 4
+SPLIT_PAIR_KERNEL = "chunk_gdr_fwd_sm90_split_pair_kernel"   # the same on GVA pairs, a cluster of 8
+SPLIT = ("fwd_split", "fwd_split_pair")               # the split kernels' phases
 BWD_SOURCE = os.path.join(CSRC, "chunk_gdr_bwd_sm90.cu")      # the backward's reverse dS pass
 BWD_KERNEL = "chunk_gdr_bwd_sm90_kernel"
 BWD_THREADS = 256
 # per phase: the file, its kernel, the roles of its loops (_role_loops; the dS warpgroup's loop is "state")
 KERNELS = {"fwd": (SOURCE, KERNEL, {"state", "prep", "producer"}), "fwd_state": (SOURCE, STATE_KERNEL, {"state", "producer"}),
            "fwd_split": (SOURCE, SPLIT_KERNEL, {"state", "prep", "producer", "prep_producer"}),
+           "fwd_split_pair": (SOURCE, SPLIT_PAIR_KERNEL, {"state", "prep", "producer", "prep_producer"}),
            "bwd": (BWD_SOURCE, BWD_KERNEL, {"state", "producer"})}
 THREADS, V_BLOCK, HEAD_DIM, STAGES = 384, 64, 128, 3     # STAGES: the k / q / v ring (kStages)
-PREP_PIPES = 4                     # the split kernel's prep warpgroups a cluster (2 prep CTAs x kPrepWgs)
+PREP_PIPES = 4                     # the split kernel's prep warpgroups a head (2 prep CTAs x kPrepWgs)
+CLUSTER = {"fwd": 2, "fwd_state": 2, "fwd_split": 4, "fwd_split_pair": 8, "bwd": 2}    # CTAs a cluster
 BLOCK = 64 * 64 * 2                # kBlock: one [64 rows, 64 columns] 16-bit block of shared memory
 # per chunk and CTA, the bytes the TMA / bulk copies move through its shared memory: a stage of the ring
 # (the kernels' expect-tx counts, kStageBytes: k, q, v; kBwdStageBytes: k, q, Ts, M, dO, the gate rows),
@@ -106,7 +111,8 @@ STAGE_BYTES = {"fwd": 5 * BLOCK, "bwd": 7 * BLOCK + 1280}
 PEER_BYTES = 2 * BLOCK + 1040
 PREP_IN_BYTES = 2 * BLOCK + 1024
 TMA_BYTES = {"fwd": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "fwd_state": STAGE_BYTES["fwd"] + BLOCK + PREP_IN_BYTES,
-             "fwd_split": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "bwd": STAGE_BYTES["bwd"] + 4 * BLOCK}
+             "fwd_split": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "fwd_split_pair": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES,
+             "bwd": STAGE_BYTES["bwd"] + 4 * BLOCK}
 SPLIT_PREP_BYTES = 4 * BLOCK + 2 * PEER_BYTES
 ROLE_WARPS = {"state": 4, "prep": 4, "producer": 1, "prep_producer": 1}     # the warps that run each role's loop
 DTYPES = ("bf16", "fp16")          # the kernel's inputs (fp32: refused, no row)
@@ -417,7 +423,7 @@ def cta_cycles(f, n, const, phase="fwd"):
     (the state-only kernel: STAGES - 2, since it stores a chunk's O in the next step and releases the stage
     after that store has read it)."""
     s, p, pr = f.loops["state"], f.loops.get("prep", NO_PREP), f.loops["producer"]
-    if phase == "fwd_split":     # (module docstring; the prep CTA's producer loads every other chunk)
+    if phase in SPLIT:           # (module docstring; the prep CTA's producer loads every other chunk)
         pp = f.loops["prep_producer"]
         terms = dict(state=n * s["cycles"], ring=n * (const.lat.ldg + p["cycles"]) / PREP_PIPES,
                      producer=n * max(pr["cycles"], pp["cycles"] / 2),
@@ -441,7 +447,7 @@ def smem_cycles(f, phase="fwd"):
     reads once, and the bytes the TMA loads, stores and bulk copies move (TMA_BYTES)."""
     share = {"state": 1.0, "prep": 0.5, "producer": 1.0}
     part = lambda r: ROLE_WARPS[r] * f.loops[r]["smem"] + f.loops[r]["smem_mma"]   # noqa: E731
-    if phase == "fwd_split":     # the slower of its state CTA and its prep CTA (every other chunk)
+    if phase in SPLIT:           # the slower of its state CTA and its prep CTA (every other chunk)
         state = part("state") + part("producer") + TMA_BYTES[phase] / sass.SMEM_BYTES_PER_CYCLE
         return max(state, 0.5 * (part("prep") + part("prep_producer") + SPLIT_PREP_BYTES / sass.SMEM_BYTES_PER_CYCLE))
     return sum(share[r] * part(r) for r in f.loops) + TMA_BYTES[phase] / sass.SMEM_BYTES_PER_CYCLE
@@ -452,10 +458,11 @@ def estimate(f, dims, dtype, const, kept=False, phase="fwd"):
     with the prep outputs it writes for the backward (their bytes; its loop's SASS holds that code either
     way, which the simulator charges as it charges both sides of any branch). phase "fwd_state": the
     state-only kernel, which reads Triton prep's outputs in place of g, beta and runs no prep; "fwd_split":
-    the split kernel, a prep CTA beside each state CTA (module docstring)."""
+    the split kernel, a prep CTA beside each state CTA (module docstring); "fwd_split_pair": on GVA pairs,
+    each state CTA loading one of the four k / q blocks a stage for the pair's four."""
     N, L, H, HV, K, V = dims
     esize, C = 2, M.CHUNK
-    split = phase == "fwd_split"
+    split, pair = phase in SPLIT, phase == "fwd_split_pair"
     pairs = 2 * HV * N                 # state CTAs (the fused and state-only kernels: every CTA)
     ctas = 2 * pairs if split else pairs
     n = -(-L // C)
@@ -469,7 +476,8 @@ def estimate(f, dims, dtype, const, kept=False, phase="fwd"):
     # every other chunk)
     state_only = phase == "fwd_state"
     prep_in = C * C * esize + 4 * C * 4 + 4
-    per_chunk = C * (K + 2 * V_BLOCK) * esize + (prep_in if state_only else C * K * esize + C * 4 if split else C * 4)
+    per_chunk = (C * ((K // 2 if pair else K) + 2 * V_BLOCK) * esize
+                 + (prep_in if state_only else C * K * esize + C * 4 if split else C * 4))
     # kept: a chunk slot's Ts, M, gate rows, row factors, chunk decay, by the CTA that prepped it
     keep = (2 * C * C * esize + 7 * C * 4 + 4) if kept and not state_only else 0
     tiles = pairs * (n * (per_chunk + keep / 2) + 2 * K * V_BLOCK * 4)
@@ -551,7 +559,8 @@ def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
     real_launch, real_dstate = cuda_chunk.launch, cuda_chunk.chunk_bwd_dstate_cuda
 
     def fwd_launch(entry, device, *, reads, writes, **scalars):     # the forward kernels: modelled, not run
-        phase = "fwd_state" if reads["prep_ts"] is not None else "fwd_split" if scalars["split"] else "fwd"
+        phase = ("fwd_state" if reads["prep_ts"] is not None else "fwd" if not scalars["split"] else
+                 "fwd_split_pair" if cuda_chunk.split_pairs(scalars["H"], scalars["HV"]) else "fwd_split")
         rec.launches.append(CudaLaunch(KERNELS[phase][1], phase, kept=writes["kept_ts"] is not None))
     cuda_chunk.launch = fwd_launch
     cuda_chunk.chunk_bwd_dstate_cuda = lambda *a, **kw: rec.launches.append(CudaLaunch(BWD_KERNEL, "bwd"))
@@ -577,7 +586,7 @@ def row(name, dims, dtype, const, launch=None):
     fwd = phase != "bwd"
     f = facts(dtype, const, phase)
     base = dict(impl="cuda", shape=name, dtype=dtype, mode="fwd" if fwd else "bwd", kernel=KERNELS[phase][1],
-                config=("VB64 cluster4 s3 p4" if phase == "fwd_split" else "VB64 cluster2 s3 p4") if fwd
+                config=f"VB64 cluster{CLUSTER[phase]} s3 p4" if fwd
                 else "VB64 cluster2 s3", candidates=1,
                 warps=(THREADS if fwd else BWD_THREADS) // 32, stages=STAGES, loop_hmma="", loop_f2fp="",
                 step_stalls={}, dots="bf16+f16" if dtype == "bf16" else "f16", error=f.error)
@@ -590,7 +599,8 @@ def row(name, dims, dtype, const, launch=None):
     s, p = f.loops["state"], f.loops.get("prep", dict(hgmma=0, instr=0, waits=0))
     n = -(-dims[1] // M.CHUNK)
     us = lambda t: round(t * 1e6, 1)  # noqa: E731
-    return dict(base, grid=f"{4 if phase == 'fwd_split' else 2}x{dims[3]}x{dims[0]}", ctas=est["ctas"], regs=f.regs, smem_kb=round(f.smem / 1024, 1),
+    per = 2 if phase == "fwd_split_pair" else 1
+    return dict(base, grid=f"{CLUSTER[phase]}x{dims[3] // per}x{dims[0]}", ctas=est["ctas"], regs=f.regs, smem_kb=round(f.smem / 1024, 1),
                 spill_b=f.spill, ctas_per_sm=1, waves=math.ceil(est["ctas"] / NUM_SMS),
                 loop_hgmma=s["hgmma"] + p["hgmma"] / 2, loop_instr=round(s["instr"] + p["instr"] / 2),
                 loop_waits=s["waits"] + p["waits"] / 2, loop_bars="",

@@ -64,30 +64,39 @@ def refusal(q, v, device, N=None):
 #   "fused"  2 HV N CTAs in clusters of 2, each with a state warpgroup (its 64 value columns) and a prep
 #            warpgroup that preps every other chunk for both
 #   "split"  4 HV N CTAs in clusters of 4: the two state CTAs fed by two prep CTAs (two prep warpgroups
-#            each) over the cluster's shared memory
+#            each) over the cluster's shared memory; on GVA pairs (an even number of value heads a qk
+#            head: split_pairs) clusters of 8, the pair's four state CTAs sharing each k / q load
 #   "state"  Triton prep (every chunk slot in parallel) first, then 2 HV N state-only CTAs on its outputs
 KERNELS = ("fused", "split", "state")
 
 
-def forward_kernel(N, HV, sms, clusters=None):
+def split_pairs(H, HV):
+    """Whether the split kernel takes the value heads in GVA pairs (clusters of 8): when every qk head has
+    an even number of them (csrc's split_pairs)."""
+    return (HV // H) % 2 == 0
+
+
+def forward_kernel(N, HV, sms, clusters=None, pairs=False):
     """The kernel the forward runs on a device of `sms` SMs: "split" where the fused kernel's 2 HV N CTAs
     would leave at least half of the SMs idle (few long sequences), so that the split kernel's 2 HV N prep
-    CTAs take them and prep leaves the state CTAs' chain, provided its HV N clusters of 4 are resident at
-    once (`clusters`: how many can be, split_clusters; SMs / 4 where unknown); else "fused" (a second wave
-    of the split kernel's clusters would take as long as the first). In the model (bench/NOTES.md, "The
-    split kernel"): the anchor (64 state CTAs on 132 SMs) fused 1070 us, Triton prep + state-only 233 +
-    614, split 726. "state" is never picked: the split kernel does its prep on chip."""
-    clusters = sms // 4 if clusters is None or clusters < 0 else clusters
-    return "split" if 2 * HV * N <= sms // 2 and HV * N <= clusters else "fused"
+    CTAs take them and prep leaves the state CTAs' chain, provided its clusters (HV N of 4, or with
+    `pairs` HV N / 2 of 8) are resident at once (`clusters`: how many can be, split_clusters; SMs / 4 (/ 8)
+    where unknown); else "fused" (a second wave of the split kernel's clusters would take as long as the
+    first). In the model (bench/NOTES.md, "The split kernel"): the anchor (64 state CTAs on 132 SMs) fused
+    1070 us, Triton prep + state-only 233 + 614, split 669 (on GVA pairs). "state" is never picked: the
+    split kernel does its prep on chip."""
+    size = 8 if pairs else 4
+    clusters = sms // size if clusters is None or clusters < 0 else clusters
+    return "split" if 2 * HV * N <= sms // 2 and HV * N * 4 <= clusters * size else "fused"
 
 
 @functools.lru_cache(maxsize=None)
-def split_clusters(device_index):
-    """The split kernel's clusters of 4 that can be resident at once on CUDA device `device_index`
-    (cudaOccupancyMaxActiveClusters: a cluster's CTAs share one GPC, whose SMs need not be a multiple of 4),
-    or -1 where the runtime cannot say."""
+def split_clusters(device_index, pairs):
+    """The split kernel's clusters (of 4; with pairs, of 8) that can be resident at once on CUDA device
+    `device_index` (cudaOccupancyMaxActiveClusters: a cluster's CTAs share one GPC, whose SMs need not be a
+    multiple of the cluster's), or -1 where the runtime cannot say."""
     from gdn_packed import _cext
-    return int(_cext.get_C().chunk_gdr_fwd_sm90_split_clusters(device_index))
+    return int(_cext.get_C().chunk_gdr_fwd_sm90_split_clusters(device_index, pairs))
 
 
 def kept_shape(T, N, HV, K, V, C, device, dtype):
@@ -173,7 +182,7 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
     raw = A_log is not None
     entering, prep = _kept_parts(kept, T, N, NC, HV, q.dtype, q.device)
     ins = dict(prep_gates=None, prep_eg_last=None, prep_ts=None, prep_mm=None)    # the fused kernel's
-    kernel = _kernel(q.device, N, HV, kernel)
+    kernel = _kernel(q.device, N, H, HV, kernel)
     if kernel == "state":
         g, beta, prep = _triton_prep(q.device)(q, k, v, g, beta, table, HV, scale, use_l2norm, A_log, dt_bias, prep)
         ins = {f"prep_{n}": _aligned(getattr(prep, n)) for n in ("gates", "eg_last", "ts", "mm")}
@@ -195,7 +204,7 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
         o.copy_(out)
 
 
-def _kernel(device, N, HV, kernel):
+def _kernel(device, N, H, HV, kernel):
     """The forward kernel to run (chunk_gdr_fwd_cuda's `kernel`): the one named, else the fused one on CPU
     tensors (the host mirror) and forward_kernel's choice on a device."""
     if kernel is not None:
@@ -204,10 +213,12 @@ def _kernel(device, N, HV, kernel):
         return kernel
     if device.type == "cpu":
         return "fused"
+    pairs = split_pairs(H, HV)
     if device.type != "cuda":           # (the sm_90 report's meta tensors: an H200's 132 SMs)
-        return forward_kernel(N, HV, 132)
+        return forward_kernel(N, HV, 132, pairs=pairs)
+    index = device.index if device.index is not None else torch.cuda.current_device()
     return forward_kernel(N, HV, torch.cuda.get_device_properties(device).multi_processor_count,
-                          split_clusters(device.index if device.index is not None else torch.cuda.current_device()))
+                          split_clusters(index, pairs), pairs)
 
 
 def _triton_prep(device):
