@@ -83,7 +83,7 @@ struct Args {
   int64_t NC, N, T, H, HV;
   float scale;
   bool l2norm, raw_gates;
-  bool split;                                 // the split kernel (ChunkSm90Params), not the fused one
+  bool split, split_pairs;                    // the split kernel (ChunkSm90Params), not the fused one; its form
 };
 
 // softplus and sigmoid in fp32: on the device from ex2 / lg2 / rcp (2 ulp each; log1p(e) as
@@ -296,6 +296,8 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
   if (prep != 0 && kept != 0)
     return bad("prep_* (the state-only kernel: Triton prep's outputs, which the backward keeps) and kept_gates .. "
                "kept_mm exclude each other");
+  if (p.split_pairs && (!p.split || p.H <= 0 || (p.HV / p.H) % 2 != 0))
+    return bad("split_pairs needs split and an even number of value heads a qk head (HV / H)");
   if (prep != 0 && p.split)
     return bad("split (prep in the kernel's own prep CTAs) and prep_* (Triton prep's outputs) exclude each other");
   if (prep != 0 && (p.NC < 1 || p.NC * p.HV > kInt32Max))
@@ -336,6 +338,7 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
   a.l2norm = p.l2norm;
   a.raw_gates = p.raw_gates;
   a.split = p.split;
+  a.split_pairs = p.split_pairs;
   if (host) {
     switch (p.dtype) {
       case kF32: sm90::run_mirror<float>(a); break;

@@ -655,10 +655,6 @@ chunk_gdr_fwd_sm90_state_kernel(const __grid_constant__ CUtensorMap tm_q, const 
   fwd_cta<T, FwdKind::kStateOnly>(tm_q, tm_k, tm_v, tm_o, tm_ts, tm_mm, a);
 }
 
-// Whether the split kernel takes value heads in GVA pairs (clusters of 8): when every qk head has an even
-// number of them
-bool split_pairs(const Args& a) { return (a.HV / a.H) % 2 == 0; }
-
 template <typename T>
 Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
   constexpr const char* who = "chunk_gdr_fwd_sm90";
@@ -675,7 +671,7 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
     return Status::invalid("chunk_gdr_fwd_sm90: at most 65535 sequences and value heads");
   const dim3 grid(kVBlocks, static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N));
   if (a.split) {       // state CTAs and prep CTAs, a cluster of 4 a (head, sequence), or of 8 a (GVA pair, sequence)
-    const bool pairs = split_pairs(a);
+    const bool pairs = a.split_pairs;             // (gdn_packed/cuda/chunk.py: where its clusters of 8 fit)
     auto kernel = pairs ? chunk_gdr_fwd_sm90_split_pair_kernel<T> : chunk_gdr_fwd_sm90_split_kernel<T>;
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
     if (e != cudaSuccess) return cuda_error("chunk_gdr_fwd_sm90: cudaFuncSetAttribute", e);

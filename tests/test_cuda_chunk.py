@@ -202,9 +202,12 @@ def test_forward_kernel_splits_where_the_fused_kernel_leaves_half_the_sms_idle()
     assert split_pairs(16, 32) and split_pairs(1, 4) and not split_pairs(16, 16) and not split_pairs(2, 6)
     assert forward_kernel(1, 32, 132, 16, True) == "split" and forward_kernel(1, 32, 132, 15, True) == "fused"
     assert forward_kernel(1, 32, 132, None, True) == "split" and forward_kernel(1, 34, 132, None, True) == "fused"
-    assert _kernel(torch.device("cpu"), 1, 1, 1, None) == "fused"
-    assert _kernel(torch.device("meta"), 1, 16, 32, None) == "split"
-    assert all(_kernel(torch.device("cpu"), 1, 1, 1, k) == k for k in KERNELS)
+    assert _kernel(torch.device("cpu"), 1, 1, 1, None) == ("fused", False)
+    assert _kernel(torch.device("meta"), 1, 16, 32, None) == ("split", True)
+    assert _kernel(torch.device("meta"), 1, 32, 32, None) == ("split", False)
+    assert _kernel(torch.device("meta"), 4, 16, 32, None) == ("fused", False)
+    assert all(_kernel(torch.device("cpu"), 1, 1, 1, k) == (k, False) for k in KERNELS)
+    assert _kernel(torch.device("cpu"), 1, 1, 2, "split") == ("split", True)
     with pytest.raises(ValueError, match=r"kernel must be one of \('fused', 'split', 'state'\)"):
         _kernel(torch.device("cpu"), 1, 1, 1, "two")
 
@@ -475,7 +478,8 @@ def _entry_args(T=5, N=1, H=1, HV=2, raw=False):
               kept_ts=z(NC, HV, 64, 64), kept_mm=z(NC, HV, 64, 64), kept_entering=z(2 * N, HV, K, K))
     args = {n: t.data_ptr() for n, t in ts.items()}
     args.update(kept_segments=2, prep_gates=None, prep_eg_last=None, prep_ts=None, prep_mm=None, NC=NC, N=N, T=T,
-                H=H, HV=HV, K=K, V=K, chunk_size=64, dtype=0, scale=0.1, l2norm=True, raw_gates=raw, split=False)
+                H=H, HV=HV, K=K, V=K, chunk_size=64, dtype=0, scale=0.1, l2norm=True, raw_gates=raw, split=False,
+                split_pairs=False)
     return args, ts
 
 
@@ -517,6 +521,10 @@ def test_entry_point_names_its_arguments():
     with pytest.raises(ValueError, match=r"split \(prep in the kernel's own prep CTAs\) and prep_\* .* exclude"):
         C.chunk_gdr_fwd_sm90_host(**dict(args, **no_kept, **prep, split=True))
     C.chunk_gdr_fwd_sm90_host(**dict(args, split=True))                 # the split kernel's tile program
+    C.chunk_gdr_fwd_sm90_host(**dict(args, split=True, split_pairs=True))   # (H 1, HV 2: a pair)
+    for bad in (dict(split_pairs=True), dict(split=True, split_pairs=True, HV=1, H=1)):
+        with pytest.raises(ValueError, match=r"split_pairs needs split and an even number of value heads"):
+            C.chunk_gdr_fwd_sm90_host(**dict(args, **bad))
     with pytest.raises(ValueError, match="prep_\\* need NC >= 1"):
         C.chunk_gdr_fwd_sm90_host(**dict(args, **no_kept, **prep, NC=0))
     with pytest.raises(TypeError, match="unexpected keyword argument 'cu_chunk'"):

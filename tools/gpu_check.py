@@ -609,12 +609,11 @@ def _forced_forward(call, kernel):
     return run
 
 
-def _picks_split(N, HV, dev):
-    """Whether backend='cuda' runs the split forward kernel for N sequences of HV heads on dev."""
-    import torch
-
-    from gdn_packed.cuda.chunk import forward_kernel
-    return forward_kernel(N, HV, torch.cuda.get_device_properties(dev).multi_processor_count) == "split"
+def _picks_split(N, H, HV, dev):
+    """Whether backend='cuda' runs the split forward kernel for N sequences of H / HV heads on dev (either
+    form: as its clusters fit there)."""
+    from gdn_packed.cuda.chunk import _kernel
+    return _kernel(dev, N, H, HV, None)[0] == "split"
 
 
 @contextlib.contextmanager
@@ -705,7 +704,7 @@ def case_profile(csv_path=None, providers=None, shapes=None):
     done, failed, skipped = [], [], []
     for shape, lengths in shapes:
         for name in providers:
-            if name in ("ours-cuda-fused", "ours-cuda-state") and not _picks_split(len(lengths), HV, dev):
+            if name in ("ours-cuda-fused", "ours-cuda-state") and not _picks_split(len(lengths), H, HV, dev):
                 continue                          # (ours-cuda runs the fused kernel there)
             try:
                 xs, cu = gdr.make_inputs(H, HV, K, K, lengths, dtype, dev, requires_grad=True)

@@ -61,6 +61,7 @@ and dv; shared memory as the forward's (smem_cycles). The backward of backend="c
 Triton backward on the prep outputs the forward kept (the recompute, dq / dk / finalize) with its dS pass
 (pass A, combine, pass) replaced by the kernel's launch: the wiring of the kernel into that backward
 (H-cuda-bwd2's patch to gdn_packed/triton/chunk.py) is what it models."""
+import bisect
 import collections
 import dataclasses
 import glob
@@ -167,9 +168,44 @@ def missing():
 _BUILD = {}
 
 
+def _line_table(text):
+    """{function: [[address, "file:line"], ...]} from nvdisasm -g output: each function's instructions' csrc
+    lines (the innermost one of an inlined call), an entry where the line changes."""
+    out, name, cur = {}, None, None
+    for line in text.split("\n"):
+        m = re.match(r"\s*\.section\s+\.text\.([^,\s]+)", line)
+        if m:
+            name, cur = m.group(1), None
+            out[name] = []
+            continue
+        m = re.search(r'File "([^"]+)", line (\d+)', line)
+        if m and "inlined at" not in line:
+            cur = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+\S", line)
+        if m and name is not None and (not out[name] or out[name][-1][1] != cur):
+            out[name].append([int(m.group(1), 16), cur])
+    return out
+
+
+def _object_lines(obj, tmp):
+    """The line table (_line_table) of an object's sm_90a cubin (extracted with cuobjdump -xelf into tmp), or
+    {} without cuobjdump / nvdisasm or with other than one such cubin. Kept with the object's SASS, so that
+    the line attribution reads the very code the model does: two compiles of the same source and flags
+    have differed (2026-12-05: 338 against 341 LDS in the fused kernel, under load; never reproduced)."""
+    dump, dis = find_tool("cuobjdump"), find_tool("nvdisasm")
+    if not dump or not dis:
+        return {}
+    subprocess.run([dump, "-xelf", "all", obj], cwd=tmp, capture_output=True, check=True)
+    cubins = glob.glob(os.path.join(tmp, "*sm_90a*.cubin"))
+    if len(cubins) != 1:
+        return {}
+    return _line_table(subprocess.run([dis, "-g", "-c", cubins[0]], capture_output=True, text=True, check=True).stdout)
+
+
 def nvcc_cached(tag, source, cmd, key_files):
-    """{"ptxas": ptxas -v text, "sass": cuobjdump -sass text ('' without cuobjdump)} of `source` compiled
-    by cmd(source, obj) (an nvcc command line), or {"error"}: cached in memory and on disk beside the
+    """{"ptxas": ptxas -v text, "sass": cuobjdump -sass text ('' without cuobjdump), "lines": its sm_90a
+    code's line table (_object_lines; {} without nvdisasm)} of `source` compiled by cmd(source, obj) (an
+    nvcc command line), or {"error"}: cached in memory and on disk beside the
     Triton compiles (bench.sm90.toolchain.cache_dir) as <tag>_<hash>.json, keyed by nvcc's version, the
     command and the contents of key_files (the source and what it includes), so tests/test_build.py and
     the report share one compile. Used for csrc/chunk_gdr_*_sm90.cu here and csrc/chunk_table.cu
@@ -182,6 +218,7 @@ def nvcc_cached(tag, source, cmd, key_files):
         return dict(error="no nvcc (CUDA toolkit: $CUDACXX, PATH or /usr/local/cuda/bin)")
     h = hashlib.sha256(subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.encode())
     h.update(" ".join(cmd(source, "k.o")).encode())
+    h.update(b"lines")                    # (the entries' fields: ptxas, sass, lines)
     for p in sorted(key_files):
         with open(p, "rb") as f:
             h.update(os.path.basename(p).encode() + f.read())
@@ -198,6 +235,7 @@ def nvcc_cached(tag, source, cmd, key_files):
         dump = find_tool("cuobjdump")
         out = dict(ptxas=p.stdout + p.stderr, sass=subprocess.run([dump, "-sass", obj], capture_output=True, text=True,
                                                                   check=True).stdout if dump else "")
+        out["lines"] = _object_lines(obj, tmp)
     _BUILD[tag, source] = out
     if path:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -313,38 +351,24 @@ def facts(dtype, const, phase="fwd"):
 def smem_by_line(phase="fwd", dtype="bf16"):
     """Where a role's shared-memory wavefronts come from: {role: [(source line, instructions, wavefronts)]},
     most first, for one warp's path through each of the phase's loops (_role_loops), the wavefronts as
-    _simulate_loop counts them (bank conflicts resolved by banks.py). The kernel is compiled again with
-    -lineinfo to a cubin (nvdisasm -g attributes every instruction to its csrc line, the innermost one of
-    an inlined call); not cached: ~20 s. It is compiled to an object exactly as the build does
-    (nvcc_command) and its sm_90a cubin extracted for nvdisasm: a -cubin compile of the same source and
-    flags can differ (2026-12-05: 3 LDS more in the fused kernel's prep loop from -c than from -cubin).
-    {"error": why} without nvcc / cuobjdump / nvdisasm."""
+    _simulate_loop counts them (bank conflicts resolved by banks.py), each instruction attributed to its
+    csrc line (the innermost one of an inlined call) by the line table kept with the compile the model reads
+    (build: nvdisasm -g of its object's cubin; the build passes -lineinfo). {"error": why} without nvcc /
+    cuobjdump / nvdisasm."""
     source, kernel, want = KERNELS[phase]
-    tools = {t: find_tool(t) for t in ("nvcc", "cuobjdump", "nvdisasm")}
-    if missing() or not all(tools.values()):
-        return dict(error=missing() or "no " + ", ".join(t for t, p in tools.items() if not p))
-    with tempfile.TemporaryDirectory(prefix="gdn_lines_") as tmp:
-        obj = os.path.join(tmp, "k.o")
-        p = subprocess.run(nvcc_command(source, obj), capture_output=True, text=True)
-        if p.returncode:
-            return dict(error=f"nvcc failed: {(p.stderr or p.stdout).strip().splitlines()[-1][:300]}")
-        subprocess.run([tools["cuobjdump"], "-xelf", "all", obj], cwd=tmp, capture_output=True, check=True)
-        cubins = glob.glob(os.path.join(tmp, "*sm_90a*.cubin"))
-        if len(cubins) != 1:
-            return dict(error=f"cuobjdump -xelf: {len(cubins)} sm_90a cubins in the object")
-        cubin = cubins[0]
-        dump = subprocess.run([tools["cuobjdump"], "-sass", cubin], capture_output=True, text=True, check=True).stdout
-        lines = subprocess.run([tools["nvdisasm"], "-g", "-c", cubin], capture_output=True, text=True,
-                               check=True).stdout
-    prog = sass.program(_kernel_sass(dump, dtype, kernel))
-    where, cur = {}, None                 # instruction address -> its source line (nvdisasm -g)
-    for line in _function_body(lines, r"\n\s*\.section\s+\.text\.", dtype, kernel).split("\n"):
-        m = re.search(r'File "([^"]+)", line (\d+)', line)
-        if m and "inlined at" not in line:
-            cur = f"{os.path.basename(m.group(1))}:{m.group(2)}"
-        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+\S", line)
-        if m:
-            where[int(m.group(1), 16)] = cur
+    out = build(source)
+    if "error" in out:
+        return dict(error=out["error"])
+    if not out.get("sass") or not out.get("lines"):
+        return dict(error="no " + ", ".join(t for t in ("cuobjdump", "nvdisasm") if not find_tool(t)) or
+                    "no line table in the compile")
+    prog = sass.program(_kernel_sass(out["sass"], dtype, kernel))
+    tag = "13__nv_bfloat16" if dtype == "bf16" else "6__half"
+    names = [n for n in out["lines"] if kernel in n and tag in n]
+    table = out["lines"][names[0]] if len(names) == 1 else []
+    addrs = [a for a, _ in table]
+    where = {x.addr: table[bisect.bisect_right(addrs, x.addr) - 1][1] for x in prog
+             if addrs and x.addr >= addrs[0]}
     roles = _role_loops(prog)
     if set(roles) != want or not where:
         return dict(error=f"the kernel's loops or line table not found: {sorted(roles)}")
@@ -560,7 +584,7 @@ def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
 
     def fwd_launch(entry, device, *, reads, writes, **scalars):     # the forward kernels: modelled, not run
         phase = ("fwd_state" if reads["prep_ts"] is not None else "fwd" if not scalars["split"] else
-                 "fwd_split_pair" if cuda_chunk.split_pairs(scalars["H"], scalars["HV"]) else "fwd_split")
+                 "fwd_split_pair" if scalars["split_pairs"] else "fwd_split")
         rec.launches.append(CudaLaunch(KERNELS[phase][1], phase, kept=writes["kept_ts"] is not None))
     cuda_chunk.launch = fwd_launch
     cuda_chunk.chunk_bwd_dstate_cuda = lambda *a, **kw: rec.launches.append(CudaLaunch(BWD_KERNEL, "bwd"))

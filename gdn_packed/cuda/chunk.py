@@ -71,8 +71,8 @@ KERNELS = ("fused", "split", "state")
 
 
 def split_pairs(H, HV):
-    """Whether the split kernel takes the value heads in GVA pairs (clusters of 8): when every qk head has
-    an even number of them (csrc's split_pairs)."""
+    """Whether the split kernel can take the value heads in GVA pairs (clusters of 8): when every qk head
+    has an even number of them (the entry point refuses split_pairs otherwise)."""
     return (HV // H) % 2 == 0
 
 
@@ -182,7 +182,7 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
     raw = A_log is not None
     entering, prep = _kept_parts(kept, T, N, NC, HV, q.dtype, q.device)
     ins = dict(prep_gates=None, prep_eg_last=None, prep_ts=None, prep_mm=None)    # the fused kernel's
-    kernel = _kernel(q.device, N, H, HV, kernel)
+    kernel, pairs = _kernel(q.device, N, H, HV, kernel)
     if kernel == "state":
         g, beta, prep = _triton_prep(q.device)(q, k, v, g, beta, table, HV, scale, use_l2norm, A_log, dt_bias, prep)
         ins = {f"prep_{n}": _aligned(getattr(prep, n)) for n in ("gates", "eg_last", "ts", "mm")}
@@ -199,26 +199,33 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
                       initial_state=None if initial_state is None else initial_state.to(torch.float32), **ins),
            writes=dict(o=out, final_state=final_state, kept_entering=entering, **keep), kept_segments=segments,
            NC=NC, N=N, T=T, H=H, HV=HV, K=K, V=Vd, chunk_size=C, dtype=q.dtype, scale=float(scale),
-           l2norm=bool(use_l2norm), raw_gates=raw, split=kernel == "split")
+           l2norm=bool(use_l2norm), raw_gates=raw, split=kernel == "split", split_pairs=pairs)
     if out is not o:
         o.copy_(out)
 
 
 def _kernel(device, N, H, HV, kernel):
-    """The forward kernel to run (chunk_gdr_fwd_cuda's `kernel`): the one named, else the fused one on CPU
-    tensors (the host mirror) and forward_kernel's choice on a device."""
-    if kernel is not None:
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
-        return kernel
-    if device.type == "cpu":
-        return "fused"
+    """(kernel, pairs): the forward kernel to run (chunk_gdr_fwd_cuda's `kernel`: the one named, else the
+    fused one on CPU tensors, the host mirror, and forward_kernel's choice on a device) and, for the split
+    kernel, whether in its pair form: where the value heads pair (split_pairs) and, on a device, its
+    clusters of 8 fit at once; where only clusters of 4 do, the form without pairs."""
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
     pairs = split_pairs(H, HV)
+    if kernel is not None or device.type == "cpu":
+        kernel = kernel or "fused"
+        return kernel, kernel == "split" and pairs
     if device.type != "cuda":           # (the sm_90 report's meta tensors: an H200's 132 SMs)
-        return forward_kernel(N, HV, 132, pairs=pairs)
+        kernel = forward_kernel(N, HV, 132, None, pairs)
+        return kernel, pairs and kernel == "split"
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return forward_kernel(N, HV, torch.cuda.get_device_properties(device).multi_processor_count,
-                          split_clusters(index, pairs), pairs)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    kernel = "fused"
+    for form in ((True, False) if pairs else (False,)):
+        kernel = forward_kernel(N, HV, sms, split_clusters(index, form), form)
+        if kernel != "fused":
+            return kernel, form and kernel == "split"
+    return kernel, False
 
 
 def _triton_prep(device):
