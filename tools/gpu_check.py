@@ -83,9 +83,9 @@ OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench
 # sm_90a forward (the fused kernel 1.76x its model; at the anchor now the split kernel)
 NCU_KERNELS = ("chunk_fwd_prep_kernel|chunk_fwd_state_kernel|chunk_bwd_p_kernel|chunk_bwd_dq_kernel|"
                "chunk_bwd_a_kernel|chunk_bwd_dk_kernel|chunk_bwd_finalize_kernel|chunk_gdr_fwd_sm90_kernel|"
-               "chunk_gdr_fwd_sm90_state_kernel|chunk_gdr_fwd_sm90_split_kernel")
+               "chunk_gdr_fwd_sm90_state_kernel|chunk_gdr_fwd_sm90_split_kernel|chunk_gdr_fwd_sm90_split_pair_kernel")
 NCU_LAUNCHES = 11       # one of each above in one Triton forward + backward (the state kernel three times),
-                        # then the cuda forward's split kernel
+                        # then the cuda forward's split kernel (at the anchor's GVA pairs: its pair form)
 NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "LaunchStats", "Occupancy",
                 "SchedulerStats")
 # what the sections above do not break down (the second H200 session: prep, dq and dk had L1/TEX 50-77%
