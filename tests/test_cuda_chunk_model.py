@@ -119,9 +119,9 @@ def test_prep_scratch_accesses_of_the_accumulator_layout_are_conflict_free(dtype
 
 
 def test_shared_memory_by_source_line_adds_up_to_the_loops(facts):
-    """`python -m bench kernels --cuda-lines` (cuda_chunk.smem_by_line): a -lineinfo compile of the forward,
-    each role's loop wavefronts attributed to csrc lines, adding up to what the model counts for that loop
-    (facts: the cached compile without line info, the same code); the lines are csrc's."""
+    """`python -m bench kernels --cuda-lines` (cuda_chunk.smem_by_line): the forward's compile (its line
+    table, kept with the cached compile), each role's loop wavefronts attributed to csrc lines, adding up to
+    what the model counts for that loop (facts: the same compile); the lines are csrc's."""
     got = cuda_chunk.smem_by_line("fwd", "bf16")
     if "error" in got and got["error"].startswith("no "):
         pytest.skip(f"the line table cannot be read here: {got['error']}")

@@ -55,8 +55,8 @@ narrow); compiles are cached on disk
                     "its kernels at the reference heads, writing the facts file (minutes; with --fit, at the "
                     "fitted constants)")
     ap.add_argument("--cuda-lines", action="store_true", help="where the sm_90a CUDA kernels' shared-memory "
-                    "wavefronts come from, by csrc source line (a -lineinfo compile, ~10 s a kernel), for each "
-                    "dtype and mode asked; then the report")
+                    "wavefronts come from, by csrc source line (the line table of the compile the model reads), "
+                    "for each of the mode's kernels and each dtype asked; then the report")
     ap.add_argument("--measured", action="append", metavar="CSV", help="device times measured on a GPU (tools/"
                     "gpu_check.py's profile CSV: shape, provider, mode, kernel, calls, us; repeatable): printed "
                     "beside the model per kernel (bench/sm90/measured.py)")
@@ -125,9 +125,10 @@ def run(args):
         return 0
     if args.cuda_lines:
         from bench.sm90 import cuda_chunk
-        for mode in args.modes:
-            for dtype in (d for d in args.dtype if d in cuda_chunk.DTYPES):
-                print(cuda_chunk.format_smem_by_line(mode, dtype) + "\n")
+        for mode in args.modes:       # every kernel of the mode (the forward's: fused, state-only, split)
+            for phase in (p for p in cuda_chunk.KERNELS if p.startswith(mode)):
+                for dtype in (d for d in args.dtype if d in cuda_chunk.DTYPES):
+                    print(cuda_chunk.format_smem_by_line(phase, dtype) + "\n")
     fla = not args.no_fla and not fla_missing()
     if not args.no_fla and not fla:
         print(f"kernels: {fla_missing()}: FLA rows left out", file=sys.stderr)
