@@ -10,8 +10,10 @@ autograd will need them), so that backward runs neither pass A nor prep of its o
                             else the exception saying why (resolve_backend's `refuse`)
     chunk_gdr_fwd_cuda(...) the forward, the dispatch table's "fwd" and "fwd_raw" (raw a, b gates): one of
                             the three forward kernels (KERNELS), as forward_kernel picks
-    forward_kernel(N, HV, sms)  which kernel the forward runs on a device of `sms` SMs: "split" for few
-                            long sequences, else "fused"
+    forward_kernel(N, HV, sms, clusters, pairs)  which kernel the forward runs on a device of `sms`
+                            SMs: "split" for few long sequences (where its clusters fit at once), else
+                            "fused"; split_pairs(H, HV): whether the split kernel can pair value heads;
+                            split_clusters(device, pairs): how many of its clusters a GPU holds at once
     chunk_bwd_dstate_cuda(...)  the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) in place of
                             the Triton one (gdn_packed.triton.chunk.chunk_bwd_dstate): the same inputs
                             (Triton prep's outputs) and outputs
