@@ -212,6 +212,28 @@ def test_forward_kernel_splits_where_the_fused_kernel_leaves_half_the_sms_idle()
         _kernel(torch.device("cpu"), 1, 1, 1, "two")
 
 
+def test_split_clusters_asked_once_and_never_during_a_graph_capture(monkeypatch):
+    """gdn_packed.cuda.chunk.split_clusters asks _C once per (device, form) and keeps the answer; during a
+    CUDA-graph capture it answers -1 (SMs / 4 or / 8 for the rule) without asking and keeps nothing."""
+    from gdn_packed.cuda import chunk as cuda_chunk
+    asked = []
+
+    class FakeC:
+        @staticmethod
+        def chunk_gdr_fwd_sm90_split_clusters(device, pairs):
+            asked.append((device, pairs))
+            return 15 if pairs else 32
+    monkeypatch.setattr(cuda_chunk, "_CLUSTERS", {})
+    monkeypatch.setattr(_cext, "get_C", lambda: FakeC)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert cuda_chunk.split_clusters(0, True) == -1 and asked == [] and cuda_chunk._CLUSTERS == {}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert [cuda_chunk.split_clusters(0, p) for p in (True, False, True, False)] == [15, 32, 15, 32]
+    assert asked == [(0, True), (0, False)]
+    assert cuda_chunk.forward_kernel(1, 32, 132, 15, True) == "fused"        # (16 clusters of 8 needed)
+    assert cuda_chunk.forward_kernel(1, 32, 132, 32, False) == "split"
+
+
 def test_forced_state_kernel_names_why_it_cannot_run(monkeypatch):
     """kernel='state' on CPU tensors without the Triton interpreter is a RuntimeError saying so, not an
     error from inside Triton; on other devices (the sm_90 report's meta tensors) it is not refused."""

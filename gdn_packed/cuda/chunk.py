@@ -22,7 +22,6 @@ autograd will need them), so that backward runs neither pass A nor prep of its o
     kept_shape(...)         the dispatch table's "kept_shape": what the forward keeps (the segments'
                             entering states, a Prep's words)
 """
-import functools
 import os
 
 import torch
@@ -92,13 +91,22 @@ def forward_kernel(N, HV, sms, clusters=None, pairs=False):
     return "split" if 2 * HV * N <= sms // 2 and HV * N * 4 <= clusters * size else "fused"
 
 
-@functools.lru_cache(maxsize=None)
+_CLUSTERS = {}      # (device index, pairs) -> split_clusters' answer
+
+
 def split_clusters(device_index, pairs):
     """The split kernel's clusters (of 4; with pairs, of 8) that can be resident at once on CUDA device
     `device_index` (cudaOccupancyMaxActiveClusters: a cluster's CTAs share one GPC, whose SMs need not be a
-    multiple of the cluster's), or -1 where the runtime cannot say."""
-    from gdn_packed import _cext
-    return int(_cext.get_C().chunk_gdr_fwd_sm90_split_clusters(device_index, pairs))
+    multiple of the cluster's), or -1 where the runtime cannot say. Asked once per device and form; not
+    during a CUDA-graph capture (-1 then, not kept: the runtime calls are not stream work, but whether a
+    capture allows them is not known here)."""
+    key = (device_index, bool(pairs))
+    if key not in _CLUSTERS:
+        if torch.cuda.is_current_stream_capturing():
+            return -1
+        from gdn_packed import _cext
+        _CLUSTERS[key] = int(_cext.get_C().chunk_gdr_fwd_sm90_split_clusters(device_index, bool(pairs)))
+    return _CLUSTERS[key]
 
 
 def kept_shape(T, N, HV, K, V, C, device, dtype):
