@@ -34,7 +34,8 @@
 //        transposing stmatrix into the consumed v tile and a TMA store of the chunk
 // Two more kernels of the same CTA body (chunk_gdr_fwd_sm90_device.cuh, FwdKind): the split kernel (where
 // the CTAs above would leave half the SMs idle: grid (4, HV, N) in clusters of 4, the two state CTAs, prep
-// warpgroup idle, fed by two prep CTAs of two prep warpgroups each over the cluster's shared memory) and
+// warpgroup idle, fed by two prep CTAs of two prep warpgroups each over the cluster's shared memory; on GVA
+// pairs, split_pairs, grid (8, HV / 2, N) in clusters of 8, the pair's four state CTAs sharing k / q) and
 // the state-only kernel (on Triton prep's outputs in memory; forced only).
 // A sequence's last chunk, the only one that can be partial, runs outside the chunk loops of prep and
 // state: its rows of other sequences (loaded by TMA) are zeroed there and its live rows of o stored one

@@ -50,7 +50,8 @@ struct alignas(16) GatesBuf : Gates {};    // a bulk copy's size and addresses a
 //   kFused      chunk_gdr_fwd_sm90_kernel: each CTA of the cluster of 2 preps every other chunk for both
 //   kStateOnly  chunk_gdr_fwd_sm90_state_kernel: Triton prep's outputs loaded from global memory
 //   kSplit      chunk_gdr_fwd_sm90_split_kernel: a cluster of 4, the two state CTAs (ranks 0, 1) fed by two
-//               prep CTAs (ranks 2, 3: prep_cta) over the cluster's shared memory
+//               prep CTAs (ranks 2, 3: prep_cta) over the cluster's shared memory; on GVA pairs (kPair = 2,
+//               chunk_gdr_fwd_sm90_split_pair_kernel) a cluster of 8, each value head's two of each
 enum class FwdKind { kFused, kStateOnly, kSplit };
 
 struct alignas(1024) Shared {
@@ -74,8 +75,8 @@ constexpr uint32_t kPrepBytes = 2 * kBlock + sizeof(GatesBuf);          // what 
 // the gate rows (each CTA's own bulk copy)
 constexpr uint32_t kPrepInBytes = 2 * kBlock + kPrepGateBytes;
 
-// The split kernel's prep CTA (ranks 2 and 3 of its cluster of 4; rank 2 + r preps the chunks j with
-// j % 2 == r): two prep warpgroups, w = 0, 1, take its chunks in turn (chunk j: w = (j / 2) % 2, so prep
+// The split kernel's prep CTA (ranks 2 and 3 of its cluster of 4, rank 2 + r prepping the chunks j with
+// j % 2 == r; in the pair form ranks 4 + 2 hh + r, for value head hh of the pair): two prep warpgroups, w = 0, 1, take its chunks in turn (chunk j: w = (j / 2) % 2, so prep
 // buffer j % 4 = 2 w + r of the state CTAs is always the same warpgroup's), each with its own ring stage
 // (the producer loads the warpgroup's next chunk once it released the stage) and two staging buffers of
 // Ts, M and gates (by the parity of the warpgroup's chunk count), which its bulk copies send to both state CTAs.
@@ -130,6 +131,31 @@ __device__ __forceinline__ void keep_tile(const uint8_t* tile, T* dst, int wtid)
     *reinterpret_cast<uint4*>(dst + r * kC + x * 8) = *reinterpret_cast<const uint4*>(tile + swz(r, x));
 }
 
+// Ts, M and gates of a prepped chunk (tiles ts, mm and gates of this CTA) into prep buffer b of cluster CTA
+// `dst`, completing on its prepped[b] (one arrival with the bytes): the hand-over of the fused kernel's prep
+// to its peer and of the split kernel's prep CTA to its state CTAs (whose layout, Shared, locates them)
+__device__ __forceinline__ void send_prep(uint32_t dst, int b, const uint8_t* ts, const uint8_t* mm,
+                                          const GatesBuf* gates) {
+  Shared& sv = smem_as<Shared>();
+  const uint32_t bar = peer_addr(&sv.prepped[b], dst);
+  mbar_expect_tx_at(bar, kPrepBytes);
+  copy_to_peer(peer_addr(sv.ts[b], dst), ts, kBlock, bar);
+  copy_to_peer(peer_addr(sv.mm[b], dst), mm, kBlock, bar);
+  copy_to_peer(peer_addr(&sv.gates[b], dst), gates, sizeof(GatesBuf), bar);
+}
+
+// The backward's Prep of chunk slot `slot` (a.kept_*) from a prepped chunk's tiles, gates and prep scratch,
+// by a warpgroup's plain global stores
+template <typename T>
+__device__ __forceinline__ void keep_prep(const Args& a, int64_t slot, const uint8_t* ts, const uint8_t* mm,
+                                          const GatesBuf& gates, const PrepScratch& s, int length, int wtid) {
+  keep_tile(ts, static_cast<T*>(a.kept_ts) + slot * kC * kC, wtid);
+  keep_tile(mm, static_cast<T*>(a.kept_mm) + slot * kC * kC, wtid);
+  if (wtid < kC)
+    keep_gate_row(gates, s, wtid, length, a.kept_gates + slot * kGateRows * kC, a.kept_rn + slot * 2 * kC,
+                  a.kept_eg_last + slot);
+}
+
 // grid (kVBlocks, HV, N) in clusters of the kVBlocks CTAs of a (value head, sequence): CTA rank vb owns
 // value columns vb * 64 .. vb * 64 + 63 and preps the chunks j with j % 2 == vb for both. Barriers (an
 // elected thread arrives for its warpgroup after the warpgroup's named barrier; full's are the producer's lanes):
@@ -147,7 +173,8 @@ __device__ __forceinline__ void keep_tile(const uint8_t* tile, T* dst, int wtid)
 //                copy) landed, e^gam_last stored (1: the producer's arrival + the bytes)
 //   prepfree[b]  buffer b read by both state warpgroups (the multicasts write both CTAs: at each CTA; 2)
 // kSplit (chunk_gdr_fwd_sm90_split_kernel, ranks 0 and 1 of its cluster of 4): no prep here either (it
-// idles); prep CTA 2 + b % 2 (prep_cta) sends Ts, M and gates (e^gam_last with them) of buffer b:
+// idles); prep CTA 2 + b % 2 (pair form: 4 + 2 hh + b % 2; prep_cta) sends Ts, M and gates (e^gam_last
+// with them) of buffer b:
 //   prepped[b]   its bulk copies landed (1: its arrival + the bytes)
 //   prepfree[b]  at that prep CTA: buffer b read by both state warpgroups (2)
 // The state warpgroup of kStateOnly and kSplit stores a chunk's O a step later (state_step_deferred).
@@ -302,24 +329,11 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
                              sm.gates[b], at, at, dt, dt, ts, m);
       p.sync();                                   // (its fence: Ts, M, gates visible to the async proxy)
       if (kPrepArrivals > 1 || wtid == 0) mbar_arrive(&sm.prepped[b]);     // (kPrepArrivals of them)
-      if (wtid == 0) {
-        const uint32_t bar = peer_addr(&sm.prepped[b], peer);
-        mbar_expect_tx_at(bar, kPrepBytes);
-        copy_to_peer(peer_addr(sm.ts[b], peer), sm.ts[b], kBlock, bar);
-        copy_to_peer(peer_addr(sm.mm[b], peer), sm.mm[b], kBlock, bar);
-        copy_to_peer(peer_addr(&sm.gates[b], peer), &sm.gates[b], sizeof(GatesBuf), bar);
-      }
+      if (wtid == 0) send_prep(peer, b, sm.ts[b], sm.mm[b], &sm.gates[b]);
       // the backward's Prep of this chunk slot by plain global stores, after the hand-over (whose
       // arrivals would wait for them) and long before prep's next fence; buffer b is not prepped again
       // before both state warpgroups have released it (prepfree[b]), after these reads
-      if (a.kept_ts) {
-        const int64_t slot = (c0 + it) * HV + hv;
-        keep_tile(sm.ts[b], static_cast<T*>(a.kept_ts) + slot * kC * kC, wtid);
-        keep_tile(sm.mm[b], static_cast<T*>(a.kept_mm) + slot * kC * kC, wtid);
-        if (wtid < kC)
-          keep_gate_row(sm.gates[b], sm.scratch, wtid, length, a.kept_gates + slot * kGateRows * kC,
-                        a.kept_rn + slot * 2 * kC, a.kept_eg_last + slot);
-      }
+      if (a.kept_ts) keep_prep<T>(a, (c0 + it) * HV + hv, sm.ts[b], sm.mm[b], sm.gates[b], sm.scratch, length, wtid);
     };
     int it = vb;
     for (; it + 1 < nchunks; it += kVBlocks) prep_one(it, std::false_type{});
@@ -485,8 +499,8 @@ __device__ __forceinline__ void zero_dead_kq(PrepShared& ps, int w, int length, 
   }
 }
 
-// The split kernel's prep CTA (cluster rank kVBlocks + r): the prep of chunks j with j % 2 == r of the
-// (value head, sequence) for its two state CTAs (PrepShared). Barriers:
+// The split kernel's prep CTA (cluster rank 2 kPair + 2 hh + r): the prep of chunks j with j % 2 == r of
+// value head hh's sequence for its two state CTAs (ranks 2 hh, 2 hh + 1; PrepShared). Barriers:
 //   full[w]      chunk j of prep warpgroup w landed in its stage: k, q (both K-halves, this CTA's own TMA)
 //                and the producer's gates (32 arrivals, one per producer lane, + the bytes)
 //   empty[w]     stage w read by prep warpgroup w (1)
@@ -497,7 +511,6 @@ __device__ __forceinline__ void prep_cta(const CUtensorMap& tm_q, const CUtensor
   using P = DevPolicy<T>;
   using TInv = __half;
   PrepShared& ps = smem_as<PrepShared>();
-  Shared& sv = smem_as<Shared>();                 // the state CTAs' layout, for their buffers' addresses
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
   const int p = static_cast<int>(cluster_rank()) - kVBlocks * kPair;    // among the prep CTAs
   const int r = p % kVBlocks, hh = p / kVBlocks;                          // its chunks' parity, its value head
@@ -589,22 +602,11 @@ __device__ __forceinline__ void prep_cta(const CUtensorMap& tm_q, const CUtensor
         if (j >= kPrepBufs)
           mbar_wait(&ps.prepfree[b], ((j / kPrepBufs) + 1) & 1,
                     "split prep, prepfree[j % 4]: the state CTAs' buffer read by both state warpgroups", j);
-        for (uint32_t dst = kVBlocks * hh; dst < kVBlocks * (hh + 1); ++dst) {   // to both state CTAs' buffer b
-          const uint32_t bar = peer_addr(&sv.prepped[b], dst);
-          mbar_expect_tx_at(bar, kPrepBytes);
-          copy_to_peer(peer_addr(sv.ts[b], dst), x.ts[sb], kBlock, bar);
-          copy_to_peer(peer_addr(sv.mm[b], dst), x.mm[sb], kBlock, bar);
-          copy_to_peer(peer_addr(&sv.gates[b], dst), &x.gates[sb], sizeof(GatesBuf), bar);
-        }
+        for (uint32_t dst = kVBlocks * hh; dst < kVBlocks * (hh + 1); ++dst)   // to both state CTAs' buffer b
+          send_prep(dst, b, x.ts[sb], x.mm[sb], &x.gates[sb]);
       }
-      if (a.kept_ts) {                            // the backward's Prep of this chunk slot (as fwd_cta's prep)
-        const int64_t slot = (c0 + j) * HV + hv;
-        keep_tile(x.ts[sb], static_cast<T*>(a.kept_ts) + slot * kC * kC, wtid);
-        keep_tile(x.mm[sb], static_cast<T*>(a.kept_mm) + slot * kC * kC, wtid);
-        if (wtid < kC)
-          keep_gate_row(x.gates[sb], x.scratch, wtid, length, a.kept_gates + slot * kGateRows * kC,
-                        a.kept_rn + slot * 2 * kC, a.kept_eg_last + slot);
-      }
+      if (a.kept_ts)                              // the backward's Prep of this chunk slot (as fwd_cta's prep)
+        keep_prep<T>(a, (c0 + j) * HV + hv, x.ts[sb], x.mm[sb], x.gates[sb], x.scratch, length, wtid);
     };
     int j = r + kVBlocks * w, u = 0;              // this warpgroup's chunks: every 4th from r + 2 w
     for (; j + 1 < nchunks; j += kVBlocks * kPrepWgs, ++u) prep_one(j, u, std::false_type{});

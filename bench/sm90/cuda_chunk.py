@@ -44,11 +44,12 @@ The split kernel (chunk_gdr_fwd_sm90_split_kernel, phase "fwd_split", and on GVA
 chunk_gdr_fwd_sm90_split_pair_kernel, "fwd_split_pair": the forward where the fused kernel's
 CTAs would leave half the SMs idle, gdn_packed.cuda.chunk.forward_kernel) runs the state-only kernel's
 state CTA beside a prep CTA of two prep warpgroups, two of each a (value head, sequence) in a cluster of
-4. Per chunk step its state CTA is bound as the state-only kernel's, but for the ring: 4 prep warpgroups
+4 (the pair form: a cluster of 8, the pair's four state CTAs sharing each k / q load). Per chunk step its
+state CTA is bound as the state-only kernel's, but for the ring: 4 prep warpgroups
 take the chunks in turn, each reloading its stage once it has prepped (ldg + p per 4 chunks); its prep
 CTA issues p_instr / 2 + r_instr / 2 a sub-partition and p_mma / 2 on the tensor pipe; its shared memory is
-the prep loop's over 2 (every other chunk), half of k / q loaded and two copies of Ts, M and gates read
-per chunk, against the state CTA's (which receives that copy in place of Triton prep's loads). One CTA per
+the prep loop's over 2 (every other chunk), and for every other chunk its whole k / q tiles loaded and two
+copies of Ts, M and gates read, against the state CTA's (which receives that copy in place of Triton prep's loads). One CTA per
 SM, so the slower of the two kinds bounds each term; the bytes: the state CTAs' tiles and the prep CTAs'
 q, k and g, beta (and the kept prep outputs), no Ts / M through memory.
 
@@ -190,8 +191,8 @@ def _line_table(text):
 def _object_lines(obj, tmp):
     """The line table (_line_table) of an object's sm_90a cubin (extracted with cuobjdump -xelf into tmp), or
     {} without cuobjdump / nvdisasm or with other than one such cubin. Kept with the object's SASS, so that
-    the line attribution reads the very code the model does: two compiles of the same source and flags
-    have differed (2026-12-05: 338 against 341 LDS in the fused kernel, under load; never reproduced)."""
+    the line attribution reads the very code the model does: two compiles of the same source and command
+    have differed (2026-12-05: 338 or 341 LDS in the fused kernel, from one run to the next; cause unknown)."""
     dump, dis = find_tool("cuobjdump"), find_tool("nvdisasm")
     if not dump or not dis:
         return {}
@@ -266,12 +267,17 @@ class Facts:
     error: str = ""
 
 
+def _instantiates(name, dtype, kernel):
+    """Whether a (mangled) function name is the dtype's instantiation (bf16: __nv_bfloat16, fp16: __half) of
+    `kernel`."""
+    return kernel in name and ("13__nv_bfloat16" if dtype == "bf16" else "6__half") in name
+
+
 def _function_body(text, separator, dtype, kernel):
     """The part of a disassembly (`text`, split at the regular expression `separator` before every
-    function) that is the dtype's instantiation (bf16: __nv_bfloat16, fp16: __half) of `kernel`, or ''."""
-    tag = "13__nv_bfloat16" if dtype == "bf16" else "6__half"
+    function) that is the dtype's instantiation of `kernel` (_instantiates), or ''."""
     for body in re.split(separator, text)[1:]:
-        if kernel in body.split("\n", 1)[0] and tag in body.split("\n", 1)[0]:
+        if _instantiates(body.split("\n", 1)[0], dtype, kernel):
             return body
     return ""
 
@@ -363,8 +369,7 @@ def smem_by_line(phase="fwd", dtype="bf16"):
         return dict(error="no " + ", ".join(t for t in ("cuobjdump", "nvdisasm") if not find_tool(t)) or
                     "no line table in the compile")
     prog = sass.program(_kernel_sass(out["sass"], dtype, kernel))
-    tag = "13__nv_bfloat16" if dtype == "bf16" else "6__half"
-    names = [n for n in out["lines"] if kernel in n and tag in n]
+    names = [n for n in out["lines"] if _instantiates(n, dtype, kernel)]
     table = out["lines"][names[0]] if len(names) == 1 else []
     addrs = [a for a, _ in table]
     where = {x.addr: table[bisect.bisect_right(addrs, x.addr) - 1][1] for x in prog
