@@ -130,4 +130,25 @@ struct ChunkBwdSm90Params {
 Status chunk_gdr_bwd_sm90(const ChunkBwdSm90Params& p, bool host, int device, std::uintptr_t stream);
 int chunk_gdr_bwd_sm90_smem_bytes();     // the kernel's dynamic shared memory per CTA (the model reads it)
 
+// ---- chunk_gdr_grads_sm90.cu: the backward's chunk-parallel gradients (compiled with the forward) -------
+struct ChunkGradsSm90Params {
+  std::uintptr_t q = 0, k = 0;            // [T, H, K]; 16-bit, contiguous, 16-B aligned (TMA)
+  std::uintptr_t v = 0, do_ = 0;          // [T, HV, V], q's dtype
+  std::uintptr_t g = 0;                   // [T, HV] float32: the gates the chunked kernels took
+  std::uintptr_t gates = 0, eg_last = 0, rn = 0;   // prep's: [NC, HV, 5, C], [NC, HV], [NC, HV, 2, C] float32
+  std::uintptr_t st = 0, ut = 0;          // the recompute's S^T [NC, HV, V, K], U^T [NC, HV, V, C], q's dtype
+  std::uintptr_t dsn = 0, dxp = 0;        // the dS pass's dSn^T [NC, HV, V, K], dX'^T [NC, HV, V, C], q's dtype
+  std::uintptr_t table = 0;               // the device chunk table, int32 [NC, 4] (16-B aligned)
+  std::uintptr_t dq = 0, dk = 0;          // out: [T, H, K], float32 with dqk_f32 (before the l2norm backward),
+                                          // else q's dtype; the rows of the table's chunks only
+  std::uintptr_t dg_part = 0;             // out: [2, HV, T] float32: the dq side's dg share (slot 0), the dk side's (1)
+  std::uintptr_t dbeta_part = 0;          // out: [2, HV, T] float32: slot 1 (the dk side's share); slot 0 untouched
+  int64_t N = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, NC = 0, chunk_size = 0;
+  int dtype = 0;                          // 1 float16, 2 bfloat16 (0 float32: host mirror only)
+  float scale = 1.f;
+  bool dqk_f32 = false;
+};
+Status chunk_gdr_grads_sm90(const ChunkGradsSm90Params& p, bool host, int device, std::uintptr_t stream);
+int chunk_gdr_grads_sm90_smem_bytes();   // the kernel's dynamic shared memory per CTA (the model reads it)
+
 }  // namespace gdn

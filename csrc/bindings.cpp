@@ -304,6 +304,21 @@ std::vector<Arg<gdn::ChunkBwdSm90Params>> chunk_bwd_sm90_args() {
           arg("NC", &P::NC), arg("chunk_size", &P::chunk_size), arg("dtype", &P::dtype),
           arg("gate_dtype", &P::gate_dtype)};
 }
+
+std::vector<Arg<gdn::ChunkGradsSm90Params>> chunk_grads_sm90_args() {
+  using P = gdn::ChunkGradsSm90Params;
+  auto qk = [](const P& p) { return p.T > 0 && p.H > 0; };
+  auto vo = [](const P& p) { return p.T > 0 && p.HV > 0; };
+  auto slots = [](const P& p) { return p.NC > 0 && p.HV > 0; };
+  return {ptr("q", &P::q, qk), ptr("k", &P::k, qk), ptr("v", &P::v, vo), ptr("do", &P::do_, vo),
+          ptr("g", &P::g, vo), ptr("gates", &P::gates, slots), ptr("eg_last", &P::eg_last, slots),
+          ptr("rn", &P::rn, slots), ptr("st", &P::st, slots), ptr("ut", &P::ut, slots), ptr("dsn", &P::dsn, slots),
+          ptr("dxp", &P::dxp, slots), ptr("table", &P::table, always<P>), ptr("dq", &P::dq, qk),
+          ptr("dk", &P::dk, qk), ptr("dg_part", &P::dg_part, vo), ptr("dbeta_part", &P::dbeta_part, vo),
+          arg("N", &P::N), arg("T", &P::T), arg("H", &P::H), arg("HV", &P::HV), arg("K", &P::K), arg("V", &P::V),
+          arg("NC", &P::NC), arg("chunk_size", &P::chunk_size), arg("dtype", &P::dtype), arg("scale", &P::scale),
+          arg("dqk_f32", &P::dqk_f32)};
+}
 #endif
 
 }  // namespace
@@ -366,6 +381,10 @@ PYBIND11_MODULE(_C, m) {
   def_kernel(m, "chunk_gdr_bwd_sm90", chunk_bwd_sm90_args(), &gdn::chunk_gdr_bwd_sm90,
              "Chunked gated delta rule backward's reverse dS pass, sm_90a, K = V = 128, on Triton prep's "
              "outputs (gdn_packed/cuda/chunk.py).");
+  m.attr("chunk_gdr_grads_sm90_smem_bytes") = gdn::chunk_gdr_grads_sm90_smem_bytes();
+  def_kernel(m, "chunk_gdr_grads_sm90", chunk_grads_sm90_args(), &gdn::chunk_gdr_grads_sm90,
+             "Chunked gated delta rule backward's chunk-parallel gradients (dq, dk, the dg / dbeta shares), "
+             "sm_90a, K = V = 128 (gdn_packed/cuda/chunk.py).");
 #else
   m.attr("chunk_gdr_fwd_sm90_missing") = std::string(GDN_NO_SM90_WHY);   // why _C has no sm_90a chunked kernel
 #endif

@@ -144,8 +144,15 @@ GDN_HD void store8(float* dst, const float* src) {
   *reinterpret_cast<float4*>(dst + 4) = *reinterpret_cast<const float4*>(src + 4);
 }
 
+// float pairs at an 8-byte aligned address
+GDN_HD float2 load2(const float* src) { return *reinterpret_cast<const float2*>(src); }
+GDN_HD void store2(float* dst, float x, float y) { *reinterpret_cast<float2*>(dst) = float2{x, y}; }
+
 // insuf[c], and sigma of c's strip when c starts it (g: the chunk's 64 rows in base 2, 16-byte aligned).
-GDN_HD void strip_sums(PrepScratch& s, const float* g, int c) {
+// S: a scratch with PrepScratch's decay tables (insuf, sigma, dsum, strip): prep's, or the chunk-parallel
+// backward's (chunk_gdr_grads_sm90.cuh)
+template <class S>
+GDN_HD void strip_sums(S& s, const float* g, int c) {
   const int base = c - c % kStrip;
   float gs[kStrip];
   load8(gs, g + base);
@@ -156,31 +163,53 @@ GDN_HD void strip_sums(PrepScratch& s, const float* g, int c) {
   if (c == base) s.sigma[c / kStrip] = gs[0] + sum;
 }
 
-// Row r's sums of g (no Gram product needed: run while those are on the tensor cores): its dsum and
-// strip rows, e^gam_r and e^(sum of g over (r, 63]), its beta, and with r = 0 the chunk's decay.
-// Everything it reads is loaded first.
-GDN_HD void gate_sums(PrepScratch& s, const float* g, const float* beta, int r, int length, Gates& out) {
+// Row r's decay tables dsum[r], strip[r] (once sigma is there; S as strip_sums'), and its sums of g: returns
+// gam_r, the sum over [0, r]; *suf: the sum over (r, 63] (from insuf[r]), *tot: the chunk's. Everything
+// it reads is loaded first.
+template <class S>
+GDN_HD float decay_rows(S& s, const float* g, int r, float* suf, float* tot) {
   const int jr = r / kStrip, pr = r % kStrip;
   float gs[kStrip], sig[kStrips], d[kStrip], st[kStrips];
   load8(gs, g + jr * kStrip);
   load8(sig, s.sigma);
-  const float insuf = s.insuf[r], b = beta[r];
   float seg = 0.f;                          // sum of g over (8 jr + p, r], then over [8 j, r]
 #pragma unroll
   for (int p = kStrip - 1; p >= 0; --p) {
     d[p] = p <= pr ? seg : 0.f;
     seg = p <= pr ? seg + gs[p] : seg;
   }
-  float suf = insuf, tot = 0.f;             // suf: sum of g over (r, 63]
+  float sf = s.insuf[r], tt = 0.f;
 #pragma unroll
   for (int j = kStrips - 1; j >= 0; --j) {
     st[j] = j < jr ? seg : 0.f;
     seg = j < jr ? seg + sig[j] : seg;
-    suf = j > jr ? suf + sig[j] : suf;
-    tot += sig[j];
+    sf = j > jr ? sf + sig[j] : sf;
+    tt += sig[j];
   }
   store8(s.dsum[r], d);
   store8(s.strip[r], st);
+  *suf = sf;
+  *tot = tt;
+  return seg;
+}
+
+// E at (r, c) and (r, c + 1), c even: exp of the sum of g over (c, r] from the decay tables (every entry read
+// is defined: the caller keeps c <= r)
+template <class S>
+GDN_HD float2 decay2(const S& s, int r, int c) {
+  const float2 ins = load2(&s.insuf[c]), within = load2(&s.dsum[r][c % kStrip]);
+  const float strip = s.strip[r][c / kStrip];
+  const bool same = c / kStrip == r / kStrip;
+  return float2{exp2_f(same ? within.x : ins.x + strip), exp2_f(same ? within.y : ins.y + strip)};
+}
+
+// Row r's sums of g (no Gram product needed: run while those are on the tensor cores): its dsum and
+// strip rows, e^gam_r and e^(sum of g over (r, 63]), its beta, and with r = 0 the chunk's decay.
+// Everything it reads is loaded first.
+GDN_HD void gate_sums(PrepScratch& s, const float* g, const float* beta, int r, int length, Gates& out) {
+  const float b = beta[r];
+  float suf, tot;                           // suf: sum of g over (r, 63]
+  const float seg = decay_rows(s, g, r, &suf, &tot);
   s.eg[r] = exp2_f(seg);                     // seg: gam_r, the sum over [0, r]
   s.ew[r] = exp2_f(suf);
   out.beta[r] = r < length ? b : 0.f;
@@ -200,9 +229,6 @@ GDN_HD void gate_factors(PrepScratch& s, int r, int length, float scale, bool l2
   out.wk[r] = live ? s.ew[r] * rk : 0.f;
 }
 
-// float pairs at an 8-byte aligned address
-GDN_HD float2 load2(const float* src) { return *reinterpret_cast<const float2*>(src); }
-GDN_HD void store2(float* dst, float x, float y) { *reinterpret_cast<float2*>(dst) = float2{x, y}; }
 // gate columns c, c + 1 (c even) of a row of 64 (8-byte aligned): one load where a thread's accumulator
 // columns come in pairs, half the shared-memory wavefronts of two scalar loads
 GDN_HD float2 col2(const float* row, int c) { return load2(row + c); }
@@ -217,11 +243,9 @@ GDN_HD void scale2(float& x0, float& x1, float2 s) {
 // M = scale rq_r E_rc rk_c (q.k).
 GDN_HD void a_and_m_pair(PrepScratch& s, const float* beta, int r, int c, int length, float scale, float& a0,
                          float& a1, float& m0, float& m1) {
-  const float2 ins = load2(&s.insuf[c]), rkc = load2(&s.rk[c]), within = load2(&s.dsum[r][c % kStrip]);
-  const float strip = s.strip[r][c / kStrip];
-  const bool same = c / kStrip == r / kStrip, live = r < length;
-  const float e0 = exp2_f(same ? within.x : ins.x + strip) * rkc.x;
-  const float e1 = exp2_f(same ? within.y : ins.y + strip) * rkc.y;
+  const float2 e = decay2(s, r, c), rkc = load2(&s.rk[c]);
+  const bool live = r < length;
+  const float e0 = e.x * rkc.x, e1 = e.y * rkc.y;
   const float fa = beta[r] * s.rk[r], fm = scale * s.rq[r];
   a0 = live && c < r ? fa * e0 * a0 : 0.f;
   a1 = live && c + 1 < r ? fa * e1 * a1 : 0.f;

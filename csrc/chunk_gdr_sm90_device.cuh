@@ -168,7 +168,8 @@ template <typename T> struct Gmma;
 template <> struct Gmma<__nv_bfloat16> {
   template <cute::SM90::GMMA::Major B> using RS64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, B>;
   template <cute::SM90::GMMA::Major B> using RS128 = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, B>;
-  using SS64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  template <cute::SM90::GMMA::Major A, cute::SM90::GMMA::Major B> using SS64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<A, B>;
+  template <cute::SM90::GMMA::Major A, cute::SM90::GMMA::Major B> using SS128 = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<A, B>;
   static __device__ uint32_t pack(float x, float y) {
     __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
     return *reinterpret_cast<uint32_t*>(&h);
@@ -180,7 +181,8 @@ template <> struct Gmma<__nv_bfloat16> {
 template <> struct Gmma<__half> {
   template <cute::SM90::GMMA::Major B> using RS64 = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, B>;
   template <cute::SM90::GMMA::Major B> using RS128 = cute::SM90::GMMA::MMA_64x128x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, B>;
-  using SS64 = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  template <cute::SM90::GMMA::Major A, cute::SM90::GMMA::Major B> using SS64 = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<A, B>;
+  template <cute::SM90::GMMA::Major A, cute::SM90::GMMA::Major B> using SS128 = cute::SM90::GMMA::MMA_64x128x16_F32F16F16_SS<A, B>;
   static __device__ uint32_t pack(float x, float y) {
     __half2 h = __floats2half2_rn(x, y);
     return *reinterpret_cast<uint32_t*>(&h);
@@ -373,16 +375,99 @@ struct DevPolicy {
   // K K^T and Q K^T (k-step by k-step, the two products interleaved) as one group
   template <typename U>
   __device__ void mma_grams(Frag<kC>& kk, Frag<kC>& qk, const Smem& q, const Smem& k) const {
+    using namespace cute::SM90::GMMA;
     fence_regs<kC / 2>(kk.d);
     fence_regs<kC / 2>(qk.d);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int s = 0; s < kK / 16; ++s) {
       const uint64_t dq = desc_k(q, s), dk = desc_k(k, s);
-      ss_fma<typename Gmma<U>::SS64>(dk, dk, kk.d, std::make_index_sequence<32>{});
-      ss_fma<typename Gmma<U>::SS64>(dq, dk, qk.d, std::make_index_sequence<32>{});
+      ss_fma<typename Gmma<U>::template SS64<Major::K, Major::K>>(dk, dk, kk.d, std::make_index_sequence<32>{});
+      ss_fma<typename Gmma<U>::template SS64<Major::K, Major::K>>(dq, dk, qk.d, std::make_index_sequence<32>{});
     }
     cute::warpgroup_commit_batch();
+  }
+  // acc += A B with A in shared memory too (K- or MN-major, as B), the KD / 16 wgmma as one group (the
+  // chunk-parallel backward's products, chunk_gdr_grads_sm90.cuh)
+  template <typename U, int KD, int N>
+  __device__ void mma_ss(Frag<N>& acc, const Smem& a, const Smem& b) const {
+    using namespace cute::SM90::GMMA;
+    fence_regs<N / 2>(acc.d);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; ++kk) {
+      const uint64_t da = desc_k(a, kk), db = desc_k(b, kk);
+      if constexpr (N == 128) {
+        if (a.kmajor && b.kmajor) ss_fma<typename Gmma<U>::template SS128<Major::K, Major::K>>(da, db, acc.d, std::make_index_sequence<64>{});
+        else if (a.kmajor) ss_fma<typename Gmma<U>::template SS128<Major::K, Major::MN>>(da, db, acc.d, std::make_index_sequence<64>{});
+        else if (b.kmajor) ss_fma<typename Gmma<U>::template SS128<Major::MN, Major::K>>(da, db, acc.d, std::make_index_sequence<64>{});
+        else ss_fma<typename Gmma<U>::template SS128<Major::MN, Major::MN>>(da, db, acc.d, std::make_index_sequence<64>{});
+      } else {
+        static_assert(N == 64, "N = 64 or 128");
+        if (a.kmajor && b.kmajor) ss_fma<typename Gmma<U>::template SS64<Major::K, Major::K>>(da, db, acc.d, std::make_index_sequence<32>{});
+        else if (a.kmajor) ss_fma<typename Gmma<U>::template SS64<Major::K, Major::MN>>(da, db, acc.d, std::make_index_sequence<32>{});
+        else if (b.kmajor) ss_fma<typename Gmma<U>::template SS64<Major::MN, Major::K>>(da, db, acc.d, std::make_index_sequence<32>{});
+        else ss_fma<typename Gmma<U>::template SS64<Major::MN, Major::MN>>(da, db, acc.d, std::make_index_sequence<32>{});
+      }
+    }
+    cute::warpgroup_commit_batch();
+  }
+  // the 64-column block kb of a tile whose blocks are kstep apart
+  template <typename U>
+  static __device__ Smem col_block(const Smem& t, int kb) { return Smem{t.addr + kb * t.kstep, t.kstep, t.kmajor}; }
+  // the accumulator layout's rows: thread t holds rows row(0) and row(0) + 8 (elements i with (i >> 1) & 1 = 0,
+  // 1), the four lanes of a quad the same rows; rows[r] += its sum over the quad (one lane writes it)
+  static __device__ void quad_rows_add(float s0, float s1, float* rows) {
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+    s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+    if ((tid_wg() & 3) == 0) {
+      rows[row(0)] += s0;
+      rows[row(0) + 8] += s1;
+    }
+  }
+  // rows[r] += sum over c of f(r, c)
+  template <int N>
+  static __device__ void add_row_sums(const Frag<N>& f, float* rows) {
+    float s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) s[(i >> 1) & 1] += f.d[i];
+    quad_rows_add(s[0], s[1], rows);
+  }
+  // rows[r] += sum over c of f(r, c) t(r, c), t a [64, 64] block of U (B128 layout)
+  template <typename U, int N>
+  static __device__ void row_dot(const Frag<N>& f, const Smem& t, float* rows) {
+    static_assert(N == kC, "one block");
+    float s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < N / 2; i += 2) {
+      const int c = col(i);
+      uint32_t u;
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(u) : "r"(t.addr + swz(row(i), c >> 3) + (c & 7) * 2) : "memory");
+      const float2 x = Gmma<U>::unpack(u);
+      s[(i >> 1) & 1] += f.d[i] * x.x + f.d[i + 1] * x.y;
+    }
+    quad_rows_add(s[0], s[1], rows);
+  }
+  // cols[c] += sum over r of f(r, c): over the warp's rows by shuffles (lanes of one lane % 4 hold the same
+  // columns), then the four warps' partials (part [4][64]) in a fixed order; every thread of the warpgroup
+  // calls it (two named barriers)
+  __device__ void add_col_sums(const Frag<kC>& f, float* cols, float* part) const {
+    float s[kC / 4];                        // columns 8 (j / 2) + 2 (lane % 4) + j % 2
+#pragma unroll
+    for (int j = 0; j < kC / 4; ++j) s[j] = f.d[2 * (j >> 1) * 2 + (j & 1)] + f.d[2 * (j >> 1) * 2 + 2 + (j & 1)];
+#pragma unroll
+    for (int m = 4; m < 32; m *= 2)
+#pragma unroll
+      for (int j = 0; j < kC / 4; ++j) s[j] += __shfl_xor_sync(0xffffffffu, s[j], m);
+    const int wtid = tid_wg(), lane = wtid & 31;
+    if (lane < 4)
+#pragma unroll
+      for (int j = 0; j < kC / 4; ++j) part[(wtid >> 5) * kC + 8 * (j >> 1) + 2 * lane + (j & 1)] = s[j];
+    named_sync(bar);
+    if (wtid < kC) cols[wtid] += ((part[wtid] + part[kC + wtid]) + part[2 * kC + wtid]) + part[3 * kC + wtid];
+    named_sync(bar);
   }
   // wait for every issued group; the named accumulators and A operands are pinned past the wait (the
   // compiler neither reads an accumulator nor reuses an operand's registers before it)

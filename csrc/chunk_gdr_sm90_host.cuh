@@ -151,6 +151,50 @@ struct HostPolicy {
       gemm_nt(qk.d, kC, widen_b<T>(q, kC, kK), kb, kC, kC, kK);
     });
   }
+  // acc += A B with A in shared memory too ([64, KD]: K-major base[m * ld + k], MN-major base[k * ld + m]),
+  // one group (the chunk-parallel backward's products, chunk_gdr_grads_sm90.cuh)
+  template <typename T>
+  static std::vector<float> widen_a(const Smem& a, int kd) {
+    const T* aa = static_cast<const T*>(a.base);
+    std::vector<float> out(static_cast<size_t>(kC) * kd);
+    for (int m = 0; m < kC; ++m)
+      for (int k = 0; k < kd; ++k) out[m * kd + k] = to_f(a.kmajor ? aa[m * a.ld + k] : aa[k * a.ld + m]);
+    return out;
+  }
+  template <typename T, int KD, int N>
+  void mma_ss(Frag<N>& acc, const Smem& a, const Smem& b) {
+    groups.emplace_back();
+    groups.back().push_back([&acc, a, b] { gemm_nt(acc.d, N, widen_a<T>(a, KD), widen_b<T>(b, N, KD), kC, N, KD); });
+  }
+  // the 64-column block kb of a tile (its columns 64 kb .. 64 kb + 63 as stored)
+  template <typename T>
+  static Smem col_block(const Smem& t, int kb) { return Smem{static_cast<T*>(t.base) + kb * 64, t.ld, t.kmajor}; }
+  // rows[r] += sum over c of f(r, c) (times tile(r, c), a [64, >= N] tile as stored, with row_dot)
+  template <int N>
+  static void add_row_sums(const Frag<N>& f, float* rows) {
+    for (int r = 0; r < kC; ++r) {
+      float s = 0.f;
+      for (int c = 0; c < N; ++c) s += f.d[r * N + c];
+      rows[r] += s;
+    }
+  }
+  template <typename T, int N>
+  static void row_dot(const Frag<N>& f, const Smem& t, float* rows) {
+    const T* tt = static_cast<const T*>(t.base);
+    for (int r = 0; r < kC; ++r) {
+      float s = 0.f;
+      for (int c = 0; c < N; ++c) s += f.d[r * N + c] * to_f(tt[r * t.ld + c]);
+      rows[r] += s;
+    }
+  }
+  // cols[c] += sum over r of f(r, c) (part: the device's per-warp scratch, unused here)
+  static void add_col_sums(const Frag<kC>& f, float* cols, float*) {
+    for (int c = 0; c < kC; ++c) {
+      float s = 0.f;
+      for (int r = 0; r < kC; ++r) s += f.d[r * kC + c];
+      cols[c] += s;
+    }
+  }
   // run the oldest groups until `left` remain (wgmma.wait_group left)
   void retire(size_t left) {
     while (groups.size() > left) {

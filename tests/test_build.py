@@ -26,11 +26,13 @@ ARCHS = ("sm_80", "sm_90a")
 KERNEL_FAMILIES = ("chunk_count_scan_kernel", "chunk_table_fill_kernel", "conv1d_fwd_kernel", "conv1d_bwd_kernel",
                    "conv1d_final_state_kernel", "conv1d_bwd_state_kernel", "conv1d_wgrad_reduce_kernel",
                    "recurrent_gdr_fwd_kernel", "chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_state_kernel",
-                   "chunk_gdr_fwd_sm90_split_kernel", "chunk_gdr_fwd_sm90_split_pair_kernel", "chunk_gdr_bwd_sm90_kernel")
+                   "chunk_gdr_fwd_sm90_split_kernel", "chunk_gdr_fwd_sm90_split_pair_kernel", "chunk_gdr_bwd_sm90_kernel",
+                   "chunk_gdr_grads_sm90_kernel")
 # kernels built for sm_90a only (wgmma / TMA / setmaxnreg), with the CuTe headers of nvidia-cutlass, by file
 SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": ("chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_state_kernel",
                                       "chunk_gdr_fwd_sm90_split_kernel", "chunk_gdr_fwd_sm90_split_pair_kernel"),
-             "chunk_gdr_bwd_sm90.cu": ("chunk_gdr_bwd_sm90_kernel",)}
+             "chunk_gdr_bwd_sm90.cu": ("chunk_gdr_bwd_sm90_kernel",),
+             "chunk_gdr_grads_sm90.cu": ("chunk_gdr_grads_sm90_kernel",)}
 # the forwards' setmaxnreg (decreases, increases in the SASS) and the registers of each kind of CTA's
 # three warpgroups (each kind's sum within the launch pool, 3 x 168): the fused kernel's producer down, prep
 # and state up; the state-only kernel's producer and idle prep warpgroup down, its state up to the most
@@ -253,6 +255,29 @@ def test_sm90_dstate_loop_runs_its_step_on_the_tensor_cores(ptxas_report, report
         report_table("sm_90a dS pass, HGMMA per chunk loop (cuobjdump)",
                      f"{name[-60:]}: " + "; ".join(f"{dict(c)} in {w} waits" for c, w in got))
         assert got == [(Counter({"64x64x16": 16, "64x128x16": 12}), 3)], (name, got)
+
+
+@needs_nvcc
+@pytest.mark.skipif(CUOBJDUMP is None, reason="no cuobjdump (CUDA toolkit or triton's copy): SASS not read")
+def test_sm90_grads_loops_run_on_the_tensor_cores(ptxas_report, report_table):
+    """cuobjdump SASS of both instantiations of the backward's chunk-parallel gradients (csrc/
+    chunk_gdr_grads_sm90.cuh): setmaxnreg 40 (producer) / 232 / 232 (the two sides); the dq side's V-block
+    loop (and its value-head loop around it) issues 12 HGMMA 64x64x16 in 2 waits (dO U^T 4 with dO S^T's
+    first K-half 4, then its second 4); the dk side's 28 in 5 waits (dX' U^T 4 with dX' S^T's first K-half
+    4, its second 4, dX' v^T 4, S^T dSn 8) around its K-half loop of U dSn^T (4 in 1 wait; unrolled,
+    ptxas spills): every product of grads_dq / grads_dk's loops on the tensor cores, all from shared
+    memory (SS: no register A operand, so no layout conversion)."""
+    sass = SASS.get("chunk_gdr_grads_sm90.cu")
+    assert sass, "no SASS of chunk_gdr_grads_sm90.cu"
+    loops = sass_loops(sass)
+    assert len(loops) == 2, list(loops)
+    want = [(Counter({"64x64x16": n}), w) for n, w in ((4, 1), (28, 5), (28, 5), (12, 2), (12, 2))]
+    for name, got in loops.items():
+        report_table("sm_90a chunk-parallel gradients, HGMMA per loop (cuobjdump)",
+                     f"{name[-60:]}: " + "; ".join(f"{dict(c)} in {w} waits" for c, w in got))
+        assert got == want, (name, got)
+    for body in re.split(r"\n\s*Function : ", sass)[1:]:
+        assert setmaxnreg(body) == ([40], [232]), setmaxnreg(body)
 
 
 WATCHDOG_SPINS = 1000000

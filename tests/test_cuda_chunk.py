@@ -292,15 +292,15 @@ def test_auto_never_picks_cuda_yet(monkeypatch):
 
 @pytest.fixture
 def mirror_as_cuda_forward(monkeypatch):
-    """The dispatch table's cuda forward and its backward's dS pass run their host mirrors (CPU tensors)
-    for the test's duration."""
+    """The dispatch table's cuda forward and its backward's dS pass and chunk-parallel gradients run their
+    host mirrors (CPU tensors) for the test's duration."""
     from gdn_packed.cuda import chunk as cuda_chunk
     from gdn_packed.ops import _dispatch
 
     class Calls(list):
         opts = {}           # chunk_gdr_fwd_cuda's own options for the test (kernel)
     calls = Calls()
-    real_dstate = cuda_chunk.chunk_bwd_dstate_cuda
+    real_dstate, real_grads = cuda_chunk.chunk_bwd_dstate_cuda, cuda_chunk.chunk_bwd_grads_cuda
 
     def fwd(*args, **kw):
         calls.append(sorted(kw))
@@ -309,8 +309,12 @@ def mirror_as_cuda_forward(monkeypatch):
     def dstate(*args, **kw):
         calls.append("dS pass")
         return real_dstate(*args, **kw, host=True)
+    def grads(*args, **kw):
+        calls.append("grads")
+        return real_grads(*args, **kw, host=True)
     monkeypatch.setattr(cuda_chunk, "chunk_gdr_fwd_cuda", fwd)
     monkeypatch.setattr(cuda_chunk, "chunk_bwd_dstate_cuda", dstate)
+    monkeypatch.setattr(cuda_chunk, "chunk_bwd_grads_cuda", grads)
     _dispatch.kernel.cache_clear()
     yield calls
     _dispatch.kernel.cache_clear()
@@ -325,11 +329,12 @@ def mirror_as_cuda_forward(monkeypatch):
                               "two-kernel-segments", "split-raw-a-b", "split-segments"])
 def test_cuda_op_autograd_is_the_triton_backward(gating, keep, segments, kernel, mirror_as_cuda_forward, monkeypatch):
     """gdn_packed::chunk_gdr_fwd with backend='cuda' (the host mirrors standing in for the forward kernel
-    and the backward's dS pass, the rest of the Triton backward under the interpreter; fp16: the
+    and the backward's dS pass and chunk-parallel gradients, the rest of the Triton backward under the interpreter; fp16: the
     interpreter's bf16 is wrong): o within the fp16 budget of float64. Without keep, the backward runs
     Triton prep again: the gradients of every input (A_log, dt_bias too with the raw gates, which the cuda
     forward takes itself: no gate launch) within 1e-4 of backend='triton''s (the same backward but for the
-    dS pass, whose products are rounded at the same points). With keep, the forward keeps its kernel's prep
+    dS pass, whose products are rounded at the same points, and the chunk-parallel gradients, whose state
+    products are exact where Triton's round the gated operands to two). With keep, the forward keeps its kernel's prep
     (kept_shape: a Prep's words) and the backward runs on it, no prep of its own: every gradient within the
     fp16 budget of float64, and within 2x backend='triton''s error there (the mirror rounds the inverse's
     doubling operands to fp16 as the kernel does, where Triton prep under the interpreter rounds nothing:
@@ -364,7 +369,7 @@ def test_cuda_op_autograd_is_the_triton_backward(gating, keep, segments, kernel,
         grads = torch.autograd.grad([o, fs], leaves + [x for x in gates if x is not None], [do, dht])
         got[backend] = (o.detach(), kept, grads, len(preps) - n, len(passes_a) - m)
     fwd_kw = sorted((["A_log", "dt_bias"] if gating else []) + (["kept"] if keep else []))
-    assert mirror_as_cuda_forward == [fwd_kw, "dS pass"]
+    assert mirror_as_cuda_forward == [fwd_kw, "dS pass", "grads"]
     if not gating:
         assert rel_err(got["cuda"][0], ro) <= BUDGETS[torch.float16]["o"]
     if not keep:

@@ -17,7 +17,10 @@ autograd will need them), so that backward runs neither pass A nor prep of its o
     chunk_bwd_dstate_cuda(...)  the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) in place of
                             the Triton one (gdn_packed.triton.chunk.chunk_bwd_dstate): the same inputs
                             (Triton prep's outputs) and outputs
-    chunk_gdr_bwd_cuda(...) the dispatch table's "bwd": the Triton backward with that dS pass, on the kept
+    chunk_bwd_grads_cuda(...)  the backward's chunk-parallel gradients (csrc/chunk_gdr_grads_sm90.cu) in
+                            place of the Triton P, dq, A and dk kernels: their inputs, dq / dk and the dg /
+                            dbeta shares that the Triton finalize kernel sums
+    chunk_gdr_bwd_cuda(...) the dispatch table's "bwd": the Triton backward with those two, on the kept
                             entering states and prep
     kept_shape(...)         the dispatch table's "kept_shape": what the forward keeps (the segments'
                             entering states, a Prep's words)
@@ -307,13 +310,54 @@ def _dstate_as_triton(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv,
     chunk_bwd_dstate_cuda(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta)
 
 
+def chunk_bwd_grads_cuda(q, k, v, g, do, table, prep, st, ut, dsn, dxp, scale, dq, dk, dg_part, dbeta_part, *,
+                         host=False):
+    """The chunk-parallel gradients of the backward (csrc/chunk_gdr_grads_sm90.cu) in place of the Triton P,
+    dq, A and dk kernels (gdn_packed.triton.chunk._bwd_heads' `grads`), on what the recompute (st = S^T,
+    ut = U^T) and the dS pass (dsn = dSn^T, dxp = dX'^T) wrote, [NC, HV, V, K] and [NC, HV, V, C] in q's
+    dtype, and prep's outputs `prep` (gates, eg_last, rn). Writes, on the rows of the table's chunks: dq, dk
+    [T, H, K] (fp32: their values before the l2norm backward, else q's dtype), dg_part [2, HV, T] fp32 (the
+    two dg shares) and dbeta_part[1] (the dbeta share; [2, HV, T] fp32, slot 0 untouched): what
+    chunk_bwd_finalize_kernel sums with NK = 2, NQ = 1. q, k [T, H, K], v, do [T, HV, V] (bf16 / fp16; fp32
+    with host=True), g [T, HV] fp32; table int32 [NC, 4]."""
+    T, H, K = q.shape
+    HV, Vd = v.shape[1], v.shape[2]
+    NC = table.shape[0]
+    acts = (torch.bfloat16, torch.float16, torch.float32) if host else (torch.bfloat16, torch.float16)
+    out_dt = (q.dtype, torch.float32)
+    check_tensors(q=(q, (T, H, HEAD_DIM), acts), k=(k, (T, H, HEAD_DIM), q.dtype),
+                  v=(v, (T, HV, HEAD_DIM), q.dtype), do=(do, (T, HV, HEAD_DIM), q.dtype),
+                  g=(g, (T, HV), torch.float32), table=(table, (NC, 4), torch.int32),
+                  gates=(prep.gates, (NC, HV, 5, CHUNK), torch.float32),
+                  eg_last=(prep.eg_last, (NC, HV), torch.float32), rn=(prep.rn, (NC, HV, 2, CHUNK), torch.float32),
+                  st=(st, (NC, HV, Vd, K), q.dtype), ut=(ut, (NC, HV, Vd, CHUNK), q.dtype),
+                  dsn=(dsn, (NC, HV, Vd, K), q.dtype), dxp=(dxp, (NC, HV, Vd, CHUNK), q.dtype),
+                  dq=(dq, (T, H, K), out_dt), dk=(dk, (T, H, K), dq.dtype),
+                  dg_part=(dg_part, (2, HV, T), torch.float32), dbeta_part=(dbeta_part, (2, HV, T), torch.float32))
+    if H == 0 or HV % H:
+        raise ValueError(f"the value heads of v (v.shape[1] = {HV}) must be a multiple of the qk heads of q "
+                         f"(q.shape[1] = {H})")
+    launch("chunk_gdr_grads_sm90", q.device, host=host,
+           reads=dict(q=_aligned(q), k=_aligned(k), v=_aligned(v), do=_aligned(do), g=g, gates=_aligned(prep.gates),
+                      eg_last=prep.eg_last, rn=_aligned(prep.rn), st=_aligned(st), ut=_aligned(ut),
+                      dsn=_aligned(dsn), dxp=_aligned(dxp), table=_aligned(table)),
+           writes=dict(dq=dq, dk=dk, dg_part=dg_part, dbeta_part=dbeta_part), N=0, T=T, H=H, HV=HV, K=K, V=Vd,
+           NC=NC, chunk_size=CHUNK, dtype=q.dtype, scale=float(scale), dqk_f32=dq.dtype == torch.float32)
+
+
+def _grads_as_triton(*args):
+    """chunk_bwd_grads_cuda as the Triton backward's `grads`."""
+    chunk_bwd_grads_cuda(*args)
+
+
 def chunk_gdr_bwd_cuda(*args, kept=None, **kw):
     """Backward of backend="cuda": gdn_packed.triton.chunk.chunk_gdr_bwd_triton (its arguments) with the
-    reverse dS pass of csrc/chunk_gdr_bwd_sm90.cu in place of the Triton one, on the segments' entering
-    states and prep outputs the forward kept (kept_shape; without them that backward runs pass A and
-    prep)."""
+    reverse dS pass of csrc/chunk_gdr_bwd_sm90.cu in place of the Triton one and the chunk-parallel
+    gradients of csrc/chunk_gdr_grads_sm90.cu in place of its P, dq, A and dk kernels, on the segments'
+    entering states and prep outputs the forward kept (kept_shape; without them that backward runs pass A
+    and prep)."""
     from gdn_packed.triton.chunk import chunk_gdr_bwd_triton
     q, v, table, cu_chunks = args[0], args[2], args[5], args[6]
     entering, prep = _kept_parts(kept, q.shape[0], cu_chunks.numel() - 1, table.shape[0], v.shape[1], q.dtype,
                                  q.device)
-    chunk_gdr_bwd_triton(*args, **kw, entering=entering, prep=prep, dstate=_dstate_as_triton)
+    chunk_gdr_bwd_triton(*args, **kw, entering=entering, prep=prep, dstate=_dstate_as_triton, grads=_grads_as_triton)

@@ -318,7 +318,8 @@ def chunk_gdr_fwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 
 
 def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scale, C, use_l2norm,
-                         do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None, dstate=None, prep=None, entering=None):
+                         do, dht, dq, dk, dv, dg, dbeta, dh0, kept=None, dstate=None, prep=None, entering=None,
+                         grads=None):
     """Backward of backend="triton" on flattened rows: writes every row of dq, dk [T, H, K], dv [T, HV, V],
     dg, dbeta [T, HV] (0 on padding rows) and dh0 [N, HV, K, V] fp32. The op saves the inputs and
     `kept` (kept_shape: the states entering the forward's segments and prep's outputs), so the forward's
@@ -340,6 +341,9 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 
     dstate: a replacement of chunk_bwd_dstate (its arguments; backend="cuda": the sm_90a dS pass,
     gdn_packed.cuda.chunk), used when the backward runs in one slice (its outputs are then contiguous).
+    grads: a replacement of the four chunk-parallel kernels (P, dq, A, dk; backend="cuda": the sm_90a
+    chunk-parallel kernel, gdn_packed.cuda.chunk.chunk_bwd_grads_cuda's arguments), writing dq, dk (or
+    their fp32 values before the l2norm backward) and two dg shares, one dbeta share; in one slice only.
     prep, entering: prep's outputs and the states entering the segments of the state pass (fwd_segments;
     [N S, HV, K, V] fp32) kept by another forward (backend="cuda": its kernel's), used where kept gives
     none and the backward runs in one slice."""
@@ -364,7 +368,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     P = bwd_head_slices(T, N, H, HV, K, V, q.dtype, bool(use_l2norm), sms=num_sms(q.device))
     if P == 1:
         _bwd_heads(q, k, v, g, beta, do, h0, dht, *work, dh0, table, cu_chunks, scale, use_l2norm, rows,
-                   entering, ends, prep, dstate)
+                   entering, ends, prep, dstate, grads)
     else:           # each slice's views of the inputs and outputs (rows as before), its states contiguous
         Hs, HVs = H // P, HV // P
         for p in range(P):
@@ -382,7 +386,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
 
 
 def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table, cu_chunks, scale, use_l2norm,
-               rows, entering, ends, prep, dstate=None):
+               rows, entering, ends, prep, dstate=None, grads=None):
     """The backward of the H qk heads of q [T, H, K] (all, or a slice: views whose rows are `rows` apart)
     and their HV value heads: prep (unless given), the recompute, the dS pass, the P / dq / A / dk
     kernels and finalize, with scratch for these heads only."""
@@ -412,30 +416,37 @@ def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table,
         nq, nk = triton.cdiv(K, cq["BK"]), triton.cdiv(K, ck["BK"])
         # dg shares: the P kernel's (slot 0), one per K-block of the dq kernel (slots [1, 1 + nq)), the A
         # kernel's (slot 1 + nq), one per K-block of the dk kernel (2 + nq ...); dbeta shares: the A and
-        # dk kernels' only (slots [1 + nq, 2 + nq + nk); the others are never written nor read)
+        # dk kernels' only (slots [1 + nq, 2 + nq + nk); the others are never written nor read). With
+        # `grads`: its two dg shares (slots 0, 1) and one dbeta share (slot 1).
         # [2, slot, HV, T]: a program's 64 rows of one head contiguous (as [T, HV] columns each 4-byte
         # access took a line of its own: finalize ran at 6.8x its estimate on the H200)
-        part = torch.empty(2, 2 + nq + nk, HV, T, **f32)
-        pm = torch.empty(NC, H, C, C, **f32)        # sum over the group of Pm + diag(Pm): P -> dq, dk kernels
-        bm = torch.empty(NC, H, C, C, **f32)        # sum over the group of diag(beta) DA + DA^T diag(beta): A -> dk
+        NQ, NK = (1, 2) if grads is not None else (1 + nq, 2 + nq + nk)
+        part = torch.empty(2, NK, HV, T, **f32)
         # with l2norm the dq / dk kernels write dq, dk before the l2norm backward to pre [2, T, H, K] fp32
         pre = torch.empty(2, T, H, K, **f32) if l2 else None
         out_rows = rows._replace(S_DQK=H * K) if l2 else rows
         shape = dict(H=H, HV=HV, K=K, V=V, C=C)
-        chunk_bwd_p_kernel[(H, NC)](
-            q=q, k=k, g=g, do=do, rn=prep.rn, ut=ut, pm=pm, dg_part=part[0], table=table, scale=scale, T=T,
-            **shape, **rows.of("S_QK", "S_O", "S_G"), **cfg["p"])
-        chunk_bwd_dq_kernel[(nq, H, NC)](
-            q=q, k=k, do=do, gates=prep.gates, rn=prep.rn, st=st, dq=pre[0] if l2 else dq, pm=pm,
-            dg_part=part[0], table=table, T=T, **shape, **out_rows.of("S_QK", "S_O", "S_DQK", "S_G"), **cq)
-        chunk_bwd_a_kernel[(H, NC)](
-            k=k, v=v, g=g, gates=prep.gates, rn=prep.rn, ut=ut, dxp=dxp, bm=bm, dg_part=part[0],
-            dbeta_part=part[1], table=table, T=T, slot=1 + nq, **shape, **rows.of("S_QK", "S_V", "S_G"), **cfg["a"])
-        chunk_bwd_dk_kernel[(nk, H, NC)](
-            q=q, k=k, gates=prep.gates, rn=prep.rn, eg_last=prep.eg_last, ut=ut, st=st, dsn=dsn, dxp=dxp, pm=pm, bm=bm,
-            dk=pre[1] if l2 else dk, dg_part=part[0], dbeta_part=part[1], table=table, T=T, slot0=2 + nq, **shape,
-            **out_rows.of("S_QK", "S_DQK"), **ck)
+        if grads is not None:
+            grads(q, k, v, g, do, table, prep, st, ut, dsn, dxp, scale, pre[0] if l2 else dq, pre[1] if l2 else dk,
+                  part[0], part[1])
+        else:
+            pm = torch.empty(NC, H, C, C, **f32)    # sum over the group of Pm + diag(Pm): P -> dq, dk kernels
+            bm = torch.empty(NC, H, C, C, **f32)    # sum over the group of diag(beta) DA + DA^T diag(beta): A -> dk
+            chunk_bwd_p_kernel[(H, NC)](
+                q=q, k=k, g=g, do=do, rn=prep.rn, ut=ut, pm=pm, dg_part=part[0], table=table, scale=scale, T=T,
+                **shape, **rows.of("S_QK", "S_O", "S_G"), **cfg["p"])
+            chunk_bwd_dq_kernel[(nq, H, NC)](
+                q=q, k=k, do=do, gates=prep.gates, rn=prep.rn, st=st, dq=pre[0] if l2 else dq, pm=pm,
+                dg_part=part[0], table=table, T=T, **shape, **out_rows.of("S_QK", "S_O", "S_DQK", "S_G"), **cq)
+            chunk_bwd_a_kernel[(H, NC)](
+                k=k, v=v, g=g, gates=prep.gates, rn=prep.rn, ut=ut, dxp=dxp, bm=bm, dg_part=part[0],
+                dbeta_part=part[1], table=table, T=T, slot=1 + nq, **shape, **rows.of("S_QK", "S_V", "S_G"),
+                **cfg["a"])
+            chunk_bwd_dk_kernel[(nk, H, NC)](
+                q=q, k=k, gates=prep.gates, rn=prep.rn, eg_last=prep.eg_last, ut=ut, st=st, dsn=dsn, dxp=dxp, pm=pm,
+                bm=bm, dk=pre[1] if l2 else dk, dg_part=part[0], dbeta_part=part[1], table=table, T=T, slot0=2 + nq,
+                **shape, **out_rows.of("S_QK", "S_DQK"), **ck)
         chunk_bwd_finalize_kernel[(H, NC)](
             q=q, k=k, dq_pre=pre[0] if l2 else None, dk_pre=pre[1] if l2 else None, rn=prep.rn,
             dg_part=part[0], dbeta_part=part[1], dq=dq, dk=dk, dg=dg, dbeta=dbeta, table=table, T=T, H=H,
-            HV=HV, K=K, C=C, NK=2 + nq + nk, NQ=1 + nq, **rows.of("S_QK", "S_DQK", "S_G"), USE_L2=l2, **cfg["finalize"])
+            HV=HV, K=K, C=C, NK=NK, NQ=NQ, **rows.of("S_QK", "S_DQK", "S_G"), USE_L2=l2, **cfg["finalize"])

@@ -1,0 +1,356 @@
+// The tile program of the sm_90a chunk-parallel backward (csrc/chunk_gdr_grads_sm90.cu), written once for
+// the device kernel and its host mirror: for one qk head and chunk slot, the gradients of q and k and the
+// chunk's dg / dbeta shares, over the G value heads of the head's GVA group. It takes the place of the four
+// chunk-parallel Triton kernels (gdn_packed/triton/chunk_bwd.py: P, dq, A, dk) and computes what they compute
+// (the formulas and notation are that file's header), from the same inputs: S^T and U^T of the recompute,
+// dSn^T and dX'^T of the reverse dS pass, q, k, v, dO, g, and prep's gate rows and row factors:
+//   per value head (E from its g, Q^K^^T = rq rk (q.k), K^K^^T = rk rk (k.k), fp32):
+//     Pm = scale (dO U^T) . E strictly lower           DA = -(dX' U^T) . E strictly lower
+//     dq += (scale e^gam rq) . (dO S^T)                 dk += -(beta e^gam rk) . (dX' S^T) + (w rk) . (U dSn^T)
+//     P  += Pm + diag(scale dO U^T)                     Bh += diag(beta) DA
+//     dg shares:   the dq side  rev(rowsum(Pm . Q^K^^T) - colsum(Pm . Q^K^^T) + egq q.(dO S^T))
+//                  the dk side  rev(beta rowsum(DA . K^K^^T) - colsum(diag(beta) DA . K^K^^T) - begk k.(dX' S^T))
+//                               + excl(wk k.(U dSn^T)) + e^gam_last <S, dSn>
+//     dbeta share: rowsum(DA . K^K^^T) + dX'.v - egk k.(dX' S^T)
+//   (rev: the reverse cumulative sum over the chunk's rows, excl: the exclusive forward one; egq, begk, wk,
+//   egk: prep's gate rows), then once for the group:
+//     dq += (P rq rk) K        dk += (B rk rk) K + (P^T rk rq) Q,   B = Bh + Bh^T
+// with the row factors (.) applied to fp32 products of the exact input-dtype tiles (the Triton kernels
+// round the gated dO, dX' and U to two operands instead: here each value head's product is its own
+// accumulator, scaled in fp32), and P, B entering their products as the rounded value and the rounding
+// error (two operands, as there). The row dots and <S, dSn> are fp32 sums of exact products: q.(dO S^T),
+// k.(dX' S^T), k.(U dSn^T) of the fp32 product tiles; dX'.v and <S, dSn> the diagonals of dX' v^T and
+// S^T dSn on the tensor cores. Two warpgroups: the dq side (grads_dq) and the dk side (grads_dk), which
+// receives P from the dq side.
+//
+// The policy P is the forward's (chunk_gdr_sm90.cuh), with: P::mma_ss (A in shared memory too),
+// P::col_block (a tile's 64-column block), P::add_row_sums / P::row_dot / p.add_col_sums (row and column
+// sums of a fragment, into shared rows / columns).
+#pragma once
+
+#include "chunk_gdr_sm90.cuh"
+
+namespace gdn {
+namespace sm90 {
+
+// One warpgroup's scratch: the decay tables of the head's chunk (PrepScratch's fields: strip_sums,
+// decay_rows, decay2 read them), the head's g, and per-row and per-column sums over the head.
+struct alignas(16) GradsScratch {
+  alignas(16) float insuf[kC];
+  alignas(16) float sigma[kStrips];
+  alignas(16) float dsum[kC][kStrip];
+  alignas(16) float strip[kC][kStrips + 4];
+  alignas(16) float g[kC];         // the head's g in base 2, 0 on dead rows
+  float row[5][kC];                // per-row sums (kRow*)
+  float col[kC];                   // per-column sums
+  float part[4][kC];               // the device's per-warp column partials
+  float x[2][kC];                  // the scans' inputs
+};
+// the rows of GradsScratch::row: the dq side's, the dk side's
+enum GradsRowDq : int { kRowQdot = 0, kRowPm = 1 };
+enum GradsRowDk : int { kRowKF1 = 0, kRowKF2 = 1, kRowDxv = 2, kRowSds = 3, kRowA = 4 };
+
+// P (the dq side's) and Bh (the dk side's) as fp32 tiles in shared memory: row r at r * kPLd (4 floats of
+// padding: the transposed reads of columns fall on distinct banks)
+constexpr int kPLd = kC + 4;
+
+// One stage: value head g's V-block vb of tiles, each as stored (row-major), as K-major operands:
+template <class P>
+struct GradsTiles {
+  typename P::Smem dO, v;          // dO, v [c][64 v]
+  typename P::Smem ut, dx;         // U^T, dX'^T [64 v][c]
+  typename P::Smem st, dsn;        // S^T, dSn^T [64 v][K] (two 64-column blocks)
+  const float* gates;              // the head's gate rows [kGateRows][C] (GateRow)
+};
+
+template <class S>
+GDN_HD S mn_major(S t) {           // the same tile as an MN-major operand
+  t.kmajor = false;
+  return t;
+}
+
+// The decay tables of a head's chunk into s from its g (rows `stride` apart, live rows < length).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P>
+GDN_HD void grads_decay(P& p, GradsScratch& s, const float* g_rows, int64_t stride, int length) {
+  p.for_rows([&](int r) { s.g[r] = r < length ? g_rows[r * stride] * kLog2e : 0.f; });
+  p.sync_generic();
+  p.for_rows([&](int c) { strip_sums(s, s.g, c); });
+  p.sync_generic();
+  p.for_rows([&](int r) {
+    float suf, tot;
+    decay_rows(s, s.g, r, &suf, &tot);
+  });
+  p.sync_generic();
+}
+
+// A fragment's column half kh (0: columns 0..63, 1: 64..127) of acc += rows(r) x(r, c), rows: a row factor
+// per chunk row (shared), sign applied.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P>
+GDN_HD void add_scaled_half(typename P::template Frag<kK>& acc, int kh, typename P::template Frag<kC>& x,
+                            const float* rows, float sign) {
+  if (kh == 0)
+    P::for_each_lo_pair(acc, x, [&](int r, int, float& a0, float& a1, float& x0, float& x1) {
+      const float f = sign * rows[r];
+      a0 += f * x0;
+      a1 += f * x1;
+    });
+  else
+    P::for_each_hi2_pair(acc, x, [&](int r, int, float& a0, float& a1, float& x0, float& x1) {
+      const float f = sign * rows[r];
+      a0 += f * x0;
+      a1 += f * x1;
+    });
+}
+
+// acc += (x (.) the row factors fr (.) the column factors fc) B, x fp32 (64 x 64, consumed) entering as its
+// rounded value and its rounding error, B a [c, K] tile as an MN-major operand (N = K)
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P, typename T>
+GDN_HD void add_hi_lo(P& p, typename P::template Frag<kK>& acc, typename P::template Frag<kC>& x, const float* fr,
+                      const float* fc, const typename P::Smem& b) {
+  P::for_each_pair(x, [&](int r, int c, float& x0, float& x1) {
+    const float2 f = col2(fc, c);
+    x0 = x0 * fr[r] * f.x;
+    x1 = x1 * fr[r] * f.y;
+  });
+  auto hi = p.template op<T, kC>(x, 1.f);
+  P::for_each(x, [&](int, int, float& v) { v -= to_f(from_f<T>(v)); });
+  auto lo = p.template op<T, kC>(x, 1.f);
+  p.mma(acc, hi, mn_major(b));
+  p.mma(acc, lo, mn_major(b));
+  p.wait_mma(acc, hi, lo);
+}
+
+// x.y^T of two [c][K] tiles (raw, fp32) times the row factors fx (rows) and fy (columns), to the fp32 tile
+// out ([64][kPLd])
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P, typename T>
+GDN_HD void gram(P& p, const typename P::Smem& x, const typename P::Smem& y, const float* fx, const float* fy,
+                 float* out) {
+  typename P::template Frag<kC> f;
+  P::zero(f);
+  p.template mma_ss<T, kK>(f, x, y);
+  p.wait_mma(f);
+  P::for_each_pair(f, [&](int r, int c, float& x0, float& x1) {
+    const float2 s = col2(fy, c);
+    store2(out + r * kPLd + c, x0 * fx[r] * s.x, x1 * fx[r] * s.y);
+  });
+  p.sync_generic();
+}
+
+// The reverse (from row 63) cumulative sum of x at row r, and the forward one over rows < r (shared rows)
+GDN_HD float rev_sum(const float* x, int r) {
+  float s = 0.f;
+  for (int c = kC - 1; c >= r; --c) s += x[c];
+  return s;
+}
+GDN_HD float excl_sum(const float* x, int r) {
+  float s = 0.f;
+  for (int c = 0; c < r; ++c) s += x[c];
+  return s;
+}
+
+// The dq side (one warpgroup). stage(g, vb) waits for and returns value head g's V-block vb (GradsTiles),
+// done(g, vb) releases it; g_rows(g): that head's g at the chunk's rows (g_stride apart). q_t, k_t: the
+// chunk's q, k [c][K] (dead rows 0); rq, rk: the row factors; pt: a [64][kPLd] fp32 tile, Q^K^^T's over the
+// heads (the fragment's registers are the loop's), then P's. Out: dq (its state products and P K^; the
+// caller stores it), share(g, r, dg) for rows r < length, and P in pt before p_out() (the dk side's).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P, typename T, class StageFn, class DoneFn, class GFn, class ShareFn, class POut>
+GDN_HD void grads_dq(P& p, int G, int length, float scale, const typename P::Smem& q_t, const typename P::Smem& k_t,
+                     const float* rq, const float* rk, GradsScratch& s, float* pt, typename P::template Frag<kK>& dq,
+                     int64_t g_stride, StageFn&& stage, DoneFn&& done, GFn&& g_rows, ShareFn&& share, POut&& p_out) {
+  typename P::template Frag<kC> pacc;
+  P::zero(pacc);
+  P::zero(dq);
+  gram<P, T>(p, q_t, k_t, rq, rk, pt);                 // Q^K^^T
+  p.for_rows([&](int r) {
+    s.row[kRowQdot][r] = s.row[kRowPm][r] = s.col[r] = 0.f;
+  });
+  for (int g = 0; g < G; ++g) {
+    grads_decay(p, s, g_rows(g), g_stride, length);
+    typename P::template Frag<kC> dm;                  // dO U^T
+    P::zero(dm);
+    const float* egq = nullptr;
+    for (int vb = 0; vb < kVBlocks; ++vb) {
+      const GradsTiles<P> t = stage(g, vb);
+      egq = t.gates + kGateEgq * kC;
+      typename P::template Frag<kC> x;                 // dO S^T, a K-half at a time
+      P::zero(x);
+      p.template mma_ss<T, kVB>(dm, t.dO, mn_major(t.ut));
+      p.template mma_ss<T, kVB>(x, t.dO, mn_major(P::template col_block<T>(t.st, 0)));
+      p.wait_mma(dm, x);
+      add_scaled_half<P>(dq, 0, x, egq, 1.f);
+      p.template row_dot<T>(x, P::template col_block<T>(q_t, 0), s.row[kRowQdot]);
+      P::zero(x);
+      p.template mma_ss<T, kVB>(x, t.dO, mn_major(P::template col_block<T>(t.st, 1)));
+      p.wait_mma(x);
+      add_scaled_half<P>(dq, 1, x, egq, 1.f);
+      p.template row_dot<T>(x, P::template col_block<T>(q_t, 1), s.row[kRowQdot]);
+      if (vb + 1 < kVBlocks) done(g, vb);
+    }
+    // Pm = scale dM . E strictly lower, into P with dM's scaled diagonal (E_rr = 1); then Pm . Q^K^^T
+    P::for_each_pair2(dm, pacc, [&](int r, int c, float& m0, float& m1, float& a0, float& a1) {
+      const float2 e = decay2(s, r, c);
+      const float p0 = c < r ? scale * m0 * e.x : 0.f, p1 = c + 1 < r ? scale * m1 * e.y : 0.f;
+      a0 += c == r ? scale * m0 : p0;
+      a1 += c + 1 == r ? scale * m1 : p1;
+      m0 = p0;
+      m1 = p1;
+    });
+    P::for_each_pair(dm, [&](int r, int c, float& m0, float& m1) {
+      const float2 q = load2(pt + r * kPLd + c);
+      m0 *= q.x;
+      m1 *= q.y;
+    });
+    P::add_row_sums(dm, s.row[kRowPm]);
+    p.add_col_sums(dm, s.col, &s.part[0][0]);
+    p.sync_generic();
+    p.for_rows([&](int r) { s.x[0][r] = s.row[kRowPm][r] - s.col[r] + egq[r] * s.row[kRowQdot][r]; });
+    p.sync_generic();
+    p.for_rows([&](int r) {
+      const float d = rev_sum(s.x[0], r);
+      if (r < length) share(g, r, d);
+      s.row[kRowQdot][r] = s.row[kRowPm][r] = s.col[r] = 0.f;
+    });
+    p.sync_generic();
+    done(g, kVBlocks - 1);
+  }
+  P::for_each(pacc, [&](int r, int c, float& x) { pt[r * kPLd + c] = x; });   // (every read of Q^K^^T done:
+  p_out();                                                                     // the last head's barriers)
+  add_hi_lo<P, T>(p, dq, pacc, rq, rk, k_t);            // (P rq rk) K
+}
+
+// The dk side (one warpgroup), as grads_dq; eg_last(g): that head's e^gam_last; share(g, r, dg, dbeta) for
+// rows r < length; bt: its [64][kPLd] fp32 tile (K^K^^T over the heads, then Bh, B's transpose); pt: the dq
+// side's P, read once p_wait() has returned.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P, typename T, class StageFn, class DoneFn, class GFn, class EgFn, class ShareFn, class PWait>
+GDN_HD void grads_dk(P& p, int G, int length, const typename P::Smem& q_t, const typename P::Smem& k_t,
+                     const float* rq, const float* rk, GradsScratch& s, float* bt, const float* pt,
+                     typename P::template Frag<kK>& dk, int64_t g_stride, StageFn&& stage, DoneFn&& done,
+                     GFn&& g_rows, EgFn&& eg_last, ShareFn&& share, PWait&& p_wait) {
+  typename P::template Frag<kC> bh;
+  P::zero(bh);
+  P::zero(dk);
+  gram<P, T>(p, k_t, k_t, rk, rk, bt);                 // K^K^^T
+  p.for_rows([&](int r) {
+    for (int i = 0; i < 5; ++i) s.row[i][r] = 0.f;
+    s.col[r] = 0.f;
+  });
+  for (int g = 0; g < G; ++g) {
+    grads_decay(p, s, g_rows(g), g_stride, length);
+    typename P::template Frag<kC> da;                  // dX' U^T
+    P::zero(da);
+    const float* gt = nullptr;
+    for (int vb = 0; vb < kVBlocks; ++vb) {
+      const GradsTiles<P> t = stage(g, vb);
+      gt = t.gates;
+      const float *begk = gt + kGateBegk * kC, *wk = gt + kGateWk * kC;
+      typename P::template Frag<kC> x;
+      // dX' U^T, and dX' S^T a K-half at a time into dk (-(beta e^gam rk) rows) and k.(dX' S^T)
+      P::zero(x);
+      p.template mma_ss<T, kVB>(da, mn_major(t.dx), mn_major(t.ut));
+      p.template mma_ss<T, kVB>(x, mn_major(t.dx), mn_major(P::template col_block<T>(t.st, 0)));
+      p.wait_mma(da, x);
+      add_scaled_half<P>(dk, 0, x, begk, -1.f);
+      p.template row_dot<T>(x, P::template col_block<T>(k_t, 0), s.row[kRowKF1]);
+      P::zero(x);
+      p.template mma_ss<T, kVB>(x, mn_major(t.dx), mn_major(P::template col_block<T>(t.st, 1)));
+      p.wait_mma(x);
+      add_scaled_half<P>(dk, 1, x, begk, -1.f);
+      p.template row_dot<T>(x, P::template col_block<T>(k_t, 1), s.row[kRowKF1]);
+      // U dSn^T into dk ((w rk) rows) and k.(U dSn^T), a K-half at a time (a loop: unrolled, ptxas spills)
+#pragma unroll 1
+      for (int kh = 0; kh < 2; ++kh) {
+        P::zero(x);
+        p.template mma_ss<T, kVB>(x, mn_major(t.ut), mn_major(P::template col_block<T>(t.dsn, kh)));
+        p.wait_mma(x);
+        add_scaled_half<P>(dk, kh, x, wk, 1.f);
+        p.template row_dot<T>(x, P::template col_block<T>(k_t, kh), s.row[kRowKF2]);
+      }
+      // dX'.v and <S, dSn> as diagonals: of dX' v^T, and of S^T dSn (its rows v of the V-block)
+      P::zero(x);
+      p.template mma_ss<T, kVB>(x, mn_major(t.dx), t.v);
+      p.wait_mma(x);
+      P::for_each(x, [&](int r, int c, float& v) { if (r == c) s.row[kRowDxv][r] += v; });
+      P::zero(x);
+      p.template mma_ss<T, kK>(x, t.st, t.dsn);
+      p.wait_mma(x);
+      P::for_each(x, [&](int r, int c, float& v) { if (r == c) s.row[kRowSds][r] += v; });
+      if (vb + 1 < kVBlocks) done(g, vb);
+    }
+    const float *beta = gt + kGateBeta * kC, *egk = gt + kGateEgk * kC, *begk = gt + kGateBegk * kC,
+                *wk = gt + kGateWk * kC;
+    // DA = -dX' U^T . E strictly lower, into Bh as diag(beta) DA; then DA . K^K^^T, its row sums, and the
+    // column sums of diag(beta) DA . K^K^^T
+    P::for_each_pair2(da, bh, [&](int r, int c, float& a0, float& a1, float& b0, float& b1) {
+      const float2 e = decay2(s, r, c);
+      const float d0 = c < r ? -a0 * e.x : 0.f, d1 = c + 1 < r ? -a1 * e.y : 0.f;
+      b0 += beta[r] * d0;
+      b1 += beta[r] * d1;
+      a0 = d0;
+      a1 = d1;
+    });
+    P::for_each_pair(da, [&](int r, int c, float& a0, float& a1) {
+      const float2 k2 = load2(bt + r * kPLd + c);
+      a0 *= k2.x;
+      a1 *= k2.y;
+    });
+    P::add_row_sums(da, s.row[kRowA]);
+    P::for_each_pair(da, [&](int r, int, float& a0, float& a1) {
+      a0 *= beta[r];
+      a1 *= beta[r];
+    });
+    p.add_col_sums(da, s.col, &s.part[0][0]);
+    p.sync_generic();
+    p.for_rows([&](int r) {
+      s.x[0][r] = beta[r] * s.row[kRowA][r] - s.col[r] - begk[r] * s.row[kRowKF1][r];
+      s.x[1][r] = wk[r] * s.row[kRowKF2][r];
+    });
+    p.sync_generic();
+    const float eg = eg_last(g);
+    p.for_rows([&](int r) {
+      float sds = 0.f;
+      for (int v = 0; v < kC; ++v) sds += s.row[kRowSds][v];
+      const float d = rev_sum(s.x[0], r) + excl_sum(s.x[1], r) + eg * sds;
+      const float db = s.row[kRowA][r] + s.row[kRowDxv][r] - egk[r] * s.row[kRowKF1][r];
+      if (r < length) share(g, r, d, db);
+    });
+    p.sync_generic();
+    p.for_rows([&](int r) {
+      for (int i = 0; i < 5; ++i) s.row[i][r] = 0.f;
+      s.col[r] = 0.f;
+    });
+    p.sync_generic();
+    done(g, kVBlocks - 1);
+  }
+  // B = Bh + Bh^T (Bh's transpose through bt, every read of K^K^^T done: the last head's barriers), then
+  // (B rk rk) K
+  P::for_each(bh, [&](int r, int c, float& x) { bt[r * kPLd + c] = x; });
+  p.sync_generic();
+  P::for_each(bh, [&](int r, int c, float& x) { x += bt[c * kPLd + r]; });
+  add_hi_lo<P, T>(p, dk, bh, rk, rk, k_t);
+  // (P^T rk rq) Q
+  p_wait();
+  typename P::template Frag<kC> pt_f;
+  P::for_each(pt_f, [&](int r, int c, float& x) { x = pt[c * kPLd + r]; });
+  add_hi_lo<P, T>(p, dk, pt_f, rk, rq, q_t);
+}
+
+}  // namespace sm90
+}  // namespace gdn
