@@ -141,8 +141,8 @@ struct ChunkGradsSm90Params {
   std::uintptr_t table = 0;               // the device chunk table, int32 [NC, 4] (16-B aligned)
   std::uintptr_t dq = 0, dk = 0;          // out: [T, H, K], float32 with dqk_f32 (before the l2norm backward),
                                           // else q's dtype; the rows of the table's chunks only
-  std::uintptr_t dg_part = 0;             // out: [2, HV, T] float32: the dq side's dg share (slot 0), the dk side's (1)
-  std::uintptr_t dbeta_part = 0;          // out: [2, HV, T] float32: slot 1 (the dk side's share); slot 0 untouched
+  std::uintptr_t dg_part = 0, dbeta_part = 0;   // out: [2, HV, T] float32: the dq side's shares (slot 0), the dk
+                                                // side's (slot 1)
   int64_t N = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, NC = 0, chunk_size = 0;
   int dtype = 0;                          // 1 float16, 2 bfloat16 (0 float32: host mirror only)
   float scale = 1.f;

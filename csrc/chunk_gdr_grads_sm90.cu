@@ -2,7 +2,7 @@
 // (chunk slot, qk head) computes dq, dk (before the l2norm backward) and the slot's dg / dbeta shares over
 // the G value heads of the head's GVA group, in place of the Triton backward's P, dq, A and dk kernels
 // (gdn_packed/triton/chunk.py, _bwd_heads; their finalize kernel sums the shares and runs the l2norm
-// backward, with two dg slots and one dbeta slot here). It reads what the recompute (S^T, U^T) and the
+// backward, with two dg slots and two dbeta slots here). It reads what the recompute (S^T, U^T) and the
 // reverse dS pass (dSn^T, dX'^T) wrote, and prep's gate rows and row factors. Formulas, what is rounded
 // where, and the two warpgroups' tile programs: chunk_gdr_grads_sm90.cuh (grads_dq, grads_dk, written once
 // for this kernel and its host mirror). Shapes: K = V = 128, C = 64, bf16 or fp16 (fp32: host mirror only),
@@ -11,16 +11,15 @@
 //        gates [NC, HV, 5, C], eg_last [NC, HV], rn [NC, HV, 2, C] fp32 (prep's: of slot j HV + h G the row
 //        factors rq, rk of qk head h); st, dsn [NC, HV, V, K], ut, dxp [NC, HV, V, C] (q's dtype); table
 //        int32 [NC, 4]
-//   out  dq, dk [T, H, K] (fp32 with dqk_f32, else q's dtype) on the rows of the table's chunks; dg_part
-//        [2, HV, T] (slot 0 the dq side's share, slot 1 the dk side's) and slot 1 of dbeta_part [2, HV, T]
-//        (fp32) on the same rows
+//   out  dq, dk [T, H, K] (fp32 with dqk_f32, else q's dtype) on the rows of the table's chunks; dg_part,
+//        dbeta_part [2, HV, T] fp32 (slot 0 the dq side's shares, slot 1 the dk side's) on the same rows
 // Grid (NC, H). CTA (384 threads, 1 per SM, ~215 KB shared memory):
 //   warpgroup 0, producer: one warp, its lane 0: the slot's q, k (both K-halves) and row factors, then per
 //        (value head g, V-block vb), into the 2-stage ring by TMA: the 64 value columns of dO and v, the
 //        V-block's rows of U^T, dX'^T, S^T, dSn^T, and the head's gate rows (a bulk copy); rows past T
 //        arrive 0
-//   warpgroup 1, the dq side (grads_dq): dO U^T, dO S^T, P; dq
-//   warpgroup 2, the dk side (grads_dk): dX' U^T, dX' S^T, U dSn^T, dX' v^T, S^T dSn; dk (P from the dq side)
+//   warpgroup 1, the dq side (grads_dq): dO U^T, dO S^T, dX' v^T, S^T dSn, P; dq
+//   warpgroup 2, the dk side (grads_dk): dX' U^T, dX' S^T, U dSn^T; dk (P from the dq side)
 // A partial chunk (its rows past the chunk's length belong to the next sequence) has those rows of q, k,
 // dO, v zeroed in shared memory before use. The host mirror (chunk_gdr_grads_sm90 with host = true) runs
 // both tile programs over every (slot, qk head) in a CPU loop, with plain loops in place of wgmma / TMA.
@@ -112,22 +111,22 @@ void mirror_tile(const GradsArgs& a, int64_t j, int64_t h) {
   };
   auto done = [](int, int) {};
   auto g_rows = [&](int g) { return a.g + start * HV + h * G + g; };
+  auto eg_last = [&](int g) { return a.eg_last[j * HV + h * G + g]; };
+  auto share = [&](int side, int g, int r, float d, float db) {     // slot `side` of dg_part, dbeta_part
+    const int64_t at = (side * HV + h * G + g) * a.T + start + r;
+    a.dg_part[at] = d;
+    a.dbeta_part[at] = db;
+  };
   P p;
   auto s = std::make_unique<GradsScratch>();
   std::vector<float> pt(kC * kPLd), bt(kC * kPLd);
   auto dq = std::make_unique<typename P::template Frag<kK>>(), dk = std::make_unique<typename P::template Frag<kK>>();
   grads_dq<P, T>(
       p, static_cast<int>(G), length, a.scale, q_t, k_t, rn, rn + kC, *s, pt.data(), *dq, HV, stage, done, g_rows,
-      [&](int g, int r, float d) { a.dg_part[(h * G + g) * a.T + start + r] = d; }, [] {});
+      eg_last, [&](int g, int r, float d, float db) { share(0, g, r, d, db); }, [] {});
   grads_dk<P, T>(
       p, static_cast<int>(G), length, q_t, k_t, rn, rn + kC, *s, bt.data(), pt.data(), *dk, HV, stage, done, g_rows,
-      [&](int g) { return a.eg_last[j * HV + h * G + g]; },
-      [&](int g, int r, float d, float db) {
-        const int64_t at = (HV + h * G + g) * a.T + start + r;      // slot 1
-        a.dg_part[at] = d;
-        a.dbeta_part[at] = db;
-      },
-      [] {});
+      [&](int g, int r, float d, float db) { share(1, g, r, d, db); }, [] {});
   P::for_each_pair(*dq, [&](int r, int c, float& x0, float& x1) {
     if (r < length) store_grad_pair<T>(a, a.dq, start + r, h, c, x0, x1);
   });

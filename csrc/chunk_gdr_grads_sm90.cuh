@@ -8,10 +8,10 @@
 //     Pm = scale (dO U^T) . E strictly lower           DA = -(dX' U^T) . E strictly lower
 //     dq += (scale e^gam rq) . (dO S^T)                 dk += -(beta e^gam rk) . (dX' S^T) + (w rk) . (U dSn^T)
 //     P  += Pm + diag(scale dO U^T)                     Bh += diag(beta) DA
-//     dg shares:   the dq side  rev(rowsum(Pm . Q^K^^T) - colsum(Pm . Q^K^^T) + egq q.(dO S^T))
+//     dg shares:   the dq side  rev(rowsum(Pm . Q^K^^T) - colsum(Pm . Q^K^^T) + egq q.(dO S^T)) + e^gam_last <S, dSn>
 //                  the dk side  rev(beta rowsum(DA . K^K^^T) - colsum(diag(beta) DA . K^K^^T) - begk k.(dX' S^T))
-//                               + excl(wk k.(U dSn^T)) + e^gam_last <S, dSn>
-//     dbeta share: rowsum(DA . K^K^^T) + dX'.v - egk k.(dX' S^T)
+//                               + excl(wk k.(U dSn^T))
+//     dbeta shares: the dq side dX'.v, the dk side rowsum(DA . K^K^^T) - egk k.(dX' S^T)
 //   (rev: the reverse cumulative sum over the chunk's rows, excl: the exclusive forward one; egq, begk, wk,
 //   egk: prep's gate rows), then once for the group:
 //     dq += (P rq rk) K        dk += (B rk rk) K + (P^T rk rq) Q,   B = Bh + Bh^T
@@ -20,12 +20,13 @@
 // accumulator, scaled in fp32), and P, B entering their products as the rounded value and the rounding
 // error (two operands, as there). The row dots and <S, dSn> are fp32 sums of exact products: q.(dO S^T),
 // k.(dX' S^T), k.(U dSn^T) of the fp32 product tiles; dX'.v and <S, dSn> the diagonals of dX' v^T and
-// S^T dSn on the tensor cores. Two warpgroups: the dq side (grads_dq) and the dk side (grads_dk), which
-// receives P from the dq side.
+// S^T dSn on the tensor cores (by the dq side, whose products are fewer). Two warpgroups: the dq side
+// (grads_dq) and the dk side (grads_dk), which receives P from the dq side.
 //
 // The policy P is the forward's (chunk_gdr_sm90.cuh), with: P::mma_ss (A in shared memory too),
-// P::col_block (a tile's 64-column block), P::add_row_sums / P::row_dot / p.add_col_sums (row and column
-// sums of a fragment, into shared rows / columns).
+// P::col_block (a tile's 64-column block), P::add_row_sums / P::row_dot / p.add_col_sums / P::add_diag (row
+// and column sums and the diagonal of a fragment, into shared rows / columns), P::RowVal (a value per chunk
+// row, its thread's on the device).
 #pragma once
 
 #include "chunk_gdr_sm90.cuh"
@@ -41,14 +42,14 @@ struct alignas(16) GradsScratch {
   alignas(16) float dsum[kC][kStrip];
   alignas(16) float strip[kC][kStrips + 4];
   alignas(16) float g[kC];         // the head's g in base 2, 0 on dead rows
-  float row[5][kC];                // per-row sums (kRow*)
-  float col[kC];                   // per-column sums
-  float part[4][kC];               // the device's per-warp column partials
-  float x[2][kC];                  // the scans' inputs
+  alignas(16) float row[4][kC];    // per-row sums (kRow*)
+  alignas(16) float col[kC];       // per-column sums
+  alignas(16) float part[4][kC];   // the device's per-warp column partials
+  alignas(16) float x[2][kC];      // the scans' inputs
 };
 // the rows of GradsScratch::row: the dq side's, the dk side's
-enum GradsRowDq : int { kRowQdot = 0, kRowPm = 1 };
-enum GradsRowDk : int { kRowKF1 = 0, kRowKF2 = 1, kRowDxv = 2, kRowSds = 3, kRowA = 4 };
+enum GradsRowDq : int { kRowQdot = 0, kRowPm = 1, kRowDxv = 2, kRowSds = 3 };
+enum GradsRowDk : int { kRowKF1 = 0, kRowKF2 = 1, kRowA = 2 };
 
 // P (the dq side's) and Bh (the dk side's) as fp32 tiles in shared memory: row r at r * kPLd (4 floats of
 // padding: the transposed reads of columns fall on distinct banks)
@@ -69,13 +70,19 @@ GDN_HD S mn_major(S t) {           // the same tile as an MN-major operand
   return t;
 }
 
-// The decay tables of a head's chunk into s from its g (rows `stride` apart, live rows < length).
+// The decay tables of value head g's chunk into s from its g (gpre: each row's, loaded during the previous
+// head), then the next head's g loaded into gpre (g_rows(h): head h's at the chunk's rows, `stride` apart;
+// live rows < length), in flight while this head runs.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
-template <class P>
-GDN_HD void grads_decay(P& p, GradsScratch& s, const float* g_rows, int64_t stride, int length) {
-  p.for_rows([&](int r) { s.g[r] = r < length ? g_rows[r * stride] * kLog2e : 0.f; });
+template <class P, class GFn>
+GDN_HD void grads_decay(P& p, GradsScratch& s, typename P::template RowVal<float>& gpre, int g, int G, GFn&& g_rows,
+                        int64_t stride, int length) {
+  p.for_rows([&](int r) {
+    s.g[r] = gpre[r] * kLog2e;
+    gpre[r] = g + 1 < G && r < length ? g_rows(g + 1)[r * stride] : 0.f;
+  });
   p.sync_generic();
   p.for_rows([&](int c) { strip_sums(s, s.g, c); });
   p.sync_generic();
@@ -148,57 +155,85 @@ GDN_HD void gram(P& p, const typename P::Smem& x, const typename P::Smem& y, con
   p.sync_generic();
 }
 
-// The reverse (from row 63) cumulative sum of x at row r, and the forward one over rows < r (shared rows)
-GDN_HD float rev_sum(const float* x, int r) {
+// The sum of x[c] over rows lo <= c < hi of a shared vector of the chunk's rows (16-byte aligned), from the
+// last row: every row loaded first (independent 16-byte loads), then one masked add a row (a chain of adds,
+// not of loads). The reverse cumulative sum at row r is rows_sum(x, r, 64), the exclusive forward one
+// rows_sum(x, 0, r).
+GDN_HD float rows_sum(const float* x, int lo, int hi) {
   float s = 0.f;
-  for (int c = kC - 1; c >= r; --c) s += x[c];
+#pragma unroll
+  for (int b = kC - 2 * kStrip; b >= 0; b -= 2 * kStrip) {    // 16 rows at a time (the loads run ahead)
+    float v[2 * kStrip];
+    load8(v, x + b);
+    load8(v + kStrip, x + b + kStrip);
+#pragma unroll
+    for (int c = 2 * kStrip - 1; c >= 0; --c) s += b + c >= lo && b + c < hi ? v[c] : 0.f;
+  }
   return s;
 }
-GDN_HD float excl_sum(const float* x, int r) {
-  float s = 0.f;
-  for (int c = 0; c < r; ++c) s += x[c];
-  return s;
+// the first rows' g of head 0 into gpre (grads_decay's)
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P, class GFn>
+GDN_HD void grads_g0(P& p, typename P::template RowVal<float>& gpre, GFn&& g_rows, int64_t stride, int length) {
+  p.for_rows([&](int r) { gpre[r] = r < length ? g_rows(0)[r * stride] : 0.f; });
 }
 
 // The dq side (one warpgroup). stage(g, vb) waits for and returns value head g's V-block vb (GradsTiles),
 // done(g, vb) releases it; g_rows(g): that head's g at the chunk's rows (g_stride apart). q_t, k_t: the
 // chunk's q, k [c][K] (dead rows 0); rq, rk: the row factors; pt: a [64][kPLd] fp32 tile, Q^K^^T's over the
-// heads (the fragment's registers are the loop's), then P's. Out: dq (its state products and P K^; the
-// caller stores it), share(g, r, dg) for rows r < length, and P in pt before p_out() (the dk side's).
+// heads (the fragment's registers are the loop's), then P's; eg_last(g): head g's e^gam_last. Out: dq (its
+// state products and P K^; the caller stores it), share(g, r, dg, dbeta) for rows r < length, and P in pt
+// before p_out() (the dk side's).
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
-template <class P, typename T, class StageFn, class DoneFn, class GFn, class ShareFn, class POut>
+template <class P, typename T, class StageFn, class DoneFn, class GFn, class EgFn, class ShareFn, class POut>
 GDN_HD void grads_dq(P& p, int G, int length, float scale, const typename P::Smem& q_t, const typename P::Smem& k_t,
                      const float* rq, const float* rk, GradsScratch& s, float* pt, typename P::template Frag<kK>& dq,
-                     int64_t g_stride, StageFn&& stage, DoneFn&& done, GFn&& g_rows, ShareFn&& share, POut&& p_out) {
+                     int64_t g_stride, StageFn&& stage, DoneFn&& done, GFn&& g_rows, EgFn&& eg_last, ShareFn&& share,
+                     POut&& p_out) {
   typename P::template Frag<kC> pacc;
   P::zero(pacc);
   P::zero(dq);
+  typename P::template RowVal<float> gpre;
+  grads_g0(p, gpre, g_rows, g_stride, length);
   gram<P, T>(p, q_t, k_t, rq, rk, pt);                 // Q^K^^T
   p.for_rows([&](int r) {
-    s.row[kRowQdot][r] = s.row[kRowPm][r] = s.col[r] = 0.f;
+    for (int i = 0; i < 4; ++i) s.row[i][r] = 0.f;
+    s.col[r] = 0.f;
   });
   for (int g = 0; g < G; ++g) {
-    grads_decay(p, s, g_rows(g), g_stride, length);
+    grads_decay(p, s, gpre, g, G, g_rows, g_stride, length);
     typename P::template Frag<kC> dm;                  // dO U^T
     P::zero(dm);
     const float* egq = nullptr;
     for (int vb = 0; vb < kVBlocks; ++vb) {
       const GradsTiles<P> t = stage(g, vb);
       egq = t.gates + kGateEgq * kC;
-      typename P::template Frag<kC> x;                 // dO S^T, a K-half at a time
-      P::zero(x);
+      typename P::template Frag<kC> x0, x1;            // dO S^T's K-halves: the second on the tensor cores
+      P::zero(x0);                                     // while the first is added in
+      P::zero(x1);
       p.template mma_ss<T, kVB>(dm, t.dO, mn_major(t.ut));
-      p.template mma_ss<T, kVB>(x, t.dO, mn_major(P::template col_block<T>(t.st, 0)));
-      p.wait_mma(dm, x);
-      add_scaled_half<P>(dq, 0, x, egq, 1.f);
-      p.template row_dot<T>(x, P::template col_block<T>(q_t, 0), s.row[kRowQdot]);
-      P::zero(x);
-      p.template mma_ss<T, kVB>(x, t.dO, mn_major(P::template col_block<T>(t.st, 1)));
-      p.wait_mma(x);
-      add_scaled_half<P>(dq, 1, x, egq, 1.f);
-      p.template row_dot<T>(x, P::template col_block<T>(q_t, 1), s.row[kRowQdot]);
+      p.template mma_ss<T, kVB>(x0, t.dO, mn_major(P::template col_block<T>(t.st, 0)));
+      p.template mma_ss<T, kVB>(x1, t.dO, mn_major(P::template col_block<T>(t.st, 1)));
+      p.template wait_mma_left<1>(dm, x0);
+      add_scaled_half<P>(dq, 0, x0, egq, 1.f);
+      p.template row_dot<T>(x0, P::template col_block<T>(q_t, 0), s.row[kRowQdot]);
+      p.wait_mma(x1);
+      add_scaled_half<P>(dq, 1, x1, egq, 1.f);
+      p.template row_dot<T>(x1, P::template col_block<T>(q_t, 1), s.row[kRowQdot]);
+      // and dX'.v, <S, dSn> as the diagonals of dX' v^T and S^T dSn (its rows v of the V-block), through the
+      // same two fragments
+      P::zero(x0);
+      P::zero(x1);
+      p.template mma_ss<T, kVB>(x0, mn_major(t.dx), t.v);
+      p.template mma_ss<T, kK>(x1, t.st, t.dsn);
+      p.template wait_mma_left<1>(x0);
+      P::add_diag(x0, s.row[kRowDxv]);
+      p.wait_mma(x1);
+      P::add_diag(x1, s.row[kRowSds]);
       if (vb + 1 < kVBlocks) done(g, vb);
     }
     // Pm = scale dM . E strictly lower, into P with dM's scaled diagonal (E_rr = 1); then Pm . Q^K^^T
@@ -220,10 +255,15 @@ GDN_HD void grads_dq(P& p, int G, int length, float scale, const typename P::Sme
     p.sync_generic();
     p.for_rows([&](int r) { s.x[0][r] = s.row[kRowPm][r] - s.col[r] + egq[r] * s.row[kRowQdot][r]; });
     p.sync_generic();
+    const float eg = eg_last(g);
     p.for_rows([&](int r) {
-      const float d = rev_sum(s.x[0], r);
-      if (r < length) share(g, r, d);
-      s.row[kRowQdot][r] = s.row[kRowPm][r] = s.col[r] = 0.f;
+      const float d = rows_sum(s.x[0], r, kC) + eg * rows_sum(s.row[kRowSds], 0, kC);
+      if (r < length) share(g, r, d, s.row[kRowDxv][r]);
+    });
+    p.sync_generic();
+    p.for_rows([&](int r) {
+      for (int i = 0; i < 4; ++i) s.row[i][r] = 0.f;
+      s.col[r] = 0.f;
     });
     p.sync_generic();
     done(g, kVBlocks - 1);
@@ -233,27 +273,28 @@ GDN_HD void grads_dq(P& p, int G, int length, float scale, const typename P::Sme
   add_hi_lo<P, T>(p, dq, pacc, rq, rk, k_t);            // (P rq rk) K
 }
 
-// The dk side (one warpgroup), as grads_dq; eg_last(g): that head's e^gam_last; share(g, r, dg, dbeta) for
-// rows r < length; bt: its [64][kPLd] fp32 tile (K^K^^T over the heads, then Bh, B's transpose); pt: the dq
+// The dk side (one warpgroup), as grads_dq; share(g, r, dg, dbeta) for rows r < length; bt: its [64][kPLd] fp32 tile (K^K^^T over the heads, then Bh, B's transpose); pt: the dq
 // side's P, read once p_wait() has returned.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
-template <class P, typename T, class StageFn, class DoneFn, class GFn, class EgFn, class ShareFn, class PWait>
+template <class P, typename T, class StageFn, class DoneFn, class GFn, class ShareFn, class PWait>
 GDN_HD void grads_dk(P& p, int G, int length, const typename P::Smem& q_t, const typename P::Smem& k_t,
                      const float* rq, const float* rk, GradsScratch& s, float* bt, const float* pt,
                      typename P::template Frag<kK>& dk, int64_t g_stride, StageFn&& stage, DoneFn&& done,
-                     GFn&& g_rows, EgFn&& eg_last, ShareFn&& share, PWait&& p_wait) {
+                     GFn&& g_rows, ShareFn&& share, PWait&& p_wait) {
   typename P::template Frag<kC> bh;
   P::zero(bh);
   P::zero(dk);
+  typename P::template RowVal<float> gpre;
+  grads_g0(p, gpre, g_rows, g_stride, length);
   gram<P, T>(p, k_t, k_t, rk, rk, bt);                 // K^K^^T
   p.for_rows([&](int r) {
-    for (int i = 0; i < 5; ++i) s.row[i][r] = 0.f;
+    for (int i = 0; i < 4; ++i) s.row[i][r] = 0.f;
     s.col[r] = 0.f;
   });
   for (int g = 0; g < G; ++g) {
-    grads_decay(p, s, g_rows(g), g_stride, length);
+    grads_decay(p, s, gpre, g, G, g_rows, g_stride, length);
     typename P::template Frag<kC> da;                  // dX' U^T
     P::zero(da);
     const float* gt = nullptr;
@@ -283,15 +324,6 @@ GDN_HD void grads_dk(P& p, int G, int length, const typename P::Smem& q_t, const
         add_scaled_half<P>(dk, kh, x, wk, 1.f);
         p.template row_dot<T>(x, P::template col_block<T>(k_t, kh), s.row[kRowKF2]);
       }
-      // dX'.v and <S, dSn> as diagonals: of dX' v^T, and of S^T dSn (its rows v of the V-block)
-      P::zero(x);
-      p.template mma_ss<T, kVB>(x, mn_major(t.dx), t.v);
-      p.wait_mma(x);
-      P::for_each(x, [&](int r, int c, float& v) { if (r == c) s.row[kRowDxv][r] += v; });
-      P::zero(x);
-      p.template mma_ss<T, kK>(x, t.st, t.dsn);
-      p.wait_mma(x);
-      P::for_each(x, [&](int r, int c, float& v) { if (r == c) s.row[kRowSds][r] += v; });
       if (vb + 1 < kVBlocks) done(g, vb);
     }
     const float *beta = gt + kGateBeta * kC, *egk = gt + kGateEgk * kC, *begk = gt + kGateBegk * kC,
@@ -323,17 +355,14 @@ GDN_HD void grads_dk(P& p, int G, int length, const typename P::Smem& q_t, const
       s.x[1][r] = wk[r] * s.row[kRowKF2][r];
     });
     p.sync_generic();
-    const float eg = eg_last(g);
     p.for_rows([&](int r) {
-      float sds = 0.f;
-      for (int v = 0; v < kC; ++v) sds += s.row[kRowSds][v];
-      const float d = rev_sum(s.x[0], r) + excl_sum(s.x[1], r) + eg * sds;
-      const float db = s.row[kRowA][r] + s.row[kRowDxv][r] - egk[r] * s.row[kRowKF1][r];
+      const float d = rows_sum(s.x[0], r, kC) + rows_sum(s.x[1], 0, r);
+      const float db = s.row[kRowA][r] - egk[r] * s.row[kRowKF1][r];
       if (r < length) share(g, r, d, db);
     });
     p.sync_generic();
     p.for_rows([&](int r) {
-      for (int i = 0; i < 5; ++i) s.row[i][r] = 0.f;
+      for (int i = 0; i < 4; ++i) s.row[i][r] = 0.f;
       s.col[r] = 0.f;
     });
     p.sync_generic();

@@ -12,7 +12,7 @@ namespace {
 constexpr int kGradsThreads = 384;         // producer, dq side, dk side
 constexpr int kGradsStages = 2;            // the TMA ring: (value head g, V-block vb) it = 2 g + vb in stage it % 2
 constexpr int kGradsRegsLaunch = (65536 / kGradsThreads) / 8 * 8;
-constexpr int kGradsRegsProducer = 40, kGradsRegsWork = 232;      // 40 + 232 + 232 = 504
+constexpr int kGradsRegsProducer = 24, kGradsRegsWork = 240;      // 24 + 240 + 240 = 504
 static_assert(kGradsRegsProducer + 2 * kGradsRegsWork <= (kGradsThreads / 128) * kGradsRegsLaunch,
               "setmaxnreg pool");
 // named barriers: 1, 2 the dq / dk warpgroup's own (P::bar), 3 both after the dead rows of q, k are zeroed,
@@ -142,21 +142,22 @@ chunk_gdr_grads_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __gr
     if (wtid == 0) mbar_arrive(&sm.empty[(kVBlocks * g + vb) % kGradsStages]);
   };
   auto g_rows = [&](int g) { return a.g + start * HV + h * G + g; };
+  auto share = [&](int side, int g, int r, float d, float db) {     // slot `side` of dg_part, dbeta_part
+    const int64_t at = (side * HV + h * G + g) * a.T + start + r;
+    a.dg_part[at] = d;
+    a.dbeta_part[at] = db;
+  };
   typename P::template Frag<kK> acc;
   if (wg == 1) {
     grads_dq<P, T>(
         p, static_cast<int>(G), length, a.scale, q_t, k_t, sm.rn[0], sm.rn[1], s, &sm.pt[0][0], acc, HV, stage, done,
-        g_rows, [&](int g, int r, float d) { a.dg_part[(h * G + g) * a.T + start + r] = d; },
+        g_rows, [&](int g) { return __ldg(a.eg_last + j * HV + h * G + g); },
+        [&](int g, int r, float d, float db) { share(0, g, r, d, db); },
         [&] { named_arrive(kBarP, 256); });     // P written (the dk side reads it after its bar.sync)
   } else {
     grads_dk<P, T>(
         p, static_cast<int>(G), length, q_t, k_t, sm.rn[0], sm.rn[1], s, &sm.bt[0][0], &sm.pt[0][0], acc, HV, stage,
-        done, g_rows, [&](int g) { return __ldg(a.eg_last + j * HV + h * G + g); },
-        [&](int g, int r, float d, float db) {
-          const int64_t at = (HV + h * G + g) * a.T + start + r;    // slot 1
-          a.dg_part[at] = d;
-          a.dbeta_part[at] = db;
-        },
+        done, g_rows, [&](int g, int r, float d, float db) { share(1, g, r, d, db); },
         [&] { named_sync_n(kBarP, 256); });
   }
   void* out = wg == 1 ? a.dq : a.dk;

@@ -223,6 +223,11 @@ struct DevPolicy {
   struct Op {
     uint32_t r[KD / 16][4];
   };
+  template <typename U>
+  struct RowVal {    // a value per chunk row: the row's thread (for_rows) holds its own
+    U v;
+    __device__ U& operator[](int) { return v; }
+  };
   struct Smem {      // a tile in shared memory as a GMMA operand (B128 layout)
     uint32_t addr;   // first block
     uint32_t kstep;  // K-major: bytes between the 64-column blocks; MN-major: LBO (between the N halves)
@@ -441,14 +446,38 @@ struct DevPolicy {
     static_assert(N == kC, "one block");
     float s[2] = {0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < N / 2; i += 2) {
-      const int c = col(i);
-      uint32_t u;
-      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(u) : "r"(t.addr + swz(row(i), c >> 3) + (c & 7) * 2) : "memory");
-      const float2 x = Gmma<U>::unpack(u);
-      s[(i >> 1) & 1] += f.d[i] * x.x + f.d[i + 1] * x.y;
+    for (int h = 0; h < N / 2; h += N / 4) {   // half the thread's pairs of t at a time: loads first, then sums
+      uint32_t u[N / 8];
+#pragma unroll
+      for (int i = 0; i < N / 4; i += 2) {
+        const int c = col(h + i);
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(u[i / 2]) : "r"(t.addr + swz(row(h + i), c >> 3) + (c & 7) * 2)
+                     : "memory");
+      }
+#pragma unroll
+      for (int i = 0; i < N / 4; i += 2) {
+        const float2 x = Gmma<U>::unpack(u[i / 2]);
+        s[((h + i) >> 1) & 1] += f.d[h + i] * x.x + f.d[h + i + 1] * x.y;
+      }
     }
     quad_rows_add(s[0], s[1], rows);
+  }
+  // rows[r] += f(r, r) of a 64 x 64 fragment: the lanes l with l % 4 == l / 8 hold the diagonal of their two
+  // rows (elements 8 w + b and 8 w + 6 + b of warp w, b = (l / 4) % 2), selected by the warp (no dynamic
+  // register index), one shared add a row
+  static __device__ void add_diag(const Frag<kC>& f, float* rows) {
+    const int t = tid_wg(), w = t >> 5, l = t & 31;
+    if ((l & 3) != (l >> 3)) return;
+    const bool b = (l >> 2) & 1;
+    float d0 = 0.f, d1 = 0.f;
+#pragma unroll
+    for (int x = 0; x < 4; ++x)
+      if (w == x) {
+        d0 = b ? f.d[8 * x + 1] : f.d[8 * x];
+        d1 = b ? f.d[8 * x + 7] : f.d[8 * x + 6];
+      }
+    rows[row(0)] += d0;
+    rows[row(0) + 8] += d1;
   }
   // cols[c] += sum over r of f(r, c): over the warp's rows by shuffles (lanes of one lane % 4 hold the same
   // columns), then the four warps' partials (part [4][64]) in a fixed order; every thread of the warpgroup

@@ -37,6 +37,11 @@ struct HostPolicy {
     bool kmajor;
   };
 
+  template <typename U>
+  struct RowVal {      // a value per chunk row (the device: the row's thread holds its own)
+    U v[kC];
+    U& operator[](int r) { return v[r]; }
+  };
   template <int N, class F>
   static void for_each(Frag<N>& f, F&& fn) {
     for (int i = 0; i < kC * N; ++i) fn(i / N, i % N, f.d[i]);
@@ -186,6 +191,9 @@ struct HostPolicy {
       for (int c = 0; c < N; ++c) s += f.d[r * N + c] * to_f(tt[r * t.ld + c]);
       rows[r] += s;
     }
+  }
+  static void add_diag(const Frag<kC>& f, float* rows) {     // rows[r] += f(r, r)
+    for (int r = 0; r < kC; ++r) rows[r] += f.d[r * kC + r];
   }
   // cols[c] += sum over r of f(r, c) (part: the device's per-warp scratch, unused here)
   static void add_col_sums(const Frag<kC>& f, float* cols, float*) {

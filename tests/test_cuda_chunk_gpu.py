@@ -15,7 +15,9 @@ mbarrier phases, the cluster's copies or setmaxnreg (docs/DESIGN.md section 10):
     other two);
   - the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) on Triton prep's outputs against the
     Triton pass it replaces and its host mirror, on every packing and on long sequences (fp16 too),
-    bit-identical reruns.
+    bit-identical reruns;
+  - the backward's chunk-parallel gradients (csrc/chunk_gdr_grads_sm90.cu) inside the Triton backward
+    against the Triton kernels they replace and the host mirror, the same way.
 The forward hung on its first GPU (an H200, 2026-12-04): test_forward_finishes runs it once in a child
 process with a timeout, and while that fails every forward test fails at once without a launch (a hung
 kernel would hold the GPU for the rest of the run). Without such a GPU every test here is a visible skip."""
@@ -305,3 +307,62 @@ def test_dstate_long_sequences_match_triton_and_rerun_bit_identical(packing):
         again, _, _ = dstate_pass(packing, dtype, 5, "cuda")
         assert all(torch.equal(got[n], again[n]) or (got[n].isnan() == again[n].isnan()).all()
                    and torch.equal(got[n].nan_to_num(), again[n].nan_to_num()) for n in got)
+
+
+# ---- the backward's chunk-parallel gradients (csrc/chunk_gdr_grads_sm90.cu) ----
+
+def grads_backward(packing, dtype, seed, impl):
+    """The Triton backward on the GPU (l2norm, h0, dht) with its P, dq, A and dk kernels ("triton"), or with
+    the sm_90a gradient kernel as its `grads` ("cuda"), or with that kernel's host mirror on CPU copies of the
+    same arguments ("mirror"): dq, dk, dg, dbeta as CPU tensors, and the padding rows."""
+    from gdn_packed.cuda.chunk import chunk_bwd_grads_cuda
+    from gdn_packed.ops.chunk_table import make_chunk_table
+    from gdn_packed.triton.chunk import Prep, chunk_gdr_bwd_triton
+    (q, k, v, g, beta, h0), cu, cu_pad, pad = inputs(packing, dtype, seed)
+    q, k, v, g, beta = (t[0].cuda() for t in (q, k, v, g, beta))
+    h0 = h0.cuda()
+    gen = torch.Generator().manual_seed(seed + 100)
+    do, dht = torch.randn(v.shape, generator=gen).to(dtype).cuda(), torch.randn(h0.shape, generator=gen).cuda()
+    table, cc = make_chunk_table(cu.cuda(), None if cu_pad is None else cu_pad.cuda(), q.shape[0], 64)
+
+    def mirror(*args):
+        cpu = [Prep(*(None if t is None else t.cpu() for t in a)) if isinstance(a, Prep) else
+               a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        chunk_bwd_grads_cuda(*cpu, host=True)
+        for a, c in zip(args[12:], cpu[12:]):          # dq, dk, dg_part, dbeta_part
+            a.copy_(c)
+
+    hook = {"triton": None, "cuda": chunk_bwd_grads_cuda, "mirror": mirror}[impl]
+    out = [torch.full(x.shape, float("nan"), dtype=x.dtype, device="cuda") for x in (q, k, v, g, beta)]
+    dh0 = torch.full(h0.shape, float("nan"), device="cuda")
+    chunk_gdr_bwd_triton(q, k, v, g, beta, table, cc, h0, K ** -0.5, 64, True, do, dht, *out, dh0, grads=hook)
+    return [out[i].cpu() for i in (0, 1, 3, 4)], pad
+
+
+@pytest.mark.parametrize("pi", range(len(PACKINGS)), ids=IDS)
+def test_grads_kernel_matches_triton_and_the_mirror(pi):
+    """The sm_90a chunk-parallel gradients on every packing (bf16) inside the Triton backward: dq, dk, dg,
+    dbeta against the same backward with the Triton kernels it replaces (the bf16 gradient budget: its state
+    products are exact where those round their gated operands to two) and against its host mirror on the
+    same arguments (1e-3: the same products summed in other orders; a fragment layout or descriptor bug
+    shows as O(1)); every row written, the padding rows 0."""
+    got, pad = grads_backward(PACKINGS[pi], torch.bfloat16, pi, "cuda")
+    tri, _ = grads_backward(PACKINGS[pi], torch.bfloat16, pi, "triton")
+    mir, _ = grads_backward(PACKINGS[pi], torch.bfloat16, pi, "mirror")
+    for name, a, b, m in zip(("dq", "dk", "dg", "dbeta"), got, tri, mir):
+        assert not a.isnan().any() and torch.equal(a[pad], torch.zeros_like(a[pad])), name
+        assert rel_err(a, b.double()) <= BUDGETS[torch.bfloat16]["grad"], (name, rel_err(a, b.double()))
+        assert rel_err(a, m.double()) <= 1e-3, (name, rel_err(a, m.double()))
+
+
+@pytest.mark.parametrize("packing", LONG, ids=[p.name for p in LONG])
+def test_grads_long_sequences_match_triton_and_rerun_bit_identical(packing):
+    """Hundreds of chunk slots (a CTA per slot and qk head), bf16 and fp16: against the Triton kernels, and a
+    second run (bit-identical: no atomics, every sum in a fixed order)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        got, _ = grads_backward(packing, dtype, 5, "cuda")
+        tri, _ = grads_backward(packing, dtype, 5, "triton")
+        again, _ = grads_backward(packing, dtype, 5, "cuda")
+        for name, a, b, c in zip(("dq", "dk", "dg", "dbeta"), got, tri, again):
+            assert rel_err(a, b.double()) <= BUDGETS[dtype]["grad"], (name, dtype)
+            assert torch.equal(a, c), (name, dtype)

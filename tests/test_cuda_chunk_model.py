@@ -272,8 +272,11 @@ def test_report_rows_of_the_cuda_backward():
     """The backward of backend="cuda" recorded on meta tensors (in a subprocess without TRITON_INTERPRET,
     as tests/test_sm90_report.py records): the Triton backward's launches on the prep outputs the forward
     kept (no prep launch; the recompute from the kept entering states of its segments: no pass A, no
-    combine) with its dS pass (pass A, combine, pass) replaced by one sm_90a kernel launch,
-    whose row names its bound; the tiles it moves at the anchor: 2.19 GB (bench/NOTES.md's count)."""
+    combine) with its dS pass (pass A, combine, pass) replaced by one sm_90a kernel launch and its P, dq,
+    A and dk kernels by another (the finalize kernel stays), each row naming its bound; the tiles the dS
+    pass moves at the anchor: 2.19 GB (bench/NOTES.md's count); the gradient kernel's: a CTA per (chunk
+    slot, qk head), 8192, each its q, k, row factors, per value head and V-block a stage, dq / dk and the
+    shares out: 2.743 GB."""
     out = _record(ANCHOR, ("bwd",))
     names = out["names"]
     assert names.count(cuda_chunk.BWD_KERNEL) == 1 and "chunk_bwd_dstate_kernel" not in names
@@ -281,10 +284,39 @@ def test_report_rows_of_the_cuda_backward():
     # the recompute from the states entering the segments the forward kept (3 at the anchor): no pass A, no
     # combine
     assert names.count("chunk_fwd_state_kernel") == 1 and "chunk_combine_kernel" not in names
-    assert "chunk_bwd_dq_kernel" in names and "chunk_bwd_dk_kernel" in names
+    assert names.count(cuda_chunk.GRADS_KERNEL) == 1 and names.count("chunk_bwd_finalize_kernel") == 1
+    assert not {"chunk_bwd_p_kernel", "chunk_bwd_dq_kernel", "chunk_bwd_a_kernel", "chunk_bwd_dk_kernel"} & set(names)
     (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.BWD_KERNEL]
     assert k["mode"] == "bwd" and k["ctas"] == 64 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"]
     assert k["bound"] in ("latency", "bytes", "smem", "FLOPs") and k["loop_hgmma"] == 28
     assert math.isclose(k["hbm_gb"], 2.19, rel_tol=0.01)
+    (gr,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.GRADS_KERNEL]
+    assert gr["mode"] == "bwd" and gr["ctas"] == 16 * 512 and gr["spill_b"] == 0 and not gr["error"]
+    assert gr["bound"] in ("latency", "bytes", "smem", "FLOPs") and gr["loop_hgmma"] == 24 + 16
+    per_cta = cuda_chunk.GRADS_TILE_BYTES + 2 * 2 * cuda_chunk.GRADS_STAGE_BYTES + 2 * 64 * 128 * 2 + 3 * 2 * 64 * 4
+    assert math.isclose(gr["hbm_gb"], 16 * 512 * per_cta / 1e9, rel_tol=1e-3) and math.isclose(gr["hbm_gb"], 2.743,
+                                                                                                rel_tol=1e-3)
     (t,) = out["totals"]
-    assert t["impl"] == "cuda" and t["est_us"] > k["est_us"]
+    assert t["impl"] == "cuda" and t["est_us"] > k["est_us"] + gr["est_us"]
+
+
+@pytest.mark.parametrize("dtype", cuda_chunk.DTYPES)
+def test_grads_facts_from_the_sass(dtype):
+    """The chunk-parallel gradient kernel's loops found in its SASS (_grads_roles): the dq side's value-head
+    loop (24 HGMMA 64x64x16 in 4 waits with its V-block loop once: the simulator runs that twice, a head's
+    V-blocks), the dk side's (16 in 3, its K-half loop inside), the producer's; no spill; its estimate's
+    terms: each side's path G value heads of its loop plus its Gram and final products, the tensor pipe's sum
+    over both sides, and the largest of them bounds a CTA."""
+    f = cuda_chunk.facts(dtype, M.CONSTANTS, "grads")
+    assert not f.error, f.error
+    assert f.spill == 0 and f.regs == 168 and set(f.loops) == {"dq", "dk", "producer"}
+    dq, dk, pr = f.loops["dq"], f.loops["dk"], f.loops["producer"]
+    assert (dq["hgmma"], dq["waits"], dk["hgmma"], dk["waits"]) == (24, 4, 16, 3)
+    # per value head, both V-blocks: the dq side 2 x 24 HGMMA, the dk side 2 x (12 + 2 x 4), 32 cycles each
+    assert (dq["mma_cycles"], dk["mma_cycles"]) == (2 * 24 * 32, 2 * 20 * 32)
+    assert pr["cycles"] > 0 and dq["cycles"] > dq["mma_cycles"] and dk["cycles"] > dk["mma_cycles"]
+    est = cuda_chunk.grads_estimate(f, ANCHOR, dtype, M.CONSTANTS)
+    G = ANCHOR[3] // ANCHOR[2]
+    assert est["ctas"] == 16 * 512 and est["step"] >= G * max(dq["cycles"], dk["cycles"])
+    assert est["step"] >= G * (dq["mma_cycles"] + dk["mma_cycles"])
+    assert est["lat_bound"] in ("dq", "dk", "producer", "mma", "issue") and est["est_s"] > 0

@@ -92,14 +92,17 @@ SPLIT = ("fwd_split", "fwd_split_pair")               # the split kernels' phase
 BWD_SOURCE = os.path.join(CSRC, "chunk_gdr_bwd_sm90.cu")      # the backward's reverse dS pass
 BWD_KERNEL = "chunk_gdr_bwd_sm90_kernel"
 BWD_THREADS = 256
+GRADS_SOURCE = os.path.join(CSRC, "chunk_gdr_grads_sm90.cu")  # the backward's chunk-parallel gradients
+GRADS_KERNEL = "chunk_gdr_grads_sm90_kernel"
 # per phase: the file, its kernel, the roles of its loops (_role_loops; the dS warpgroup's loop is "state")
 KERNELS = {"fwd": (SOURCE, KERNEL, {"state", "prep", "producer"}), "fwd_state": (SOURCE, STATE_KERNEL, {"state", "producer"}),
            "fwd_split": (SOURCE, SPLIT_KERNEL, {"state", "prep", "producer", "prep_producer"}),
            "fwd_split_pair": (SOURCE, SPLIT_PAIR_KERNEL, {"state", "prep", "producer", "prep_producer"}),
-           "bwd": (BWD_SOURCE, BWD_KERNEL, {"state", "producer"})}
+           "bwd": (BWD_SOURCE, BWD_KERNEL, {"state", "producer"}),
+           "grads": (GRADS_SOURCE, GRADS_KERNEL, {"dq", "dk", "producer"})}
 THREADS, V_BLOCK, HEAD_DIM, STAGES = 384, 64, 128, 3     # STAGES: the k / q / v ring (kStages)
 PREP_PIPES = 4                     # the split kernel's prep warpgroups a head (2 prep CTAs x kPrepWgs)
-CLUSTER = {"fwd": 2, "fwd_state": 2, "fwd_split": 4, "fwd_split_pair": 8, "bwd": 2}    # CTAs a cluster
+CLUSTER = {"fwd": 2, "fwd_state": 2, "fwd_split": 4, "fwd_split_pair": 8, "bwd": 2, "grads": 1}    # CTAs a cluster
 BLOCK = 64 * 64 * 2                # kBlock: one [64 rows, 64 columns] 16-bit block of shared memory
 # per chunk and CTA, the bytes the TMA / bulk copies move through its shared memory: a stage of the ring
 # (the kernels' expect-tx counts, kStageBytes: k, q, v; kBwdStageBytes: k, q, Ts, M, dO, the gate rows),
@@ -117,6 +120,11 @@ TMA_BYTES = {"fwd": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "fwd_state": STAGE_
              "bwd": STAGE_BYTES["bwd"] + 4 * BLOCK}
 SPLIT_PREP_BYTES = 4 * BLOCK + 2 * PEER_BYTES
 ROLE_WARPS = {"state": 4, "prep": 4, "producer": 1, "prep_producer": 1}     # the warps that run each role's loop
+# the chunk-parallel gradients: per (chunk slot, qk head) its q, k, row factors (kGradsTileBytes), per value head
+# and V-block a stage (kGradsStageBytes: dO, v, U^T, dX'^T, S^T, dSn^T and the gate rows)
+GRADS_TILE_BYTES = 4 * BLOCK + 2 * 64 * 4
+GRADS_STAGE_BYTES = 8 * BLOCK + 5 * 64 * 4
+V_BLOCKS = 2                       # kVBlocks: the V-blocks of a value head (the gradients' inner loops' trips)
 DTYPES = ("bf16", "fp16")          # the kernel's inputs (fp32: refused, no row)
 
 
@@ -308,8 +316,30 @@ def _role_loops(prog):
     return roles
 
 
-def _simulate_loop(prog, span, const, wavefronts=None):
-    """One iteration of a loop simulated alone (inner loops once): cycles, instr, mma_cycles, smem (one
+def _grads_roles(prog):
+    """{role: (first, last)} of the chunk-parallel gradient kernel's loops: of the two outermost loops holding
+    HGMMA (each side's value-head loop, its V-block loop inside), dk the one with more such loops inside
+    (its V-block loop holds its K-half loop of U dSn^T), dq the other; producer the loop holding its TMA
+    loads."""
+    last_exit = max(x.addr for x in prog if x.op == "EXIT")
+    index = {x.addr: i for i, x in enumerate(prog)}
+    spans = [(index[x.target], j) for j, x in enumerate(prog)
+             if x.target is not None and x.target < x.addr < last_exit and x.target in index]
+    hgmma = lambda a, b: sum(prog[i].op.startswith("HGMMA") for i in range(a, b + 1))   # noqa: E731
+    mma = [sp for sp in spans if hgmma(*sp)]
+    outer = [sp for sp in mma if not any(o != sp and o[0] <= sp[0] and sp[1] <= o[1] for o in mma)]
+    roles = {}
+    if len(outer) == 2:
+        dq, dk = sorted(outer, key=lambda o: sum(o[0] <= sp[0] and sp[1] <= o[1] for sp in mma))
+        roles.update(dq=dq, dk=dk)
+    tma = [sp for sp in spans if any(prog[i].op.startswith("UTMALDG") for i in range(sp[0], sp[1] + 1))]
+    if tma:
+        roles["producer"] = max(tma, key=lambda sp: sp[1] - sp[0])
+    return roles
+
+
+def _simulate_loop(prog, span, const, wavefronts=None, inner=1):
+    """One iteration of a loop simulated alone (inner loops `inner` times): cycles, instr, mma_cycles, smem (one
     warp's shared-memory wavefronts, `wavefronts` {index in prog: wavefronts} where banks.py resolved the
     addresses), smem_mma (its warpgroup MMAs' operand reads), stalls, hgmma, shapes (HGMMA by shape),
     waits. A bulk copy to the cluster peer's shared memory (UBLKCP: prep's
@@ -322,7 +352,7 @@ def _simulate_loop(prog, span, const, wavefronts=None):
     wf = {i - span[0]: w for i, w in (wavefronts or {}).items() if span[0] <= i <= span[1]}
 
     def run(n):
-        return sass.simulate(sub, lambda k, _l: n if k == 0 else 1, const.lat, wavefronts=wf)
+        return sass.simulate(sub, lambda k, _l: n if k == 0 else inner, const.lat, wavefronts=wf)
     r4, r8 = run(4), run(8)
     per = {k: (r8[k] - r4[k]) / 4 for k in ("cycles", "instr", "mma_cycles", "smem", "smem_mma")}
     per["stalls"] = {k: (r8["stalls"].get(k, 0.0) - r4["stalls"].get(k, 0.0)) / 4 for k in r8["stalls"]}
@@ -345,13 +375,14 @@ def facts(dtype, const, phase="fwd"):
     recs = [r for r in parse_ptxas(out["ptxas"])
             if kernel in r["name"] and ("bfloat16" in r["name"]) == (dtype == "bf16")]
     prog = sass.program(body)
-    roles = _role_loops(prog)
+    roles = _grads_roles(prog) if phase == "grads" else _role_loops(prog)
     if set(roles) != want:
         return Facts(error=f"the kernel's loops not found in its SASS: {sorted(roles)}")
     regs, spill = (recs[0]["registers"], recs[0]["spill"] + recs[0]["stack"]) if recs else (0, 0)
     wf = banks.conflict_wavefronts(prog)
+    inner = V_BLOCKS if phase == "grads" else 1      # (a value head's V-blocks, a V-block's two K-halves)
     return Facts(regs=regs, spill=spill, smem=_smem_bytes(phase),
-                 loops={r: _simulate_loop(prog, span, const, wf) for r, span in roles.items()})
+                 loops={r: _simulate_loop(prog, span, const, wf, inner) for r, span in roles.items()})
 
 
 def smem_by_line(phase="fwd", dtype="bf16"):
@@ -553,6 +584,51 @@ def bwd_estimate(f, dims, dtype, const):
                 bound=top, lat_bound=bound, est_s=t + const.launch_s)
 
 
+def grads_estimate(f, dims, dtype, const):
+    """The chunk-parallel gradient kernel's numbers at dims = (N, L, H, HV, K, V), as estimate's. One CTA per
+    live (chunk slot, qk head), 1 per SM, not persistent (each CTA's fill exposed). Per CTA, with G = HV / H
+    value heads: the dq side's path G value-head iterations of its loop (each its V-block loop twice) plus
+    its Gram and final product (P K^: 8 HGMMA 64x128x16, two waits), the dk side's likewise (two final
+    products), the producer's G x 2 stage loads, the tensor pipe's sum over both sides, and the issue of one
+    warp of each warpgroup per sub-partition: the largest, plus ldg (the first loads). Bytes: every tile read
+    once (q, k and row factors per CTA, per value head and V-block a stage, dq / dk and the shares out).
+    Shared memory: what the TMA loads move, both sides' loops' wavefronts (4 warps each) and operand
+    reads, and outside the loops the Grams' and final products' operand reads and the fp32 tiles (Grams, P,
+    Bh) stored and read back."""
+    N, L, H, HV, K, V = dims
+    e, C = 2, M.CHUNK
+    G = HV // H
+    n = -(-L // C)
+    ctas = N * n * H
+    dq, dk, pr = f.loops["dq"], f.loops["dk"], f.loops["producer"]
+    c64, c128 = sass.hgmma_cycles("HGMMA.64x64x16.F32.BF16"), sass.hgmma_cycles("HGMMA.64x128x16.F32.BF16")
+    hg = const.lat.hgmma
+    pro = 8 * c64 + hg                               # a side's Gram (8 HGMMA 64x64x16) and its wait
+    terms = dict(dq=G * dq["cycles"] + pro + 8 * c128 + hg, dk=G * dk["cycles"] + pro + 16 * c128 + 2 * hg,
+                 producer=G * V_BLOCKS * pr["cycles"],
+                 mma=G * (dq["mma_cycles"] + dk["mma_cycles"]) + 2 * 8 * c64 + 24 * c128,
+                 issue=G * (dq["instr"] + dk["instr"] + V_BLOCKS * pr["instr"]))
+    bound = max(terms, key=terms.get)
+    t_lat = M._schedule([terms[bound] + const.lat.ldg] * ctas, NUM_SMS) / CLOCK_HZ
+    per_cta = GRADS_TILE_BYTES + G * V_BLOCKS * GRADS_STAGE_BYTES + 2 * C * K * e + 3 * G * C * 4
+    tiles = ctas * per_cta                           # every tile read once: the footprint
+    busy = min(ctas, NUM_SMS)
+    t_mem = max(tiles / HBM_BPS, tiles / (busy * SM_BPS))
+    per_vb = 2 * C * (C * V_BLOCK + K * V_BLOCK) + 2 * C * (2 * C * V_BLOCK + 2 * K * V_BLOCK + C * K)
+    flops = ctas * (G * V_BLOCKS * per_vb + 2 * 2 * C * C * K + 3 * 2 * 2 * C * C * K)
+    t_tc = flops / TC_FLOPS["bf16"]
+    side = lambda lp: ROLE_WARPS["state"] * lp["smem"] + lp["smem_mma"]   # noqa: E731  (4 warps a side)
+    fp32_tiles = 7 * C * C * 4                       # Grams stored, P and Bh stored, B^T and P^T read back
+    smem = ((GRADS_TILE_BYTES + G * V_BLOCKS * GRADS_STAGE_BYTES + fp32_tiles) / sass.SMEM_BYTES_PER_CYCLE
+            + G * (side(dq) + side(dk) + pr["smem"] * V_BLOCKS)
+            + 2 * 8 * sass.hgmma_smem_cycles("HGMMA.64x64x16.F32.BF16")
+            + 24 * sass.hgmma_smem_cycles("HGMMA.64x128x16.F32.BF16", "R0, R1"))
+    t_smem = ctas * smem / busy / CLOCK_HZ
+    t, top = M.bounded({"latency": t_lat, "bytes": t_mem, "smem": t_smem, "FLOPs": t_tc}, 1, const)  # 1 CTA per SM
+    return dict(ctas=ctas, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc, t_smem=t_smem, hbm_bytes=tiles, flops=flops,
+                bound=top, lat_bound=bound, step=terms[bound], est_s=t + const.launch_s)
+
+
 @dataclasses.dataclass
 class CudaLaunch:
     """A launch of one of the sm_90a kernels in a recorded case (report.py asks it for its row: row());
@@ -585,7 +661,7 @@ def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
     common = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=None, cu_seqlens=cu, cu_seqlens_padded=None,
                   scale=K ** -0.5, use_qk_l2norm=False, backend="cuda")
     rec.lengths = (L,) * N
-    real_launch, real_dstate = cuda_chunk.launch, cuda_chunk.chunk_bwd_dstate_cuda
+    real_launch, real_dstate, real_grads = cuda_chunk.launch, cuda_chunk.chunk_bwd_dstate_cuda, cuda_chunk.chunk_bwd_grads_cuda
 
     def fwd_launch(entry, device, *, reads, writes, **scalars):     # the forward kernels: modelled, not run
         phase = ("fwd_state" if reads["prep_ts"] is not None else "fwd" if not scalars["split"] else
@@ -593,6 +669,7 @@ def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
         rec.launches.append(CudaLaunch(KERNELS[phase][1], phase, kept=writes["kept_ts"] is not None))
     cuda_chunk.launch = fwd_launch
     cuda_chunk.chunk_bwd_dstate_cuda = lambda *a, **kw: rec.launches.append(CudaLaunch(BWD_KERNEL, "bwd"))
+    cuda_chunk.chunk_bwd_grads_cuda = lambda *a, **kw: rec.launches.append(CudaLaunch(GRADS_KERNEL, "grads"))
     _dispatch.kernel.cache_clear()
     try:
         rec.phase = "fwd"
@@ -605,6 +682,7 @@ def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
             op_body("chunk_gdr_bwd")(**common, do=torch.empty_like(v), dht=None, kept=kept if kept.numel() else None)
     finally:
         cuda_chunk.launch, cuda_chunk.chunk_bwd_dstate_cuda = real_launch, real_dstate
+        cuda_chunk.chunk_bwd_grads_cuda = real_grads
         _dispatch.kernel.cache_clear()
 
 
@@ -612,29 +690,38 @@ def row(name, dims, dtype, const, launch=None):
     """The report row of the kernel of `launch` (a CudaLaunch; default the forward's; report.py's
     columns), or one with the error."""
     phase = launch.phase if launch is not None else "fwd"
-    fwd = phase != "bwd"
+    fwd, grads = phase.startswith("fwd"), phase == "grads"
     f = facts(dtype, const, phase)
     base = dict(impl="cuda", shape=name, dtype=dtype, mode="fwd" if fwd else "bwd", kernel=KERNELS[phase][1],
-                config=f"VB64 cluster{CLUSTER[phase]} s3 p4" if fwd
+                config=f"VB64 cluster{CLUSTER[phase]} s3 p4" if fwd else "VB64 s2 G-loop" if grads
                 else "VB64 cluster2 s3", candidates=1,
-                warps=(THREADS if fwd else BWD_THREADS) // 32, stages=STAGES, loop_hmma="", loop_f2fp="",
-                step_stalls={}, dots="bf16+f16" if dtype == "bf16" else "f16", error=f.error)
+                warps=(BWD_THREADS if phase == "bwd" else THREADS) // 32, stages=2 if grads else STAGES,
+                loop_hmma="", loop_f2fp="", step_stalls={}, dots="bf16+f16" if dtype == "bf16" else "f16",
+                error=f.error)
     if f.error or not takes(dims, dtype):
         return dict(base, grid="", ctas="", regs="", smem_kb="", spill_b=0, ctas_per_sm="", waves="", loop_hgmma="",
                     loop_instr="", loop_waits="", loop_bars="", step_cycles="", hbm_gb=0.0, gflop=0.0, lat_us="",
                     bytes_us="", flops_us="", smem_us="", bound="error", est_us="",
                     error=f.error or f"the kernel takes K = V = {HEAD_DIM}, bf16 / fp16 only")
-    est = estimate(f, dims, dtype, const, launch.kept, phase) if fwd else bwd_estimate(f, dims, dtype, const)
-    s, p = f.loops["state"], f.loops.get("prep", dict(hgmma=0, instr=0, waits=0))
     n = -(-dims[1] // M.CHUNK)
     us = lambda t: round(t * 1e6, 1)  # noqa: E731
-    per = 2 if phase == "fwd_split_pair" else 1
-    return dict(base, grid=f"{CLUSTER[phase]}x{dims[3] // per}x{dims[0]}", ctas=est["ctas"], regs=f.regs, smem_kb=round(f.smem / 1024, 1),
-                spill_b=f.spill, ctas_per_sm=1, waves=math.ceil(est["ctas"] / NUM_SMS),
-                loop_hgmma=s["hgmma"] + p["hgmma"] / 2, loop_instr=round(s["instr"] + p["instr"] / 2),
-                loop_waits=s["waits"] + p["waits"] / 2, loop_bars="",
-                step_cycles=round(cta_cycles(f, n, const, phase)[0] / n),   # a chunk step
-                step_stalls={k: round(v) for k, v in s["stalls"].items()},
+    if grads:                  # a row of the CTA's two sides: its loops are per value head, its step per CTA
+        est = grads_estimate(f, dims, dtype, const)
+        dq, dk = f.loops["dq"], f.loops["dk"]
+        loop = dict(loop_hgmma=dq["hgmma"] + dk["hgmma"], loop_instr=round(dq["instr"] + dk["instr"]),
+                    loop_waits=dq["waits"] + dk["waits"], step_cycles=round(est["step"]),
+                    step_stalls={k: round(v) for k, v in dk["stalls"].items()}, grid=f"{dims[0] * n}x{dims[2]}")
+    else:
+        est = estimate(f, dims, dtype, const, launch.kept, phase) if fwd else bwd_estimate(f, dims, dtype, const)
+        s, p = f.loops["state"], f.loops.get("prep", dict(hgmma=0, instr=0, waits=0))
+        per = 2 if phase == "fwd_split_pair" else 1
+        loop = dict(loop_hgmma=s["hgmma"] + p["hgmma"] / 2, loop_instr=round(s["instr"] + p["instr"] / 2),
+                    loop_waits=s["waits"] + p["waits"] / 2,
+                    step_cycles=round(cta_cycles(f, n, const, phase)[0] / n),   # a chunk step
+                    step_stalls={k: round(v) for k, v in s["stalls"].items()},
+                    grid=f"{CLUSTER[phase]}x{dims[3] // per}x{dims[0]}")
+    return dict(base, **loop, ctas=est["ctas"], regs=f.regs, smem_kb=round(f.smem / 1024, 1),
+                spill_b=f.spill, ctas_per_sm=1, waves=math.ceil(est["ctas"] / NUM_SMS), loop_bars="",
                 hbm_gb=float(f"{est['hbm_bytes'] / 1e9:.4g}"), gflop=round(est["flops"] / 1e9, 2),
                 lat_us=us(est["t_lat"]), bytes_us=us(est["t_mem"]), flops_us=us(est["t_tc"]), smem_us=us(est["t_smem"]),
                 bound=est["bound"], lat_role=est["lat_bound"], est_us=us(est["est_s"]))

@@ -316,9 +316,8 @@ def chunk_bwd_grads_cuda(q, k, v, g, do, table, prep, st, ut, dsn, dxp, scale, d
     dq, A and dk kernels (gdn_packed.triton.chunk._bwd_heads' `grads`), on what the recompute (st = S^T,
     ut = U^T) and the dS pass (dsn = dSn^T, dxp = dX'^T) wrote, [NC, HV, V, K] and [NC, HV, V, C] in q's
     dtype, and prep's outputs `prep` (gates, eg_last, rn). Writes, on the rows of the table's chunks: dq, dk
-    [T, H, K] (fp32: their values before the l2norm backward, else q's dtype), dg_part [2, HV, T] fp32 (the
-    two dg shares) and dbeta_part[1] (the dbeta share; [2, HV, T] fp32, slot 0 untouched): what
-    chunk_bwd_finalize_kernel sums with NK = 2, NQ = 1. q, k [T, H, K], v, do [T, HV, V] (bf16 / fp16; fp32
+    [T, H, K] (fp32: their values before the l2norm backward, else q's dtype), dg_part and dbeta_part [2, HV,
+    T] fp32 (the two sides' shares): what chunk_bwd_finalize_kernel sums with NK = 2, NQ = 0. q, k [T, H, K], v, do [T, HV, V] (bf16 / fp16; fp32
     with host=True), g [T, HV] fp32; table int32 [NC, 4]."""
     T, H, K = q.shape
     HV, Vd = v.shape[1], v.shape[2]

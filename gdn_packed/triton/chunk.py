@@ -343,7 +343,7 @@ def chunk_gdr_bwd_triton(q, k, v, g, beta, table, cu_chunks, initial_state, scal
     gdn_packed.cuda.chunk), used when the backward runs in one slice (its outputs are then contiguous).
     grads: a replacement of the four chunk-parallel kernels (P, dq, A, dk; backend="cuda": the sm_90a
     chunk-parallel kernel, gdn_packed.cuda.chunk.chunk_bwd_grads_cuda's arguments), writing dq, dk (or
-    their fp32 values before the l2norm backward) and two dg shares, one dbeta share; in one slice only.
+    their fp32 values before the l2norm backward) and two dg and two dbeta shares; in one slice only.
     prep, entering: prep's outputs and the states entering the segments of the state pass (fwd_segments;
     [N S, HV, K, V] fp32) kept by another forward (backend="cuda": its kernel's), used where kept gives
     none and the backward runs in one slice."""
@@ -417,10 +417,10 @@ def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table,
         # dg shares: the P kernel's (slot 0), one per K-block of the dq kernel (slots [1, 1 + nq)), the A
         # kernel's (slot 1 + nq), one per K-block of the dk kernel (2 + nq ...); dbeta shares: the A and
         # dk kernels' only (slots [1 + nq, 2 + nq + nk); the others are never written nor read). With
-        # `grads`: its two dg shares (slots 0, 1) and one dbeta share (slot 1).
+        # `grads`: its two sides' dg and dbeta shares (slots 0, 1).
         # [2, slot, HV, T]: a program's 64 rows of one head contiguous (as [T, HV] columns each 4-byte
         # access took a line of its own: finalize ran at 6.8x its estimate on the H200)
-        NQ, NK = (1, 2) if grads is not None else (1 + nq, 2 + nq + nk)
+        NQ, NK = (0, 2) if grads is not None else (1 + nq, 2 + nq + nk)
         part = torch.empty(2, NK, HV, T, **f32)
         # with l2norm the dq / dk kernels write dq, dk before the l2norm backward to pre [2, T, H, K] fp32
         pre = torch.empty(2, T, H, K, **f32) if l2 else None
