@@ -21,13 +21,15 @@
 //   warpgroup 1, the dq side (grads_dq): dO U^T, dO S^T, dX' v^T, S^T dSn, P; dq
 //   warpgroup 2, the dk side (grads_dk): dX' U^T, dX' S^T, U dSn^T; dk (P from the dq side)
 // A partial chunk (its rows past the chunk's length belong to the next sequence) has those rows of q, k,
-// dO, v zeroed in shared memory before use. The host mirror (chunk_gdr_grads_sm90 with host = true) runs
-// both tile programs over every (slot, qk head) in a CPU loop, with plain loops in place of wgmma / TMA.
+// dO, v zeroed in shared memory before use (by the dq side). The host mirror (chunk_gdr_grads_sm90 with
+// host = true) runs both tile programs over every (slot, qk head) in a CPU loop, with plain loops in place of
+// wgmma / TMA and of the warp's shuffles.
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -74,7 +76,7 @@ void mirror_tile(const GradsArgs& a, int64_t j, int64_t h) {
   using P = HostPolicyT<T>;
   const int64_t start = a.table[j * 4 + 2], HV = a.HV, G = HV / a.H;
   const int length = a.table[j * 4 + 3];
-  if (length <= 0) return;
+  if (length <= 0 || start < 0 || start + std::min(length, kC) > a.T) return;     // (the kernel's guard)
   std::vector<T> q(kC * kK), k(kC * kK), dO(kC * kVB), v(kC * kVB), ut(kVB * kC), dx(kVB * kC), st(kVB * kK),
       dsn(kVB * kK);
   const T *qg = static_cast<const T*>(a.q), *kg = static_cast<const T*>(a.k), *vg = static_cast<const T*>(a.v),

@@ -26,7 +26,9 @@
 // The policy P is the forward's (chunk_gdr_sm90.cuh), with: P::mma_ss (A in shared memory too),
 // P::col_block (a tile's 64-column block), P::add_row_sums / P::row_dot / p.add_col_sums / P::add_diag (row
 // and column sums and the diagonal of a fragment, into shared rows / columns), P::RowVal (a value per chunk
-// row, its thread's on the device).
+// row, its thread's on the device), p.rev_sum / p.fwd_sum / p.sum_rows (from for_rows, r its own row: a shared
+// vector's sum over the rows from r to the last, before r, all; on the device by shuffles within each of the
+// two warps).
 #pragma once
 
 #include "chunk_gdr_sm90.cuh"
@@ -155,22 +157,6 @@ GDN_HD void gram(P& p, const typename P::Smem& x, const typename P::Smem& y, con
   p.sync_generic();
 }
 
-// The sum of x[c] over rows lo <= c < hi of a shared vector of the chunk's rows (16-byte aligned), from the
-// last row: every row loaded first (independent 16-byte loads), then one masked add a row (a chain of adds,
-// not of loads). The reverse cumulative sum at row r is rows_sum(x, r, 64), the exclusive forward one
-// rows_sum(x, 0, r).
-GDN_HD float rows_sum(const float* x, int lo, int hi) {
-  float s = 0.f;
-#pragma unroll
-  for (int b = kC - 2 * kStrip; b >= 0; b -= 2 * kStrip) {    // 16 rows at a time (the loads run ahead)
-    float v[2 * kStrip];
-    load8(v, x + b);
-    load8(v + kStrip, x + b + kStrip);
-#pragma unroll
-    for (int c = 2 * kStrip - 1; c >= 0; --c) s += b + c >= lo && b + c < hi ? v[c] : 0.f;
-  }
-  return s;
-}
 // the first rows' g of head 0 into gpre (grads_decay's)
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
@@ -178,6 +164,32 @@ GDN_HD float rows_sum(const float* x, int lo, int hi) {
 template <class P, class GFn>
 GDN_HD void grads_g0(P& p, typename P::template RowVal<float>& gpre, GFn&& g_rows, int64_t stride, int length) {
   p.for_rows([&](int r) { gpre[r] = r < length ? g_rows(0)[r * stride] : 0.f; });
+}
+
+// A side's per-row and per-column sums zeroed (before a value head)
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P>
+GDN_HD void clear_sums(P& p, GradsScratch& s) {
+  p.for_rows([&](int r) {
+    for (int i = 0; i < 4; ++i) s.row[i][r] = 0.f;
+    s.col[r] = 0.f;
+  });
+}
+
+// A side's start: head 0's g in flight (gpre), its Gram matrix (x y^T, row factors fx, fy) into gram, its sums
+// zeroed
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P, typename T, class GFn>
+GDN_HD void grads_start(P& p, GradsScratch& s, typename P::template RowVal<float>& gpre, GFn&& g_rows, int64_t stride,
+                        int length, const typename P::Smem& x, const typename P::Smem& y, const float* fx,
+                        const float* fy, float* gram_out) {
+  grads_g0(p, gpre, g_rows, stride, length);
+  gram<P, T>(p, x, y, fx, fy, gram_out);
+  clear_sums(p, s);
 }
 
 // The dq side (one warpgroup). stage(g, vb) waits for and returns value head g's V-block vb (GradsTiles),
@@ -198,12 +210,7 @@ GDN_HD void grads_dq(P& p, int G, int length, float scale, const typename P::Sme
   P::zero(pacc);
   P::zero(dq);
   typename P::template RowVal<float> gpre;
-  grads_g0(p, gpre, g_rows, g_stride, length);
-  gram<P, T>(p, q_t, k_t, rq, rk, pt);                 // Q^K^^T
-  p.for_rows([&](int r) {
-    for (int i = 0; i < 4; ++i) s.row[i][r] = 0.f;
-    s.col[r] = 0.f;
-  });
+  grads_start<P, T>(p, s, gpre, g_rows, g_stride, length, q_t, k_t, rq, rk, pt);      // Q^K^^T
   for (int g = 0; g < G; ++g) {
     grads_decay(p, s, gpre, g, G, g_rows, g_stride, length);
     typename P::template Frag<kC> dm;                  // dO U^T
@@ -257,14 +264,11 @@ GDN_HD void grads_dq(P& p, int G, int length, float scale, const typename P::Sme
     p.sync_generic();
     const float eg = eg_last(g);
     p.for_rows([&](int r) {
-      const float d = rows_sum(s.x[0], r, kC) + eg * rows_sum(s.row[kRowSds], 0, kC);
+      const float d = p.rev_sum(s.x[0], r) + eg * p.sum_rows(s.row[kRowSds]);
       if (r < length) share(g, r, d, s.row[kRowDxv][r]);
     });
     p.sync_generic();
-    p.for_rows([&](int r) {
-      for (int i = 0; i < 4; ++i) s.row[i][r] = 0.f;
-      s.col[r] = 0.f;
-    });
+    clear_sums(p, s);
     p.sync_generic();
     done(g, kVBlocks - 1);
   }
@@ -287,12 +291,7 @@ GDN_HD void grads_dk(P& p, int G, int length, const typename P::Smem& q_t, const
   P::zero(bh);
   P::zero(dk);
   typename P::template RowVal<float> gpre;
-  grads_g0(p, gpre, g_rows, g_stride, length);
-  gram<P, T>(p, k_t, k_t, rk, rk, bt);                 // K^K^^T
-  p.for_rows([&](int r) {
-    for (int i = 0; i < 4; ++i) s.row[i][r] = 0.f;
-    s.col[r] = 0.f;
-  });
+  grads_start<P, T>(p, s, gpre, g_rows, g_stride, length, k_t, k_t, rk, rk, bt);      // K^K^^T
   for (int g = 0; g < G; ++g) {
     grads_decay(p, s, gpre, g, G, g_rows, g_stride, length);
     typename P::template Frag<kC> da;                  // dX' U^T
@@ -356,15 +355,12 @@ GDN_HD void grads_dk(P& p, int G, int length, const typename P::Smem& q_t, const
     });
     p.sync_generic();
     p.for_rows([&](int r) {
-      const float d = rows_sum(s.x[0], r, kC) + rows_sum(s.x[1], 0, r);
+      const float d = p.rev_sum(s.x[0], r) + p.fwd_sum(s.x[1], r);
       const float db = s.row[kRowA][r] - egk[r] * s.row[kRowKF1][r];
       if (r < length) share(g, r, d, db);
     });
     p.sync_generic();
-    p.for_rows([&](int r) {
-      for (int i = 0; i < 4; ++i) s.row[i][r] = 0.f;
-      s.col[r] = 0.f;
-    });
+    clear_sums(p, s);
     p.sync_generic();
     done(g, kVBlocks - 1);
   }

@@ -68,7 +68,9 @@ chunk_gdr_grads_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __gr
   const int4 row = __ldg(reinterpret_cast<const int4*>(a.table) + j);   // (seq, idx, start, length)
   const int64_t start = row.z;
   const int length = row.w;
-  if (length <= 0) return;                        // the whole CTA, before any barrier
+  // the whole CTA, before any barrier: an empty slot, or a row range outside the tensors (the table builder
+  // never makes one; a guard, as every read and write below is at rows start + r, r < min(length, 64))
+  if (length <= 0 || start < 0 || start + (length < kC ? length : kC) > a.T) return;
   const int nstages = static_cast<int>(kVBlocks * G);
   if (tid == 0) {
     mbar_init(&sm.tile_full, 1);
@@ -128,8 +130,9 @@ chunk_gdr_grads_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __gr
     const int it = kVBlocks * g + vb, st = it % kGradsStages;
     mbar_wait(&sm.full[st], (it / kGradsStages) & 1, "grads, full[it % 2]: the stage landed", it);
     uint8_t(*t)[kBlock] = sm.tiles[st];
-    if (length < kC) {                            // this side's row tile (dO or v): the next sequence's rows 0
-      zero_rows_from(smem_u32(t[wg == 1 ? kTileDo : kTileV]), length, wtid);
+    if (length < kC && wg == 1) {                 // the row tiles (dO, v; both the dq side's): the next
+      zero_rows_from(smem_u32(t[kTileDo]), length, wtid);    // sequence's rows 0
+      zero_rows_from(smem_u32(t[kTileV]), length, wtid);
       p.sync();
     }
     return GradsTiles<P>{{smem_u32(t[kTileDo]), kBlock, true}, {smem_u32(t[kTileV]), kBlock, true},

@@ -479,6 +479,47 @@ struct DevPolicy {
     rows[row(0)] += d0;
     rows[row(0) + 8] += d1;
   }
+  // From for_rows (threads 0..63: two whole warps), r the thread's own row (for_rows's argument), x a vector of
+  // the chunk's rows (8-byte aligned): its sum over rows c >= r (rev_sum), c < r (fwd_sum) or all (sum_rows).
+  // Each warp scans all 64 rows, lane l holding rows 2 l, 2 l + 1 (a shuffle scan of the pair sums, log
+  // steps), then takes row r's pair from its lane; no difference of two sums is formed (a pair's other row is
+  // added, never subtracted).
+  __device__ float sum_rows(const float* x) const {
+    const int lane = tid_wg() & 31;
+    const float2 v = *reinterpret_cast<const float2*>(x + 2 * lane);
+    float s = v.x + v.y;
+#pragma unroll
+    for (int m = 16; m >= 1; m /= 2) s += __shfl_xor_sync(0xffffffffu, s, m);
+    return s;
+  }
+  __device__ float rev_sum(const float* x, int r) const {
+    const int lane = tid_wg() & 31;
+    const float2 v = *reinterpret_cast<const float2*>(x + 2 * lane);
+    float s = v.x + v.y;                                      // rows 2 lane .. 63, after the scan
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const float t = __shfl_down_sync(0xffffffffu, s, d);
+      if (lane + d < 32) s += t;
+    }
+    float after = __shfl_down_sync(0xffffffffu, s, 1);      // rows 2 lane + 2 .. 63
+    if (lane == 31) after = 0.f;
+    const float a = __shfl_sync(0xffffffffu, after, r >> 1);
+    return ((r & 1) ? x[r] : x[r] + x[r + 1]) + a;
+  }
+  __device__ float fwd_sum(const float* x, int r) const {
+    const int lane = tid_wg() & 31;
+    const float2 v = *reinterpret_cast<const float2*>(x + 2 * lane);
+    float s = v.x + v.y;                                      // rows 0 .. 2 lane + 1, after the scan
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const float t = __shfl_up_sync(0xffffffffu, s, d);
+      if (lane >= d) s += t;
+    }
+    float before = __shfl_up_sync(0xffffffffu, s, 1);       // rows 0 .. 2 lane - 1
+    if (lane == 0) before = 0.f;
+    const float b = __shfl_sync(0xffffffffu, before, r >> 1);
+    return (r & 1) ? b + x[r - 1] : b;
+  }
   // cols[c] += sum over r of f(r, c): over the warp's rows by shuffles (lanes of one lane % 4 hold the same
   // columns), then the four warps' partials (part [4][64]) in a fixed order; every thread of the warpgroup
   // calls it (two named barriers)

@@ -192,6 +192,18 @@ struct HostPolicy {
       rows[r] += s;
     }
   }
+  // the sum of x (a vector of the chunk's rows) over all rows, over rows c >= r, over rows c < r
+  static float sum_rows(const float* x) { return rev_sum(x, 0); }
+  static float rev_sum(const float* x, int r) {
+    float s = 0.f;
+    for (int c = kC - 1; c >= r; --c) s += x[c];
+    return s;
+  }
+  static float fwd_sum(const float* x, int r) {
+    float s = 0.f;
+    for (int c = 0; c < r; ++c) s += x[c];
+    return s;
+  }
   static void add_diag(const Frag<kC>& f, float* rows) {     // rows[r] += f(r, r)
     for (int r = 0; r < kC; ++r) rows[r] += f.d[r * kC + r];
   }
