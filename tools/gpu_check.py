@@ -15,7 +15,8 @@ so time an early step leaves is given to the later ones and the whole run ends i
              first config (fla-core's tuning is not what the tests check); dry run: the first device
              test of each module
   sanitizer  the CUDA kernels (chunk table, conv fwd+bwd, recurrent, the sm_90a chunked forward with
-             the Triton backward, the sm_90a backward's dS pass against the Triton one) and one Triton
+             its backward: the Triton one with the sm_90a dS pass and chunk-parallel gradients; the
+             sm_90a backward's dS pass against the Triton one) and one Triton
              chunked forward+backward, small packed cases, run
              plainly, under compute-sanitizer memcheck and racecheck; dry run: plainly, on CPU. On a
              GPU a probe first runs the sm_90a forward on one 64-token sequence with a timeout; if it
@@ -569,8 +570,8 @@ def _cuda_forward_refusal(q, v, dev):
 def _case_cuda_chunk(dev, skipped):
     """On a small packing with zero-length, single-token and partial chunks and gaps (K = V = 128, bf16):
     the backward's sm_90a dS pass (on Triton prep), then, where refusal() lets it run and this run's probe
-    did not hang (HUNG_ENV), the sm_90a chunked forward (backend="cuda") and the backward through it:
-    finite, o within the bf16 budget of Triton's."""
+    did not hang (HUNG_ENV), the sm_90a chunked forward (backend="cuda") and the backward through it (its
+    sm_90a dS pass and chunk-parallel gradients): finite, o within the bf16 budget of Triton's."""
     import torch
 
     import gdn_packed
