@@ -157,6 +157,19 @@ GDN_HD void gram(P& p, const typename P::Smem& x, const typename P::Smem& y, con
   p.sync_generic();
 }
 
+// f (.)= t, an fp32 [64][kPLd] tile in shared memory (the Gram matrices)
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P>
+GDN_HD void times_tile(typename P::template Frag<kC>& f, const float* t) {
+  P::for_each_pair(f, [&](int r, int c, float& x0, float& x1) {
+    const float2 y = load2(t + r * kPLd + c);
+    x0 *= y.x;
+    x1 *= y.y;
+  });
+}
+
 // the first rows' g of head 0 into gpre (grads_decay's)
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
@@ -252,11 +265,7 @@ GDN_HD void grads_dq(P& p, int G, int length, float scale, const typename P::Sme
       m0 = p0;
       m1 = p1;
     });
-    P::for_each_pair(dm, [&](int r, int c, float& m0, float& m1) {
-      const float2 q = load2(pt + r * kPLd + c);
-      m0 *= q.x;
-      m1 *= q.y;
-    });
+    times_tile<P>(dm, pt);                             // . Q^K^^T
     P::add_row_sums(dm, s.row[kRowPm]);
     p.add_col_sums(dm, s.col, &s.part[0][0]);
     p.sync_generic();
@@ -337,11 +346,7 @@ GDN_HD void grads_dk(P& p, int G, int length, const typename P::Smem& q_t, const
       a0 = d0;
       a1 = d1;
     });
-    P::for_each_pair(da, [&](int r, int c, float& a0, float& a1) {
-      const float2 k2 = load2(bt + r * kPLd + c);
-      a0 *= k2.x;
-      a1 *= k2.y;
-    });
+    times_tile<P>(da, bt);                             // . K^K^^T
     P::add_row_sums(da, s.row[kRowA]);
     P::for_each_pair(da, [&](int r, int, float& a0, float& a1) {
       a0 *= beta[r];
