@@ -311,18 +311,21 @@ def test_dstate_long_sequences_match_triton_and_rerun_bit_identical(packing):
 
 # ---- the backward's chunk-parallel gradients (csrc/chunk_gdr_grads_sm90.cu) ----
 
-def grads_backward(packing, dtype, seed, impl):
+def grads_backward(packing, dtype, seed, impl, poison=False):
     """The Triton backward on the GPU (l2norm, h0, dht) with its P, dq, A and dk kernels ("triton"), or with
     the sm_90a gradient kernel as its `grads` ("cuda"), or with that kernel's host mirror on CPU copies of the
-    same arguments ("mirror"): dq, dk, dg, dbeta as CPU tensors, and the padding rows."""
+    same arguments ("mirror"): dq, dk, dg, dbeta as CPU tensors, and the padding rows. poison: NaN in the
+    padding rows of q, k, v and dO."""
     from gdn_packed.cuda.chunk import chunk_bwd_grads_cuda
     from gdn_packed.ops.chunk_table import make_chunk_table
     from gdn_packed.triton.chunk import Prep, chunk_gdr_bwd_triton
-    (q, k, v, g, beta, h0), cu, cu_pad, pad = inputs(packing, dtype, seed)
+    (q, k, v, g, beta, h0), cu, cu_pad, pad = inputs(packing, dtype, seed, poison)
     q, k, v, g, beta = (t[0].cuda() for t in (q, k, v, g, beta))
     h0 = h0.cuda()
     gen = torch.Generator().manual_seed(seed + 100)
     do, dht = torch.randn(v.shape, generator=gen).to(dtype).cuda(), torch.randn(h0.shape, generator=gen).cuda()
+    if poison:
+        do[pad.cuda()] = float("nan")
     table, cc = make_chunk_table(cu.cuda(), None if cu_pad is None else cu_pad.cuda(), q.shape[0], 64)
 
     def mirror(*args):
@@ -366,3 +369,15 @@ def test_grads_long_sequences_match_triton_and_rerun_bit_identical(packing):
         for name, a, b, c in zip(("dq", "dk", "dg", "dbeta"), got, tri, again):
             assert rel_err(a, b.double()) <= BUDGETS[dtype]["grad"], (name, dtype)
             assert torch.equal(a, c), (name, dtype)
+
+
+@pytest.mark.parametrize("pi", [i for i, p in enumerate(PACKINGS) if p.has_padding],
+                         ids=[IDS[i] for i, p in enumerate(PACKINGS) if p.has_padding])
+def test_grads_nan_in_padding_rows_changes_nothing(pi):
+    """NaN in the padding rows of q, k, v and dO (which the kernel's TMA boxes load beside a partial chunk's
+    rows, and zeroes in shared memory): dq, dk, dg, dbeta bit-identical to the clean run's, padding rows 0."""
+    got, pad = grads_backward(PACKINGS[pi], torch.bfloat16, pi, "cuda", poison=True)
+    clean, _ = grads_backward(PACKINGS[pi], torch.bfloat16, pi, "cuda")
+    for name, a, b in zip(("dq", "dk", "dg", "dbeta"), got, clean):
+        assert torch.equal(a, b), name
+        assert torch.equal(a[pad], torch.zeros_like(a[pad])), name
