@@ -72,9 +72,10 @@ GDN_HD S mn_major(S t) {           // the same tile as an MN-major operand
   return t;
 }
 
-// The decay tables of value head g's chunk into s from its g (gpre: each row's, loaded during the previous
-// head), then the next head's g loaded into gpre (g_rows(h): head h's at the chunk's rows, `stride` apart;
-// live rows < length), in flight while this head runs.
+// A value head's start: its per-row and per-column sums zeroed (the previous head's reads of them are done:
+// its last barrier), and the decay tables of its chunk into s from its g (gpre: each row's, loaded during
+// the previous head), then the next head's g loaded into gpre (g_rows(h): head h's at the chunk's rows,
+// `stride` apart; live rows < length), in flight while this head runs.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
@@ -82,6 +83,8 @@ template <class P, class GFn>
 GDN_HD void grads_decay(P& p, GradsScratch& s, typename P::template RowVal<float>& gpre, int g, int G, GFn&& g_rows,
                         int64_t stride, int length) {
   p.for_rows([&](int r) {
+    for (int i = 0; i < 4; ++i) s.row[i][r] = 0.f;
+    s.col[r] = 0.f;
     s.g[r] = gpre[r] * kLog2e;
     gpre[r] = g + 1 < G && r < length ? g_rows(g + 1)[r * stride] : 0.f;
   });
@@ -179,30 +182,16 @@ GDN_HD void grads_g0(P& p, typename P::template RowVal<float>& gpre, GFn&& g_row
   p.for_rows([&](int r) { gpre[r] = r < length ? g_rows(0)[r * stride] : 0.f; });
 }
 
-// A side's per-row and per-column sums zeroed (before a value head)
-#if defined(__CUDACC__)
-#pragma nv_exec_check_disable
-#endif
-template <class P>
-GDN_HD void clear_sums(P& p, GradsScratch& s) {
-  p.for_rows([&](int r) {
-    for (int i = 0; i < 4; ++i) s.row[i][r] = 0.f;
-    s.col[r] = 0.f;
-  });
-}
-
-// A side's start: head 0's g in flight (gpre), its Gram matrix (x y^T, row factors fx, fy) into gram, its sums
-// zeroed
+// A side's start: head 0's g in flight (gpre), its Gram matrix (x y^T, row factors fx, fy) into gram
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
 template <class P, typename T, class GFn>
-GDN_HD void grads_start(P& p, GradsScratch& s, typename P::template RowVal<float>& gpre, GFn&& g_rows, int64_t stride,
+GDN_HD void grads_start(P& p, typename P::template RowVal<float>& gpre, GFn&& g_rows, int64_t stride,
                         int length, const typename P::Smem& x, const typename P::Smem& y, const float* fx,
                         const float* fy, float* gram_out) {
   grads_g0(p, gpre, g_rows, stride, length);
   gram<P, T>(p, x, y, fx, fy, gram_out);
-  clear_sums(p, s);
 }
 
 // The dq side (one warpgroup). stage(g, vb) waits for and returns value head g's V-block vb (GradsTiles),
@@ -223,7 +212,7 @@ GDN_HD void grads_dq(P& p, int G, int length, float scale, const typename P::Sme
   P::zero(pacc);
   P::zero(dq);
   typename P::template RowVal<float> gpre;
-  grads_start<P, T>(p, s, gpre, g_rows, g_stride, length, q_t, k_t, rq, rk, pt);      // Q^K^^T
+  grads_start<P, T>(p, gpre, g_rows, g_stride, length, q_t, k_t, rq, rk, pt);      // Q^K^^T
   for (int g = 0; g < G; ++g) {
     grads_decay(p, s, gpre, g, G, g_rows, g_stride, length);
     typename P::template Frag<kC> dm;                  // dO U^T
@@ -276,10 +265,7 @@ GDN_HD void grads_dq(P& p, int G, int length, float scale, const typename P::Sme
       const float d = p.rev_sum(s.x[0], r) + eg * p.sum_rows(s.row[kRowSds]);
       if (r < length) share(g, r, d, s.row[kRowDxv][r]);
     });
-    p.sync_generic();
-    clear_sums(p, s);
-    p.sync_generic();
-    done(g, kVBlocks - 1);
+    done(g, kVBlocks - 1);                           // (its barrier: every read of the sums done)
   }
   P::for_each(pacc, [&](int r, int c, float& x) { pt[r * kPLd + c] = x; });   // (every read of Q^K^^T done:
   p_out();                                                                     // the last head's barriers)
@@ -300,7 +286,7 @@ GDN_HD void grads_dk(P& p, int G, int length, const typename P::Smem& q_t, const
   P::zero(bh);
   P::zero(dk);
   typename P::template RowVal<float> gpre;
-  grads_start<P, T>(p, s, gpre, g_rows, g_stride, length, k_t, k_t, rk, rk, bt);      // K^K^^T
+  grads_start<P, T>(p, gpre, g_rows, g_stride, length, k_t, k_t, rk, rk, bt);      // K^K^^T
   for (int g = 0; g < G; ++g) {
     grads_decay(p, s, gpre, g, G, g_rows, g_stride, length);
     typename P::template Frag<kC> da;                  // dX' U^T
@@ -364,10 +350,7 @@ GDN_HD void grads_dk(P& p, int G, int length, const typename P::Smem& q_t, const
       const float db = s.row[kRowA][r] - egk[r] * s.row[kRowKF1][r];
       if (r < length) share(g, r, d, db);
     });
-    p.sync_generic();
-    clear_sums(p, s);
-    p.sync_generic();
-    done(g, kVBlocks - 1);
+    done(g, kVBlocks - 1);                           // (its barrier: every read of the sums done)
   }
   // B = Bh + Bh^T (Bh's transpose through bt, every read of K^K^^T done: the last head's barriers), then
   // (B rk rk) K
