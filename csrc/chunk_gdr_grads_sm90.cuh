@@ -25,7 +25,8 @@
 //
 // The policy P is the forward's (chunk_gdr_sm90.cuh), with: P::mma_ss (A in shared memory too),
 // P::col_block (a tile's 64-column block), P::add_row_sums / P::row_dot / p.add_col_sums / P::add_diag (row
-// and column sums and the diagonal of a fragment, into shared rows / columns), P::RowVal (a value per chunk
+// and column sums and the diagonal of a fragment, into shared rows / columns; add_col_sums ends with the
+// warpgroup's barrier, so that its columns and every shared write before it are visible after it), P::RowVal (a value per chunk
 // row, its thread's on the device), p.rev_sum / p.fwd_sum / p.sum_rows (from for_rows, r its own row: a shared
 // vector's sum over the rows from r to the last, before r, all; on the device by shuffles within each of the
 // two warps).
@@ -256,8 +257,7 @@ GDN_HD void grads_dq(P& p, int G, int length, float scale, const typename P::Sme
     });
     times_tile<P>(dm, pt);                             // . Q^K^^T
     P::add_row_sums(dm, s.row[kRowPm]);
-    p.add_col_sums(dm, s.col, &s.part[0][0]);
-    p.sync_generic();
+    p.add_col_sums(dm, s.col, &s.part[0][0]);          // (ends with the warpgroup's barrier)
     p.for_rows([&](int r) { s.x[0][r] = s.row[kRowPm][r] - s.col[r] + egq[r] * s.row[kRowQdot][r]; });
     p.sync_generic();
     const float eg = eg_last(g);
@@ -338,8 +338,7 @@ GDN_HD void grads_dk(P& p, int G, int length, const typename P::Smem& q_t, const
       a0 *= beta[r];
       a1 *= beta[r];
     });
-    p.add_col_sums(da, s.col, &s.part[0][0]);
-    p.sync_generic();
+    p.add_col_sums(da, s.col, &s.part[0][0]);          // (ends with the warpgroup's barrier)
     p.for_rows([&](int r) {
       s.x[0][r] = beta[r] * s.row[kRowA][r] - s.col[r] - begk[r] * s.row[kRowKF1][r];
       s.x[1][r] = wk[r] * s.row[kRowKF2][r];
