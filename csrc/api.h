@@ -143,7 +143,8 @@ struct ChunkGradsSm90Params {
                                           // else q's dtype; the rows of the table's chunks only
   std::uintptr_t dg_part = 0, dbeta_part = 0;   // out: [2, HV, T] float32: the dq side's shares (slot 0), the dk
                                                 // side's (slot 1)
-  int64_t N = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, NC = 0, chunk_size = 0;
+  int64_t N = 0;                          // unused (the sequences are the table's; the shared size checks read it)
+  int64_t T = 0, H = 0, HV = 0, K = 0, V = 0, NC = 0, chunk_size = 0;
   int dtype = 0;                          // 1 float16, 2 bfloat16 (0 float32: host mirror only)
   float scale = 1.f;
   bool dqk_f32 = false;

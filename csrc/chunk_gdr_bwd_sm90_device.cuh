@@ -207,11 +207,11 @@ Status launch_bwd_t(const BwdArgs& a, CUtensorMapDataType ty, cudaStream_t strea
   if (st.ok()) st = encode_3d(enc, &tdsn, ty, a.dsn, {kK, kV, slots}, blk, who, names);
   if (st.ok()) st = encode_3d(enc, &tdxp, ty, a.dxp, {kC, kV, slots}, blk, who, names);
   if (!st.ok()) return st;
-  if ((reinterpret_cast<std::uintptr_t>(a.gates) & 15) != 0 || (reinterpret_cast<std::uintptr_t>(a.table) & 15) != 0)
+  if (!aligned16({a.gates, a.table}))
     return Status::invalid("chunk_gdr_bwd_sm90: gates and table must be 16-byte aligned (bulk copies, int4 rows)");
   auto kernel = chunk_gdr_bwd_sm90_kernel<T>;
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBwdSmemBytes);
-  if (e != cudaSuccess) return cuda_error("chunk_gdr_bwd_sm90: cudaFuncSetAttribute", e);
+  st = allow_smem(kernel, kBwdSmemBytes, who);
+  if (!st.ok()) return st;
   if (a.N > 65535 || a.HV > 65535)
     return Status::invalid("chunk_gdr_bwd_sm90: at most 65535 sequences and value heads");
   const dim3 grid(kVBlocks, static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N));

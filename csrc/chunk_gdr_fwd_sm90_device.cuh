@@ -675,8 +675,8 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
   if (a.split) {       // state CTAs and prep CTAs, a cluster of 4 a (head, sequence), or of 8 a (GVA pair, sequence)
     const bool pairs = a.split_pairs;             // (gdn_packed/cuda/chunk.py: where its clusters of 8 fit)
     auto kernel = pairs ? chunk_gdr_fwd_sm90_split_pair_kernel<T> : chunk_gdr_fwd_sm90_split_kernel<T>;
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (e != cudaSuccess) return cuda_error("chunk_gdr_fwd_sm90: cudaFuncSetAttribute", e);
+    st = allow_smem(kernel, kSmemBytes, who);
+    if (!st.ok()) return st;
     const int per = pairs ? 2 : 1;
     kernel<<<dim3(2 * kVBlocks * per, grid.y / per, grid.z), kThreads, kSmemBytes, stream>>>(tq, tk, tv, to, a);
     return launch_status("chunk_gdr_fwd_sm90 (split)");
@@ -689,14 +689,14 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
     if (st.ok()) st = encode_3d(enc, &tmm, ty, a.prep_mm, {kC, kC, slots}, blk, who, "prep_ts, prep_mm");
     if (!st.ok()) return st;
     auto kernel = chunk_gdr_fwd_sm90_state_kernel<T>;
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (e != cudaSuccess) return cuda_error("chunk_gdr_fwd_sm90: cudaFuncSetAttribute", e);
+    st = allow_smem(kernel, kSmemBytes, who);
+    if (!st.ok()) return st;
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(tq, tk, tv, to, tts, tmm, a);
     return launch_status("chunk_gdr_fwd_sm90 (state-only)");
   }
   auto kernel = chunk_gdr_fwd_sm90_kernel<T>;
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (e != cudaSuccess) return cuda_error("chunk_gdr_fwd_sm90: cudaFuncSetAttribute", e);
+  st = allow_smem(kernel, kSmemBytes, who);
+  if (!st.ok()) return st;
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(tq, tk, tv, to, a);
   return launch_status("chunk_gdr_fwd_sm90");
 }
@@ -707,10 +707,7 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
 // then takes SMs / 4 (/ 8))
 template <class K>
 int resident_clusters(K kernel, int size) {
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return -1;
-  }
+  if (!allow_smem(kernel, kSmemBytes, "chunk_gdr_fwd_sm90_split_clusters").ok()) return -1;   // (error cleared)
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = size;

@@ -73,6 +73,15 @@ GDN_HD S mn_major(S t) {           // the same tile as an MN-major operand
   return t;
 }
 
+// Head h's g at chunk row r (g_rows(h): its g at the chunk's rows, `stride` apart), 0 past the live rows
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class GFn>
+GDN_HD float head_g(GFn&& g_rows, int h, int r, int64_t stride, int length) {
+  return r < length ? g_rows(h)[r * stride] : 0.f;
+}
+
 // A value head's start: its per-row and per-column sums zeroed (the previous head's reads of them are done:
 // its last barrier), and the decay tables of its chunk into s from its g (gpre: each row's, loaded during
 // the previous head), then the next head's g loaded into gpre (g_rows(h): head h's at the chunk's rows,
@@ -87,7 +96,7 @@ GDN_HD void grads_decay(P& p, GradsScratch& s, typename P::template RowVal<float
     for (int i = 0; i < 4; ++i) s.row[i][r] = 0.f;
     s.col[r] = 0.f;
     s.g[r] = gpre[r] * kLog2e;
-    gpre[r] = g + 1 < G && r < length ? g_rows(g + 1)[r * stride] : 0.f;
+    gpre[r] = g + 1 < G ? head_g(g_rows, g + 1, r, stride, length) : 0.f;
   });
   p.sync_generic();
   p.for_rows([&](int c) { strip_sums(s, s.g, c); });
@@ -107,18 +116,13 @@ GDN_HD void grads_decay(P& p, GradsScratch& s, typename P::template RowVal<float
 template <class P>
 GDN_HD void add_scaled_half(typename P::template Frag<kK>& acc, int kh, typename P::template Frag<kC>& x,
                             const float* rows, float sign) {
-  if (kh == 0)
-    P::for_each_lo_pair(acc, x, [&](int r, int, float& a0, float& a1, float& x0, float& x1) {
-      const float f = sign * rows[r];
-      a0 += f * x0;
-      a1 += f * x1;
-    });
-  else
-    P::for_each_hi2_pair(acc, x, [&](int r, int, float& a0, float& a1, float& x0, float& x1) {
-      const float f = sign * rows[r];
-      a0 += f * x0;
-      a1 += f * x1;
-    });
+  auto add = [&](int r, int, float& a0, float& a1, float& x0, float& x1) {
+    const float f = sign * rows[r];
+    a0 += f * x0;
+    a1 += f * x1;
+  };
+  if (kh == 0) P::for_each_lo_pair(acc, x, add);
+  else P::for_each_hi2_pair(acc, x, add);
 }
 
 // acc += (x (.) the row factors fr (.) the column factors fc) B, x fp32 (64 x 64, consumed) entering as its
@@ -174,15 +178,6 @@ GDN_HD void times_tile(typename P::template Frag<kC>& f, const float* t) {
   });
 }
 
-// the first rows' g of head 0 into gpre (grads_decay's)
-#if defined(__CUDACC__)
-#pragma nv_exec_check_disable
-#endif
-template <class P, class GFn>
-GDN_HD void grads_g0(P& p, typename P::template RowVal<float>& gpre, GFn&& g_rows, int64_t stride, int length) {
-  p.for_rows([&](int r) { gpre[r] = r < length ? g_rows(0)[r * stride] : 0.f; });
-}
-
 // A side's start: head 0's g in flight (gpre), its Gram matrix (x y^T, row factors fx, fy) into gram
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
@@ -191,7 +186,7 @@ template <class P, typename T, class GFn>
 GDN_HD void grads_start(P& p, typename P::template RowVal<float>& gpre, GFn&& g_rows, int64_t stride,
                         int length, const typename P::Smem& x, const typename P::Smem& y, const float* fx,
                         const float* fy, float* gram_out) {
-  grads_g0(p, gpre, g_rows, stride, length);
+  p.for_rows([&](int r) { gpre[r] = head_g(g_rows, 0, r, stride, length); });
   gram<P, T>(p, x, y, fx, fy, gram_out);
 }
 
@@ -272,8 +267,9 @@ GDN_HD void grads_dq(P& p, int G, int length, float scale, const typename P::Sme
   add_hi_lo<P, T>(p, dq, pacc, rq, rk, k_t);            // (P rq rk) K
 }
 
-// The dk side (one warpgroup), as grads_dq; share(g, r, dg, dbeta) for rows r < length; bt: its [64][kPLd] fp32 tile (K^K^^T over the heads, then Bh, B's transpose); pt: the dq
-// side's P, read once p_wait() has returned.
+// The dk side (one warpgroup), as grads_dq; share(g, r, dg, dbeta) for rows r < length; bt: its [64][kPLd]
+// fp32 tile (K^K^^T over the heads, then Bh, B's transpose); pt: the dq side's P, read once p_wait() has
+// returned.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif

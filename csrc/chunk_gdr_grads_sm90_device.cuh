@@ -187,12 +187,11 @@ Status launch_grads_t(const GradsArgs& a, CUtensorMapDataType ty, cudaStream_t s
   if (st.ok()) st = encode_3d(enc, &tdsn, ty, a.dsn, {kK, kV, slots}, blk, who, names);
   if (st.ok()) st = encode_3d(enc, &tdxp, ty, a.dxp, {kC, kV, slots}, blk, who, names);
   if (!st.ok()) return st;
-  if ((reinterpret_cast<std::uintptr_t>(a.gates) & 15) != 0 || (reinterpret_cast<std::uintptr_t>(a.rn) & 15) != 0 ||
-      (reinterpret_cast<std::uintptr_t>(a.table) & 15) != 0)
+  if (!aligned16({a.gates, a.rn, a.table}))
     return Status::invalid("chunk_gdr_grads_sm90: gates, rn and table must be 16-byte aligned (bulk copies, int4 rows)");
   auto kernel = chunk_gdr_grads_sm90_kernel<T>;
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGradsSmemBytes);
-  if (e != cudaSuccess) return cuda_error("chunk_gdr_grads_sm90: cudaFuncSetAttribute", e);
+  st = allow_smem(kernel, kGradsSmemBytes, who);
+  if (!st.ok()) return st;
   const dim3 grid(static_cast<unsigned>(a.NC), static_cast<unsigned>(a.H), 1);
   kernel<<<grid, kGradsThreads, kGradsSmemBytes, stream>>>(tq, tk, tv, tdo, tst, tut, tdsn, tdxp, a);
   return launch_status("chunk_gdr_grads_sm90");

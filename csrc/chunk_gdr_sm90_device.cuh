@@ -11,6 +11,7 @@
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 
+#include <initializer_list>
 #include <string>
 #include <utility>
 #if defined(GDN_SM90_WATCHDOG)
@@ -684,6 +685,20 @@ Status encode_3d(EncodeTiled enc, CUtensorMap* m, CUtensorMapDataType ty, const 
   if (r != CUDA_SUCCESS)
     return {StatusKind::kCudaError, std::string(who) + ": cuTensorMapEncodeTiled failed (" + std::to_string(r) + ")"};
   return {};
+}
+
+// A kernel's dynamic shared memory above the 48 KB default (every sm_90a kernel here: one CTA per SM).
+template <class K>
+Status allow_smem(K kernel, int bytes, const char* who) {
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  return e == cudaSuccess ? Status{} : cuda_error((std::string(who) + ": cudaFuncSetAttribute").c_str(), e);
+}
+
+// Whether every pointer is 16-byte aligned (bulk copies, int4 table rows).
+inline bool aligned16(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if ((reinterpret_cast<std::uintptr_t>(p) & 15) != 0) return false;
+  return true;
 }
 
 // [rows, heads, cols] rows of a packed tensor (q, k, v, o, ...): boxes of 64 columns of one head, 64 rows.

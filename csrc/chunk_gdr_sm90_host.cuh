@@ -40,7 +40,7 @@ struct HostPolicy {
   template <typename U>
   struct RowVal {      // a value per chunk row (the device: the row's thread holds its own)
     U v[kC];
-    U& operator[](int r) { return v[r]; }
+    GDN_HD U& operator[](int r) { return v[r]; }   // (__host__ __device__: the tile programs' lambdas call it)
   };
   template <int N, class F>
   static void for_each(Frag<N>& f, F&& fn) {
@@ -193,13 +193,14 @@ struct HostPolicy {
     }
   }
   // the sum of x (a vector of the chunk's rows) over all rows, over rows c >= r, over rows c < r
-  static float sum_rows(const float* x) { return rev_sum(x, 0); }
-  static float rev_sum(const float* x, int r) {
+  // (__host__ __device__ only because the tile programs call them from a lambda; host only)
+  static GDN_HD float sum_rows(const float* x) { return rev_sum(x, 0); }
+  static GDN_HD float rev_sum(const float* x, int r) {
     float s = 0.f;
     for (int c = kC - 1; c >= r; --c) s += x[c];
     return s;
   }
-  static float fwd_sum(const float* x, int r) {
+  static GDN_HD float fwd_sum(const float* x, int r) {
     float s = 0.f;
     for (int c = 0; c < r; ++c) s += x[c];
     return s;

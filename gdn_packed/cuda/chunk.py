@@ -317,8 +317,8 @@ def chunk_bwd_grads_cuda(q, k, v, g, do, table, prep, st, ut, dsn, dxp, scale, d
     ut = U^T) and the dS pass (dsn = dSn^T, dxp = dX'^T) wrote, [NC, HV, V, K] and [NC, HV, V, C] in q's
     dtype, and prep's outputs `prep` (gates, eg_last, rn). Writes, on the rows of the table's chunks: dq, dk
     [T, H, K] (fp32: their values before the l2norm backward, else q's dtype), dg_part and dbeta_part [2, HV,
-    T] fp32 (the two sides' shares): what chunk_bwd_finalize_kernel sums with NK = 2, NQ = 0. q, k [T, H, K], v, do [T, HV, V] (bf16 / fp16; fp32
-    with host=True), g [T, HV] fp32; table int32 [NC, 4]."""
+    T] fp32 (the two sides' shares): what chunk_bwd_finalize_kernel sums with NK = 2, NQ = 0. q, k [T, H, K],
+    v, do [T, HV, V] (bf16 / fp16; fp32 with host=True), g [T, HV] fp32; table int32 [NC, 4]."""
     T, H, K = q.shape
     HV, Vd = v.shape[1], v.shape[2]
     NC = table.shape[0]
@@ -345,7 +345,8 @@ def chunk_bwd_grads_cuda(q, k, v, g, do, table, prep, st, ut, dsn, dxp, scale, d
 
 
 def _grads_as_triton(*args):
-    """chunk_bwd_grads_cuda as the Triton backward's `grads`."""
+    """chunk_bwd_grads_cuda as the Triton backward's `grads`, looked up when called (the tests' host-mirror
+    stand-in and the sm_90 report's recorder replace it, as _dstate_as_triton's dS pass)."""
     chunk_bwd_grads_cuda(*args)
 
 
