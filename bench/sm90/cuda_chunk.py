@@ -1,5 +1,6 @@
-"""The sm_90a CUDA chunked forward (csrc/chunk_gdr_fwd_sm90.cu, backend="cuda") and the backward's reverse
-dS pass (csrc/chunk_gdr_bwd_sm90.cu) in `python -m bench kernels`.
+"""The sm_90a CUDA chunked forward (csrc/chunk_gdr_fwd_sm90.cu, backend="cuda"), the backward's reverse
+dS pass (csrc/chunk_gdr_bwd_sm90.cu) and its chunk-parallel gradients (csrc/chunk_gdr_grads_sm90.cu) in
+`python -m bench kernels`.
 
 It is compiled here with nvcc for sm_90a (the CuTe headers of the pinned nvidia-cutlass; cached on disk
 beside the Triton compiles, keyed by the csrc sources), and its SASS goes through the same simulator at
@@ -58,10 +59,17 @@ two roles, the dS warpgroup's chunk loop (its "state" loop: s cycles a chunk, th
 dstate_step) and the producer's (r): D(n) = max(n s, n ldg / (S - 1) (the ring: a stage reloaded once
 both CTAs' dS steps released it), n r, issue, mma) + ldg; tiles per CTA and chunk: its K-halves of k
 and q and Ts or M (multicast: counted once), its dO columns, the gate rows, the stores of dSn^T, dX'^T
-and dv; shared memory as the forward's (smem_cycles). The backward of backend="cuda" is recorded as the
-Triton backward on the prep outputs the forward kept (the recompute, dq / dk / finalize) with its dS pass
-(pass A, combine, pass) replaced by the kernel's launch: the wiring of the kernel into that backward
-(H-cuda-bwd2's patch to gdn_packed/triton/chunk.py) is what it models."""
+and dv; shared memory as the forward's (smem_cycles).
+
+The chunk-parallel gradients (phase "grads", grads_estimate): one CTA per (chunk slot, qk head), not
+persistent; its two sides' value-head loops (dq, dk: _grads_roles, told apart by the dk side's nested K-half
+loop; each simulated with its V-block loop twice) and the producer's; per CTA the slower side's path over
+the G value heads plus its Gram and final products, the tensor pipe's sum over both sides, the issue of one
+warp of each side a sub-partition; every tile read once; shared memory as the others'.
+
+The backward of backend="cuda" is recorded as the Triton backward on the prep outputs the forward kept (the
+recompute, finalize) with its dS pass (pass A, combine, pass) and its P / dq / A / dk kernels replaced by
+the two kernels' launches (gdn_packed/triton/chunk.py's `dstate` and `grads` hooks)."""
 import bisect
 import collections
 import dataclasses
@@ -647,10 +655,11 @@ def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
     meta_inputs and op_body it takes) on meta tensors into `rec` (an active launches.Recorder), as under
     autograd: fwd: chunk_gdr_fwd's torch operators and, where the forward runs the state-only kernel,
     Triton prep's launch, then a CudaLaunch for the forward kernel (gdn_packed.cuda.chunk.forward_kernel's
-    choice), whose launch is stubbed (kept when the fused kernel keeps its prep outputs: kept_shape). bwd: chunk_gdr_bwd on the forward's
-    kept (the Triton backward on those prep outputs, or running prep where the forward keeps none) with its
-    reverse dS pass on the sm_90a dS kernel (gdn_packed.cuda.chunk.chunk_bwd_dstate_cuda, stubbed), a
-    CudaLaunch: what the backward of backend="cuda" launches."""
+    choice), whose launch is stubbed (kept when the fused kernel keeps its prep outputs: kept_shape). bwd:
+    chunk_gdr_bwd on the forward's kept (the Triton backward on those prep outputs, or running prep where
+    the forward keeps none) with its reverse dS pass and its chunk-parallel gradients on the sm_90a kernels
+    (gdn_packed.cuda.chunk.chunk_bwd_dstate_cuda, chunk_bwd_grads_cuda, stubbed), a CudaLaunch each: what
+    the backward of backend="cuda" launches."""
     import torch
 
     from gdn_packed.cuda import chunk as cuda_chunk
