@@ -30,8 +30,9 @@ so time an early step leaves is given to the later ones and the whole run ends i
   profile    each kernel's device time (torch.profiler) at the sm_90 model's three shapes, ours-triton,
              ours-cuda (and ours-cuda-fused, ours-cuda-state where ours-cuda runs the split kernel) and
              fla, forward and backward: what `python -m bench kernels` estimates per kernel
-  ncu        Nsight Compute on one launch of each of our chunk-parallel kernels and the state pass at
-             the anchor (memory throughput, stall reasons, occupancy); dry run: skipped
+  ncu        Nsight Compute on one launch of each of our chunk-parallel kernels, the state pass and the
+             sm_90a forward and backward kernels at the anchor (memory throughput, stall reasons,
+             occupancy); dry run: skipped
 Files in --out (at most 8, one folder): summary.csv, summary.json, gpu_check.log (every step's
 output), tests.csv (one row per test), bench.csv, bench.json, kernels.csv (one row per kernel),
 ncu.csv. Exit status 0 when no step failed or
@@ -80,13 +81,16 @@ PROBE_S, WATCHDOG_SPINS = 25, 200000
 OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench.csv", "bench.json", "kernels.csv",
              "ncu.csv")
 # the ncu step: our chunk-parallel kernels (1.8-2.8x the model on the second H200 run, 2026-12-04), the
-# sequential state pass for contrast (one launch of each in one forward+backward at the anchor), and the
-# sm_90a forward (the fused kernel 1.76x its model; at the anchor now the split kernel)
+# sequential state pass for contrast (one launch of each in one forward+backward at the anchor), the
+# sm_90a forward (the fused kernel 1.76x its model; at the anchor now the split kernel) and the sm_90a
+# backward's two kernels (the reverse dS pass, the chunk-parallel gradients: never run on a GPU yet)
 NCU_KERNELS = ("chunk_fwd_prep_kernel|chunk_fwd_state_kernel|chunk_bwd_p_kernel|chunk_bwd_dq_kernel|"
                "chunk_bwd_a_kernel|chunk_bwd_dk_kernel|chunk_bwd_finalize_kernel|chunk_gdr_fwd_sm90_kernel|"
-               "chunk_gdr_fwd_sm90_state_kernel|chunk_gdr_fwd_sm90_split_kernel|chunk_gdr_fwd_sm90_split_pair_kernel")
-NCU_LAUNCHES = 11       # one of each above in one Triton forward + backward (the state kernel three times),
-                        # then the cuda forward's split kernel (at the anchor's GVA pairs: its pair form)
+               "chunk_gdr_fwd_sm90_state_kernel|chunk_gdr_fwd_sm90_split_kernel|chunk_gdr_fwd_sm90_split_pair_kernel|"
+               "chunk_gdr_bwd_sm90_kernel|chunk_gdr_grads_sm90_kernel")
+NCU_LAUNCHES = 15       # one of each above in one Triton forward + backward (the state kernel three times),
+                        # then one cuda forward + backward: the split kernel (at the anchor's GVA pairs: its
+                        # pair form), the recompute (the state kernel), the dS pass, the gradients, finalize
 NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "LaunchStats", "Occupancy",
                 "SchedulerStats")
 # what the sections above do not break down (the second H200 session: prep, dq and dk had L1/TEX 50-77%
@@ -874,8 +878,9 @@ def _sync_errors(torch):
 
 def case_ncu():
     """One ours-triton forward+backward at the anchor (bf16, 16/32 heads, K = V = 128) for ncu, then one
-    sm_90a forward where it may run (the fused kernel ran at 1.76x its model on the H200: which of its roles
-    waits; at the anchor backend="cuda" now runs the split kernel)."""
+    ours-cuda forward+backward where the sm_90a forward may run (the fused kernel ran at 1.76x its model on
+    the H200: which of its roles waits; at the anchor backend="cuda" now runs the split kernel, and its
+    backward the sm_90a dS pass and chunk-parallel gradients)."""
     import torch
 
     from bench import gdr
@@ -884,8 +889,8 @@ def case_ncu():
     torch.autograd.grad(o, xs, torch.randn_like(o))
     torch.cuda.synchronize()
     if _cuda_forward_refusal(xs[0], xs[2], xs[0].device) is None:
-        with torch.no_grad():
-            gdr.ours("cuda")(*xs, cu)
+        o = gdr.ours("cuda")(*xs, cu)
+        torch.autograd.grad(o, xs, torch.randn_like(o))
         torch.cuda.synchronize()
     return {"status": "ok"}
 
