@@ -304,19 +304,27 @@ def test_report_rows_of_the_cuda_backward():
 def test_grads_facts_from_the_sass(dtype):
     """The chunk-parallel gradient kernel's loops found in its SASS (_grads_roles): the dq side's value-head
     loop (24 HGMMA 64x64x16 in 4 waits with its V-block loop once: the simulator runs that twice, a head's
-    V-blocks), the dk side's (16 in 3, its K-half loop inside), the producer's; no spill; its estimate's
-    terms: each side's path G value heads of its loop plus its Gram and final products, the tensor pipe's sum
-    over both sides, and the largest of them bounds a CTA."""
+    V-blocks), the dk side's (16 in 3, its K-half loop inside), the producer's, and each side's start (its
+    Gram: 8 HGMMA 64x64x16 in 1 wait) and end (the final products: the dq side's 8 HGMMA 64x128x16, the dk
+    side's 16 in 2 waits, the others' in 1) (_grads_regions); no spill; its estimate's terms: each side's path (start, G
+    value heads of its loop, end), the tensor pipe's sum over both sides, and the largest of them bounds a
+    CTA."""
     f = cuda_chunk.facts(dtype, M.CONSTANTS, "grads")
     assert not f.error, f.error
-    assert f.spill == 0 and f.regs == 168 and set(f.loops) == {"dq", "dk", "producer"}
+    assert f.spill == 0 and f.regs == 168
+    assert set(f.loops) == {"dq", "dk", "producer", *cuda_chunk.GRADS_REGIONS}
     dq, dk, pr = f.loops["dq"], f.loops["dk"], f.loops["producer"]
     assert (dq["hgmma"], dq["waits"], dk["hgmma"], dk["waits"]) == (24, 4, 16, 3)
+    ends = {r: (f.loops[r]["hgmma"], f.loops[r]["waits"], f.loops[r]["mma_cycles"]) for r in cuda_chunk.GRADS_REGIONS}
+    assert ends == {"dq_pre": (8, 1, 8 * 32), "dk_pre": (8, 1, 8 * 32), "dq_tail": (8, 1, 8 * 64),
+                    "dk_tail": (16, 2, 16 * 64)}, ends
     # per value head, both V-blocks: the dq side 2 x 24 HGMMA, the dk side 2 x (12 + 2 x 4), 32 cycles each
     assert (dq["mma_cycles"], dk["mma_cycles"]) == (2 * 24 * 32, 2 * 20 * 32)
     assert pr["cycles"] > 0 and dq["cycles"] > dq["mma_cycles"] and dk["cycles"] > dk["mma_cycles"]
     est = cuda_chunk.grads_estimate(f, ANCHOR, dtype, M.CONSTANTS)
     G = ANCHOR[3] // ANCHOR[2]
-    assert est["ctas"] == 16 * 512 and est["step"] >= G * max(dq["cycles"], dk["cycles"])
-    assert est["step"] >= G * (dq["mma_cycles"] + dk["mma_cycles"])
+    lp = f.loops
+    paths = [lp[s + "_pre"]["cycles"] + G * lp[s]["cycles"] + lp[s + "_tail"]["cycles"] for s in ("dq", "dk")]
+    assert est["ctas"] == 16 * 512 and est["step"] >= max(paths) > G * max(dq["cycles"], dk["cycles"])
+    assert est["step"] >= G * (dq["mma_cycles"] + dk["mma_cycles"]) + sum(e[2] for e in ends.values())
     assert est["lat_bound"] in ("dq", "dk", "producer", "mma", "issue") and est["est_s"] > 0

@@ -63,9 +63,10 @@ and dv; shared memory as the forward's (smem_cycles).
 
 The chunk-parallel gradients (phase "grads", grads_estimate): one CTA per (chunk slot, qk head), not
 persistent; its two sides' value-head loops (dq, dk: _grads_roles, told apart by the dk side's nested K-half
-loop; each simulated with its V-block loop twice) and the producer's; per CTA the slower side's path over
-the G value heads plus its Gram and final products, the tensor pipe's sum over both sides, the issue of one
-warp of each side a sub-partition; every tile read once; shared memory as the others'.
+loop; each simulated with its V-block loop twice) and the producer's; per CTA the slower side's path (its
+start, G value heads of its loop, its end: the code outside the loop simulated too, _grads_regions), the
+tensor pipe's sum over both sides, the issue of one warp of each side a sub-partition; every tile read once;
+shared memory as the others', over the sides' whole paths.
 
 The backward of backend="cuda" is recorded as the Triton backward on the prep outputs the forward kept (the
 recompute, finalize) with its dS pass (pass A, combine, pass) and its P / dq / A / dk kernels replaced by
@@ -133,6 +134,7 @@ ROLE_WARPS = {"state": 4, "prep": 4, "producer": 1, "prep_producer": 1}     # th
 GRADS_TILE_BYTES = 4 * BLOCK + 2 * 64 * 4
 GRADS_STAGE_BYTES = 8 * BLOCK + 5 * 64 * 4
 V_BLOCKS = 2                       # kVBlocks: the V-blocks of a value head (the gradients' inner loops' trips)
+GRADS_REGIONS = ("dq_pre", "dq_tail", "dk_pre", "dk_tail")   # the gradient sides' code outside their loops
 DTYPES = ("bf16", "fp16")          # the kernel's inputs (fp32: refused, no row)
 
 
@@ -346,6 +348,47 @@ def _grads_roles(prog):
     return roles
 
 
+def _grads_regions(prog, roles):
+    """{region: [(first, last), ...]} of the gradient kernel's code outside its sides' value-head loops, one
+    warp's straight path each: a side's start (its Gram: the code from its entry to its loop) and its end
+    (the final products and the dq / dk store: from its loop's exit to the kernel's EXIT, through the
+    unguarded jump that takes the dk side to the shared store). The dk side's code comes first; its entry
+    follows the guarded branch that sends the other warpgroup to the dq side's entry."""
+    index = {x.addr: i for i, x in enumerate(prog)}
+
+    def target(x):
+        return index.get(int(x.rest.split()[0].rstrip(";"), 16)) if x.op == "BRA" else None
+
+    def to_exit(i):
+        while prog[i].op != "EXIT":
+            i += 1
+        return i
+    (ak, bk), (aq, bq) = roles["dk"], roles["dq"]
+    forks = [i for i in range(ak) if prog[i].op == "BRA" and prog[i].guarded and bk < (target(prog[i]) or -1) <= aq]
+    if not forks:
+        return {}
+    fork = forks[-1]
+    j = bk + 1
+    while not (prog[j].op == "BRA" and not prog[j].guarded):
+        j += 1
+    return dict(dk_pre=[(fork + 1, ak - 1)], dq_pre=[(target(prog[fork]), aq - 1)],
+                dk_tail=[(bk + 1, j), (target(prog[j]), to_exit(target(prog[j])))], dq_tail=[(bq + 1, to_exit(bq + 1))])
+
+
+def _simulate_path(prog, ranges, const, wavefronts=None):
+    """The straight path through `ranges` ([(first, last)] of prog, in order) simulated once, as
+    _simulate_loop's dict."""
+    order = [i for a, b in ranges for i in range(a, b + 1)]
+    sub = [prog[i] for i in order]
+    wf = {k: wavefronts[i] for k, i in enumerate(order) if i in (wavefronts or {})}
+    r = sass.simulate(sub, lambda _k, _l: 1, const.lat, wavefronts=wf)
+    per = {k: r[k] for k in ("cycles", "instr", "mma_cycles", "smem", "smem_mma")}
+    per["stalls"] = dict(r["stalls"])
+    per["hgmma"] = sum(x.op.startswith("HGMMA") for x in sub)
+    per["waits"] = sum(x.op.startswith("WARPGROUP.DEPBAR") for x in sub)
+    return per
+
+
 def _simulate_loop(prog, span, const, wavefronts=None, inner=1):
     """One iteration of a loop simulated alone (inner loops `inner` times): cycles, instr, mma_cycles, smem (one
     warp's shared-memory wavefronts, `wavefronts` {index in prog: wavefronts} where banks.py resolved the
@@ -389,8 +432,13 @@ def facts(dtype, const, phase="fwd"):
     regs, spill = (recs[0]["registers"], recs[0]["spill"] + recs[0]["stack"]) if recs else (0, 0)
     wf = banks.conflict_wavefronts(prog)
     inner = V_BLOCKS if phase == "grads" else 1      # (a value head's V-blocks, a V-block's two K-halves)
-    return Facts(regs=regs, spill=spill, smem=_smem_bytes(phase),
-                 loops={r: _simulate_loop(prog, span, const, wf, inner) for r, span in roles.items()})
+    loops = {r: _simulate_loop(prog, span, const, wf, inner) for r, span in roles.items()}
+    if phase == "grads":
+        regions = _grads_regions(prog, roles)
+        if set(regions) != set(GRADS_REGIONS):
+            return Facts(error=f"the sides' starts and ends not found in the SASS: {sorted(regions)}")
+        loops.update({r: _simulate_path(prog, rs, const, wf) for r, rs in regions.items()})
+    return Facts(regs=regs, spill=spill, smem=_smem_bytes(phase), loops=loops)
 
 
 def smem_by_line(phase="fwd", dtype="bf16"):
@@ -595,27 +643,25 @@ def bwd_estimate(f, dims, dtype, const):
 def grads_estimate(f, dims, dtype, const):
     """The chunk-parallel gradient kernel's numbers at dims = (N, L, H, HV, K, V), as estimate's. One CTA per
     live (chunk slot, qk head), 1 per SM, not persistent (each CTA's fill exposed). Per CTA, with G = HV / H
-    value heads: the dq side's path G value-head iterations of its loop (each its V-block loop twice) plus
-    its Gram and final product (P K^: 8 HGMMA 64x128x16, two waits), the dk side's likewise (two final
-    products), the producer's G x 2 stage loads, the tensor pipe's sum over both sides, and the issue of one
-    warp of each warpgroup per sub-partition: the largest, plus ldg (the first loads). Bytes: every tile read
-    once (q, k and row factors per CTA, per value head and V-block a stage, dq / dk and the shares out).
-    Shared memory: what the TMA loads move, both sides' loops' wavefronts (4 warps each) and operand
-    reads, and outside the loops the Grams' and final products' operand reads and the fp32 tiles (Grams, P,
-    Bh) stored and read back."""
+    value heads: each side's path, its start (the Gram), G value-head iterations of its loop (each its
+    V-block loop twice) and its end (the final products, the store), all simulated from the SASS
+    (_grads_regions); the producer's G x 2 stage loads; the tensor pipe's sum over both sides; the issue of
+    one warp of each warpgroup per sub-partition: the largest, plus ldg (the first loads). Bytes: every tile
+    read once (q, k and row factors per CTA, per value head and V-block a stage, dq / dk and the shares out).
+    Shared memory: what the TMA loads move, and both sides' wavefronts (4 warps each) and operand reads over
+    their paths (the fp32 tiles, Grams, P, Bh, stored and read back, among them)."""
     N, L, H, HV, K, V = dims
     e, C = 2, M.CHUNK
     G = HV // H
     n = -(-L // C)
     ctas = N * n * H
-    dq, dk, pr = f.loops["dq"], f.loops["dk"], f.loops["producer"]
-    c64, c128 = sass.hgmma_cycles("HGMMA.64x64x16.F32.BF16"), sass.hgmma_cycles("HGMMA.64x128x16.F32.BF16")
-    hg = const.lat.hgmma
-    pro = 8 * c64 + hg                               # a side's Gram (8 HGMMA 64x64x16) and its wait
-    terms = dict(dq=G * dq["cycles"] + pro + 8 * c128 + hg, dk=G * dk["cycles"] + pro + 16 * c128 + 2 * hg,
-                 producer=G * V_BLOCKS * pr["cycles"],
-                 mma=G * (dq["mma_cycles"] + dk["mma_cycles"]) + 2 * 8 * c64 + 24 * c128,
-                 issue=G * (dq["instr"] + dk["instr"] + V_BLOCKS * pr["instr"]))
+    lp, pr = f.loops, f.loops["producer"]
+
+    def path(side, key):                             # a side's start, G loop iterations, end
+        return lp[side + "_pre"][key] + G * lp[side][key] + lp[side + "_tail"][key]
+    terms = dict(dq=path("dq", "cycles"), dk=path("dk", "cycles"), producer=G * V_BLOCKS * pr["cycles"],
+                 mma=path("dq", "mma_cycles") + path("dk", "mma_cycles"),
+                 issue=path("dq", "instr") + path("dk", "instr") + G * V_BLOCKS * pr["instr"])
     bound = max(terms, key=terms.get)
     t_lat = M._schedule([terms[bound] + const.lat.ldg] * ctas, NUM_SMS) / CLOCK_HZ
     per_cta = GRADS_TILE_BYTES + G * V_BLOCKS * GRADS_STAGE_BYTES + 2 * C * K * e + 3 * G * C * 4
@@ -625,12 +671,10 @@ def grads_estimate(f, dims, dtype, const):
     per_vb = 2 * C * (C * V_BLOCK + K * V_BLOCK) + 2 * C * (2 * C * V_BLOCK + 2 * K * V_BLOCK + C * K)
     flops = ctas * (G * V_BLOCKS * per_vb + 2 * 2 * C * C * K + 3 * 2 * 2 * C * C * K)
     t_tc = flops / TC_FLOPS["bf16"]
-    side = lambda lp: ROLE_WARPS["state"] * lp["smem"] + lp["smem_mma"]   # noqa: E731  (4 warps a side)
-    fp32_tiles = 7 * C * C * 4                       # Grams stored, P and Bh stored, B^T and P^T read back
-    smem = ((GRADS_TILE_BYTES + G * V_BLOCKS * GRADS_STAGE_BYTES + fp32_tiles) / sass.SMEM_BYTES_PER_CYCLE
-            + G * (side(dq) + side(dk) + pr["smem"] * V_BLOCKS)
-            + 2 * 8 * sass.hgmma_smem_cycles("HGMMA.64x64x16.F32.BF16")
-            + 24 * sass.hgmma_smem_cycles("HGMMA.64x128x16.F32.BF16", "R0, R1"))
+    warps = ROLE_WARPS["state"]                      # (4 warps a side)
+    smem = ((GRADS_TILE_BYTES + G * V_BLOCKS * GRADS_STAGE_BYTES) / sass.SMEM_BYTES_PER_CYCLE
+            + sum(warps * path(sd, "smem") + path(sd, "smem_mma") for sd in ("dq", "dk"))
+            + G * V_BLOCKS * pr["smem"])
     t_smem = ctas * smem / busy / CLOCK_HZ
     t, top = M.bounded({"latency": t_lat, "bytes": t_mem, "smem": t_smem, "FLOPs": t_tc}, 1, const)  # 1 CTA per SM
     return dict(ctas=ctas, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc, t_smem=t_smem, hbm_bytes=tiles, flops=flops,
