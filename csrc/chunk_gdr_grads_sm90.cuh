@@ -125,25 +125,26 @@ GDN_HD void add_scaled_half(typename P::template Frag<kK>& acc, int kh, typename
   else P::for_each_hi2_pair(acc, x, add);
 }
 
-// acc += (x (.) the row factors fr (.) the column factors fc) B, x fp32 (64 x 64, consumed) entering as its
-// rounded value and its rounding error, B a [c, K] tile as an MN-major operand (N = K)
+// acc += (x (.) the row factors fr (.) the column factors fc) B issued, x fp32 (64 x 64, consumed) entering as
+// its rounded value hi and its rounding error lo, B a [c, K] tile as an MN-major operand (N = K); the caller's
+// wait_mma names acc, hi and lo
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
 template <class P, typename T>
-GDN_HD void add_hi_lo(P& p, typename P::template Frag<kK>& acc, typename P::template Frag<kC>& x, const float* fr,
-                      const float* fc, const typename P::Smem& b) {
+GDN_HD void issue_hi_lo(P& p, typename P::template Frag<kK>& acc, typename P::template Frag<kC>& x, const float* fr,
+                        const float* fc, const typename P::Smem& b, typename P::template Op<T, kC>& hi,
+                        typename P::template Op<T, kC>& lo) {
   P::for_each_pair(x, [&](int r, int c, float& x0, float& x1) {
     const float2 f = col2(fc, c);
     x0 = x0 * fr[r] * f.x;
     x1 = x1 * fr[r] * f.y;
   });
-  auto hi = p.template op<T, kC>(x, 1.f);
+  hi = p.template op<T, kC>(x, 1.f);
   P::for_each(x, [&](int, int, float& v) { v -= to_f(from_f<T>(v)); });
-  auto lo = p.template op<T, kC>(x, 1.f);
+  lo = p.template op<T, kC>(x, 1.f);
   p.mma(acc, hi, mn_major(b));
   p.mma(acc, lo, mn_major(b));
-  p.wait_mma(acc, hi, lo);
 }
 
 // x.y^T of two [c][K] tiles (raw, fp32) times the row factors fx (rows) and fy (columns), to the fp32 tile
@@ -264,7 +265,9 @@ GDN_HD void grads_dq(P& p, int G, int length, float scale, const typename P::Sme
   }
   P::for_each(pacc, [&](int r, int c, float& x) { pt[r * kPLd + c] = x; });   // (every read of Q^K^^T done:
   p_out();                                                                     // the last head's barriers)
-  add_hi_lo<P, T>(p, dq, pacc, rq, rk, k_t);            // (P rq rk) K
+  typename P::template Op<T, kC> hi, lo;
+  issue_hi_lo<P, T>(p, dq, pacc, rq, rk, k_t, hi, lo);  // (P rq rk) K
+  p.wait_mma(dq, hi, lo);
 }
 
 // The dk side (one warpgroup), as grads_dq; share(g, r, dg, dbeta) for rows r < length; bt: its [64][kPLd]
@@ -293,16 +296,17 @@ GDN_HD void grads_dk(P& p, int G, int length, const typename P::Smem& q_t, const
       gt = t.gates;
       const float *begk = gt + kGateBegk * kC, *wk = gt + kGateWk * kC;
       typename P::template Frag<kC> x;
-      // dX' U^T, and dX' S^T a K-half at a time into dk (-(beta e^gam rk) rows) and k.(dX' S^T)
+      // dX' S^T a K-half at a time into dk (-(beta e^gam rk) rows) and k.(dX' S^T); dX' U^T on the tensor
+      // cores while the first half is added in
       P::zero(x);
-      p.template mma_ss<T, kVB>(da, mn_major(t.dx), mn_major(t.ut));
       p.template mma_ss<T, kVB>(x, mn_major(t.dx), mn_major(P::template col_block<T>(t.st, 0)));
-      p.wait_mma(da, x);
+      p.template mma_ss<T, kVB>(da, mn_major(t.dx), mn_major(t.ut));
+      p.template wait_mma_left<1>(x);
       add_scaled_half<P>(dk, 0, x, begk, -1.f);
       p.template row_dot<T>(x, P::template col_block<T>(k_t, 0), s.row[kRowKF1]);
       P::zero(x);
       p.template mma_ss<T, kVB>(x, mn_major(t.dx), mn_major(P::template col_block<T>(t.st, 1)));
-      p.wait_mma(x);
+      p.wait_mma(da, x);
       add_scaled_half<P>(dk, 1, x, begk, -1.f);
       p.template row_dot<T>(x, P::template col_block<T>(k_t, 1), s.row[kRowKF1]);
       // U dSn^T into dk ((w rk) rows) and k.(U dSn^T), a K-half at a time (a loop: unrolled, ptxas spills)
@@ -352,12 +356,14 @@ GDN_HD void grads_dk(P& p, int G, int length, const typename P::Smem& q_t, const
   P::for_each(bh, [&](int r, int c, float& x) { bt[r * kPLd + c] = x; });
   p.sync_generic();
   P::for_each(bh, [&](int r, int c, float& x) { x += bt[c * kPLd + r]; });
-  add_hi_lo<P, T>(p, dk, bh, rk, rk, k_t);
-  // (P^T rk rq) Q
+  typename P::template Op<T, kC> bhi, blo, phi, plo;
+  issue_hi_lo<P, T>(p, dk, bh, rk, rk, k_t, bhi, blo);
+  // (P^T rk rq) Q, formed while (B rk rk) K runs
   p_wait();
   typename P::template Frag<kC> pt_f;
   P::for_each(pt_f, [&](int r, int c, float& x) { x = pt[c * kPLd + r]; });
-  add_hi_lo<P, T>(p, dk, pt_f, rk, rq, q_t);
+  issue_hi_lo<P, T>(p, dk, pt_f, rk, rq, q_t, phi, plo);
+  p.wait_mma(dk, bhi, blo, phi, plo);
 }
 
 }  // namespace sm90

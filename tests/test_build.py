@@ -264,7 +264,8 @@ def test_sm90_grads_loops_run_on_the_tensor_cores(ptxas_report, report_table):
     chunk_gdr_grads_sm90.cuh): setmaxnreg 24 (producer) / 240 / 240 (the two sides); the dq side's V-block
     loop (and its value-head loop around it) issues 24 HGMMA 64x64x16 in 4 waits (dO U^T 4 with dO S^T's
     K-halves 4 + 4, the second waited for after the first is used; then dX' v^T 4 and S^T dSn 8, likewise);
-    the dk side's 16 in 3 waits (dX' U^T 4 with dX' S^T's first K-half 4, its second 4) around its K-half
+    the dk side's 16 in 3 waits (dX' S^T's first K-half 4, dX' U^T 4 in flight while it is used, its second
+    4) around its K-half
     loop of U dSn^T (4 in 1 wait; unrolled, ptxas spills): every product of grads_dq / grads_dk's loops on
     the tensor cores, all from shared memory (SS: no register A operand, so no layout conversion)."""
     sass = SASS.get("chunk_gdr_grads_sm90.cu")
