@@ -545,34 +545,33 @@ GDN_HD void dstate_step(P& p, typename P::template Frag<kK>& dS, const float* ga
   typename P::template Frag<kC> du, dm;              // dS^T K^T, dO^T M
   P::zero(du);
   P::zero(dm);
-  {
-    auto ds_op = p.template op<T, kK>(dS, 1.f);
-    auto do_op = p.template op<T, kC>(gdo, 1.f);
-    p.mma2(dm, do_op, m_mn, du, ds_op, k_b);
-    p.wait_mma(du, dm, ds_op, do_op);
-  }
+  auto ds_op = p.template op<T, kK>(dS, 1.f);
+  auto do_op = p.template op<T, kC>(gdo, 1.f);
+  p.mma2(dm, do_op, m_mn, du, ds_op, k_b);
+  // while those run: the gated dO^T as its rounded value and its rounding error (two operands of one
+  // K-dimension each), and egL dS^T (dS's registers are free once packed into ds_op)
+  P::for_each_pair(gdo, [&](int, int c, float& x0, float& x1) { scale2(x0, x1, col2(egq, c)); });
+  auto hi = p.template op<T, kC>(gdo, 1.f);
+  P::for_each(gdo, [&](int, int, float& x) { x -= to_f(from_f<T>(x)); });
+  auto lo = p.template op<T, kC>(gdo, 1.f);
+  p.wait_mma(du, dm, ds_op, do_op);
+  P::for_each(dS, [&](int, int, float& x) { x *= eg_last; });
   P::for_each2_pair(du, dm, [&](int, int c, float& x0, float& x1, float y0, float y1) {     // dU^T
     const float2 w = col2(wk, c);
     x0 = x0 * w.x + y0;
     x1 = x1 * w.y + y1;
   });
-  {                                                  // dX'^T = dU^T + dU^T Ts, in place
-    auto du_op = p.template op<T, kC>(du, 1.f);
-    p.mma(du, du_op, ts_mn);
-    p.wait_mma(du, du_op);
-  }
-  dx_out(du, beta);
-  // dS^T <- egL dS^T + (dO^T egq) Q - (dX'^T begk) K, the gated dO^T as its rounded value and its rounding
-  // error (two operands of one K-dimension each)
-  P::for_each_pair(gdo, [&](int, int c, float& x0, float& x1) { scale2(x0, x1, col2(egq, c)); });
-  auto hi = p.template op<T, kC>(gdo, 1.f);
-  P::for_each(gdo, [&](int, int, float& x) { x -= to_f(from_f<T>(x)); });
-  auto lo = p.template op<T, kC>(gdo, 1.f);
-  P::for_each_pair(du, [&](int, int c, float& x0, float& x1) { scale2(x0, x1, col2(begk, c)); });
-  auto dx_op = p.template op<T, kC>(du, -1.f);
-  P::for_each(dS, [&](int, int, float& x) { x *= eg_last; });
+  // dX'^T = dU^T + dU^T Ts, in place; behind it on the tensor cores the dS update's products that do not
+  // wait for it: dS^T <- egL dS^T + (dO^T egq) Q
+  auto du_op = p.template op<T, kC>(du, 1.f);
+  p.mma(du, du_op, ts_mn);
   p.mma(dS, hi, q_mn);
   p.mma(dS, lo, q_mn);
+  p.template wait_mma_left<2>(du, du_op);
+  dx_out(du, beta);
+  // and - (dX'^T begk) K
+  P::for_each_pair(du, [&](int, int c, float& x0, float& x1) { scale2(x0, x1, col2(begk, c)); });
+  auto dx_op = p.template op<T, kC>(du, -1.f);
   p.mma(dS, dx_op, k_mn);
   shadow();
   p.wait_mma(dS, hi, lo, dx_op);
