@@ -153,7 +153,11 @@ __device__ __forceinline__ void fence_async_smem() {        // generic-proxy sme
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 __device__ __forceinline__ void named_sync(int id) {
+#if defined(GDN_LANE_SHIM)   // the host's 128 emulated lanes (tests/lanes_sm90.cpp)
+  lane_shim::bar_sync(id, 128);
+#else
   asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+#endif
 }
 // setmaxnreg to R registers from the launch count `From`: an increase above it, a decrease below it (the
 // sum over the CTA's warpgroups must fit the launch allocation; the caller static_asserts that)
@@ -452,8 +456,12 @@ struct DevPolicy {
 #pragma unroll
       for (int i = 0; i < N / 4; i += 2) {
         const int c = col(h + i);
+#if defined(GDN_LANE_SHIM)
+        u[i / 2] = lane_shim::ld_shared_u32(t.addr + swz(row(h + i), c >> 3) + (c & 7) * 2);
+#else
         asm volatile("ld.shared.u32 %0, [%1];" : "=r"(u[i / 2]) : "r"(t.addr + swz(row(h + i), c >> 3) + (c & 7) * 2)
                      : "memory");
+#endif
       }
 #pragma unroll
       for (int i = 0; i < N / 4; i += 2) {
