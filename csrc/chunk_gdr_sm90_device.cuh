@@ -588,12 +588,20 @@ struct DevPolicy {
       const int h = mi & 1, a = 2 * p + (mi >> 1);
       if (transpose) {
         const uint32_t addr = dst + swz(8 * a + j, 2 * w + h);
+#if defined(GDN_LANE_SHIM)
+        lane_shim::stmatrix_x4(addr, r, true);
+#else
         asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
                      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+#endif
       } else {
         const uint32_t addr = dst + swz(16 * w + 8 * h + j, a);
+#if defined(GDN_LANE_SHIM)
+        lane_shim::stmatrix_x4(addr, r, false);
+#else
         asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
                      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+#endif
       }
     }
   }
@@ -611,8 +619,12 @@ struct DevPolicy {
       const int h = mi & 1, a = 2 * p + (mi >> 1);
       const uint32_t addr = v.addr + swz(8 * a + j, 2 * w + h);
       uint32_t r[4];
+#if defined(GDN_LANE_SHIM)
+      lane_shim::ldmatrix_x4_trans(r, addr);
+#else
       asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+#endif
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int hi = i & 1, ai = 2 * p + (i >> 1);

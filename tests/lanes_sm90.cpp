@@ -3,12 +3,15 @@
 // a std::thread with its own threadIdx. Judged against float64 math of the same inputs: the claimed
 // accumulator layout (row, col) against the PTX ISA's wgmma D fragment, and quad_rows_add, add_row_sums,
 // row_dot, add_diag, sum_rows / rev_sum / fwd_sum and add_col_sums against row sums, row dots, the diagonal,
-// scans and column sums; shared memory outside a function's outputs must keep its guard bytes.
+// scans and column sums; vt (ldmatrix .trans) and store (stmatrix, .trans or not) against the tiles they
+// read and write; shared memory outside a function's outputs must keep its guard bytes.
 // What nvcc would provide is emulated here: threadIdx, the warp shuffles (__shfl*_sync of full warps, width
 // 32, CUDA's out-of-range rules), shared memory (one array; __cvta_generic_to_shared gives offsets into it),
-// and, through the header's GDN_LANE_SHIM hooks, bar.sync (named_sync) and row_dot's ld.shared.u32.
-// Every lane of a warp must reach every shuffle and all 128 threads every bar.sync, at the same call: a lane
-// that returns early, or waits at another one, fails the run naming the check and the lanes.
+// and, through the header's GDN_LANE_SHIM hooks, bar.sync (named_sync), row_dot's ld.shared.u32, and
+// ldmatrix / stmatrix .x4 (from the PTX ISA's description of their m8n8 fragments).
+// Every lane of a warp must reach every shuffle (and ldmatrix / stmatrix) and all 128 threads every bar.sync,
+// at the same call: a lane that returns early, or waits at another one, fails the run naming the check and
+// the lanes.
 // lanes_sm90 [seeds]: prints "lanes_sm90: ok, ..." and exits 0, or FAIL lines and exits 1.
 #include <cuda_runtime.h>   // uint3, and __device__ / __forceinline__ as a host compile defines them
 
@@ -114,7 +117,8 @@ struct Barrier {
 
 struct Warp {
   Barrier bar;
-  uint64_t slot[32];   // the lanes' shuffle operands
+  uint64_t slot[32];       // the lanes' shuffle operands
+  uint32_t row_addr[32];   // the lanes' row addresses of an ldmatrix / stmatrix
 };
 Warp warps[kThreads / 32];
 Barrier named[16];      // bar.sync 0 .. 15
@@ -159,6 +163,44 @@ inline uint32_t ld_shared_u32(uint32_t addr) {
   uint32_t u;
   std::memcpy(&u, smem + addr, 4);
   return u;
+}
+
+// ldmatrix / stmatrix .m8n8.x4 .b16 (vt's and stmatrix's hooks), as the PTX ISA describes them: lanes
+// 8 i .. 8 i + 7 give the shared addresses of rows 0 .. 7 of matrix i (16 bytes each, 16-byte aligned); lane
+// l's register i holds elements (l / 4, 2 (l % 4) + k), k = 0, 1 (k = 0 in the low half) of matrix i, with
+// .trans elements (2 (l % 4) + k, l / 4) of the matrix in memory.
+Site post_rows(const char* op, uint32_t addr, const std::source_location& loc) {
+  const Site site{std::string(op) + " at line " + std::to_string(loc.line()), shfl_count++};
+  if (addr % 16 != 0 || addr + 16 > kSmemBytes) fail(site.str() + ": a row at " + std::to_string(addr));
+  Warp& w = warps[tid >> 5];
+  w.row_addr[tid & 31] = addr;
+  w.bar.arrive(tid & 31, site);
+  return site;
+}
+uint32_t element_addr(int i, int row, int col) { return warps[tid >> 5].row_addr[8 * i + row] + 2 * col; }
+
+inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr,
+                              std::source_location loc = std::source_location::current()) {
+  const int l = tid & 31;
+  const Site site = post_rows("ldmatrix.x4.trans", addr, loc);
+  for (int i = 0; i < 4; ++i) {
+    uint16_t e[2];
+    for (int k = 0; k < 2; ++k) std::memcpy(&e[k], smem + element_addr(i, 2 * (l % 4) + k, l / 4), 2);
+    r[i] = e[0] | static_cast<uint32_t>(e[1]) << 16;
+  }
+  warps[tid >> 5].bar.arrive(l, site);   // no lane posts its next rows before every lane is done
+}
+inline void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4], bool trans,
+                        std::source_location loc = std::source_location::current()) {
+  const int l = tid & 31;
+  const Site site = post_rows(trans ? "stmatrix.x4.trans" : "stmatrix.x4", addr, loc);
+  for (int i = 0; i < 4; ++i)
+    for (int k = 0; k < 2; ++k) {
+      const uint16_t e = static_cast<uint16_t>(r[i] >> 16 * k);
+      std::memcpy(smem + (trans ? element_addr(i, 2 * (l % 4) + k, l / 4) : element_addr(i, l / 4, 2 * (l % 4) + k)),
+                  &e, 2);
+    }
+  warps[tid >> 5].bar.arrive(l, site);
 }
 
 }  // namespace lane_shim
@@ -531,6 +573,61 @@ void check_add_col_sums(Inputs& in) {
   expect_untouched(before, {{kRows, kRows + 4 * kC}, {kCols2, kCols2 + 4 * kC}, {kPart, kPart + 4 * 4 * kC}});
 }
 
+// unique values exact in U by element: bf16 (1 + c / 128) 2^(r - 32), fp16 (1 + (16 (r % 16) + c) / 1024) 2^(r / 16)
+template <typename U>
+float code16(int r, int c) {
+  if constexpr (std::is_same_v<U, __half>) return std::ldexp(1.f + ((r % 16) * 64 + c) / 1024.f, r / 16);
+  else return std::ldexp(1.f + c / 128.f, r - 32);
+}
+
+// V^T in the accumulator layout from a [64 c, 64 v] tile of T (ldmatrix .trans): element (v, c) = V(c, v)
+template <typename T>
+void check_vt(Inputs& in) {
+  guard_all();
+  std::vector<float> v(kC * kC);
+  for (int r = 0; r < kC; ++r)
+    for (int c = 0; c < kC; ++c) {
+      const T u = from_float<T>(in.kind == 2 ? code16<T>(r, c) : in.value(r, c));
+      *tile_at<T>(kTile, r, c) = u;
+      v[r * kC + c] = to_float(u);
+    }
+  const auto before = snapshot();
+  float got[kThreads][kC / 2];
+  const gdn::sm90::DevPolicy<T> p{launch_bar};
+  run([&](int t) {
+    const auto f = p.vt({gdn::sm90::smem_u32(smem + kTile), 0, true});
+    std::copy(f.d, f.d + kC / 2, got[t]);
+  });
+  for (int t = 0; t < kThreads; ++t)
+    for (int i = 0; i < kC / 2; ++i)
+      expect(("vt: thread " + std::to_string(t) + ", d").c_str(), i, got[t][i], v[ptx_col(t, i) * kC + ptx_row(t, i)],
+             0);
+  expect_untouched(before, {});
+}
+
+// a fragment stored to a tile of U, transposed or not (stmatrix): the tile's element (r, c) is the fragment's
+// (r, c) (or (c, r)) rounded to U
+template <typename U>
+void check_store(Inputs& in, bool transpose) {
+  std::vector<float> m = in.matrix(kC);
+  if (in.kind == 2)
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < kC; ++c) m[r * kC + c] = code16<U>(r, c);
+  guard_all();
+  const auto before = snapshot();
+  const P p{launch_bar};
+  run([&](int t) { p.store<U, kC>(frag_of<kC>(m, t), {gdn::sm90::smem_u32(smem + kTile), 0, true}, transpose); });
+  for (int r = 0; r < kC; ++r)
+    for (int c = 0; c < kC; ++c) {
+      const U want = from_float<U>(transpose ? m[c * kC + r] : m[r * kC + c]);
+      ++n_values;
+      if (std::memcmp(tile_at<U>(kTile, r, c), &want, 2) != 0)
+        report("tile(" + std::to_string(r) + ", " + std::to_string(c) + ") = " +
+               std::to_string(to_float(*tile_at<U>(kTile, r, c))) + ", want " + std::to_string(to_float(want)));
+    }
+  expect_untouched(before, {{kTile, kTile + 8192}});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -560,6 +657,13 @@ int main(int argc, char** argv) {
                 (extreme == 1 ? ", a row of -inf" : extreme == 2 ? ", a row of 1e30" : ""),
             seed, [&] { check_scans(in, extreme); });
     named("add_col_sums", seed, [&] { check_add_col_sums(in); });
+    named("vt<bf16>", seed, [&] { check_vt<__nv_bfloat16>(in); });
+    named("vt<fp16>", seed, [&] { check_vt<__half>(in); });
+    for (bool transpose : {false, true}) {
+      const std::string how = transpose ? ", transposed" : "";
+      named("store<bf16>" + how, seed, [&] { check_store<__nv_bfloat16>(in, transpose); });
+      named("store<fp16>" + how, seed, [&] { check_store<__half>(in, transpose); });
+    }
   }
   if (n_failures) {
     std::printf("lanes_sm90: %ld FAILED values in %d checks\n", n_failures, checks);

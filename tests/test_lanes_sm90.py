@@ -1,9 +1,9 @@
-"""The sm_90a device policy's warp-cooperative code (DevPolicy in csrc/chunk_gdr_sm90_device.cuh: the wgmma
-accumulator layout, quad_rows_add, add_row_sums, row_dot, add_diag, sum_rows / rev_sum / fwd_sum,
-add_col_sums) compiled by g++ unchanged and run by 128 emulated threads, one warpgroup
-(tests/lanes_sm90.cpp), against float64 math: once as it is, once under ThreadSanitizer (two lanes
-touching the same shared word with no shuffle or barrier between them), and with deliberately broken
-copies of the header, which must fail. The CUDA toolkit's headers are nvcc's own (nvcc --dryrun), the
+"""The sm_90a device policy's warp-cooperative code (DevPolicy in csrc/chunk_gdr_sm90_device.cuh: the
+wgmma accumulator layout, quad_rows_add, add_row_sums, row_dot, add_diag, sum_rows / rev_sum / fwd_sum,
+add_col_sums, vt's ldmatrix and store's stmatrix) compiled by g++ unchanged and run by 128 emulated
+threads, one warpgroup (tests/lanes_sm90.cpp), against float64 math: once as it is, once under
+ThreadSanitizer (two lanes touching the same shared word with no shuffle or barrier between them), and
+with deliberately broken copies of the header, which must fail. The CUDA toolkit's headers are nvcc's own (nvcc --dryrun), the
 CuTe headers the nvidia-cutlass wheel's."""
 import os
 import re
@@ -101,6 +101,10 @@ BREAKS = {
         "    float s = v.x + v.y;\n    if (lane == 7) return s;\n#pragma unroll\n    for (int m = 16;",
         r"FAIL sum_rows / rev_sum / fwd_sum .*: warp [01] \(lanes\): member 7 at __shfl_down_sync .* member 0 at "
         r"__shfl_xor_sync"),
+    "stmatrix .trans with the 8-column chunks of a pair swapped": (
+        "const uint32_t addr = dst + swz(8 * a + j, 2 * w + h);",
+        "const uint32_t addr = dst + swz(8 * a + j, 2 * w + 1 - h);",
+        r"FAIL store<bf16>, transposed .*: tile\(\d+, \d+\) = "),
 }
 
 
