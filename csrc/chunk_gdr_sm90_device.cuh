@@ -153,7 +153,11 @@ __device__ __forceinline__ void fence_async_smem() {        // generic-proxy sme
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 __device__ __forceinline__ void named_sync(int id) {
+#if defined(GDN_LANE_SHIM)   // the host's 128 emulated lanes (tests/lanes_sm90.cpp)
+  lane_shim::bar_sync(id, 128);
+#else
   asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory");
+#endif
 }
 // setmaxnreg to R registers from the launch count `From`: an increase above it, a decrease below it (the
 // sum over the CTA's warpgroups must fit the launch allocation; the caller static_asserts that)
@@ -452,8 +456,12 @@ struct DevPolicy {
 #pragma unroll
       for (int i = 0; i < N / 4; i += 2) {
         const int c = col(h + i);
+#if defined(GDN_LANE_SHIM)
+        u[i / 2] = lane_shim::ld_shared_u32(t.addr + swz(row(h + i), c >> 3) + (c & 7) * 2);
+#else
         asm volatile("ld.shared.u32 %0, [%1];" : "=r"(u[i / 2]) : "r"(t.addr + swz(row(h + i), c >> 3) + (c & 7) * 2)
                      : "memory");
+#endif
       }
 #pragma unroll
       for (int i = 0; i < N / 4; i += 2) {
@@ -580,12 +588,20 @@ struct DevPolicy {
       const int h = mi & 1, a = 2 * p + (mi >> 1);
       if (transpose) {
         const uint32_t addr = dst + swz(8 * a + j, 2 * w + h);
+#if defined(GDN_LANE_SHIM)
+        lane_shim::stmatrix_x4(addr, r, true);
+#else
         asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
                      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+#endif
       } else {
         const uint32_t addr = dst + swz(16 * w + 8 * h + j, a);
+#if defined(GDN_LANE_SHIM)
+        lane_shim::stmatrix_x4(addr, r, false);
+#else
         asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
                      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+#endif
       }
     }
   }
@@ -603,8 +619,12 @@ struct DevPolicy {
       const int h = mi & 1, a = 2 * p + (mi >> 1);
       const uint32_t addr = v.addr + swz(8 * a + j, 2 * w + h);
       uint32_t r[4];
+#if defined(GDN_LANE_SHIM)
+      lane_shim::ldmatrix_x4_trans(r, addr);
+#else
       asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                    : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+#endif
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int hi = i & 1, ai = 2 * p + (i >> 1);
