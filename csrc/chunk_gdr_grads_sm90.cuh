@@ -141,7 +141,7 @@ GDN_HD void issue_hi_lo(P& p, typename P::template Frag<kK>& acc, typename P::te
     x1 = x1 * fr[r] * f.y;
   });
   hi = p.template op<T, kC>(x, 1.f);
-  P::for_each(x, [&](int, int, float& v) { v -= to_f(from_f<T>(v)); });
+  P::sub_op(x, hi);
   lo = p.template op<T, kC>(x, 1.f);
   p.mma(acc, hi, mn_major(b));
   p.mma(acc, lo, mn_major(b));
@@ -159,10 +159,12 @@ GDN_HD void gram(P& p, const typename P::Smem& x, const typename P::Smem& y, con
   P::zero(f);
   p.template mma_ss<T, kK>(f, x, y);
   p.wait_mma(f);
-  P::for_each_pair(f, [&](int r, int c, float& x0, float& x1) {
-    const float2 s = col2(fy, c);
-    store2(out + r * kPLd + c, x0 * fx[r] * s.x, x1 * fx[r] * s.y);
+  P::for_each_pair(f, [&](int r, int c, float& x0, float& x1) {     // every factor read before the first
+    const float2 s = col2(fy, c);                                    // store (which may alias them)
+    x0 = x0 * fx[r] * s.x;
+    x1 = x1 * fx[r] * s.y;
   });
+  P::for_each_pair(f, [&](int r, int c, float& x0, float& x1) { store2(out + r * kPLd + c, x0, x1); });
   p.sync_generic();
 }
 

@@ -187,8 +187,9 @@ Status launch_grads_t(const GradsArgs& a, CUtensorMapDataType ty, cudaStream_t s
   if (st.ok()) st = encode_3d(enc, &tdsn, ty, a.dsn, {kK, kV, slots}, blk, who, names);
   if (st.ok()) st = encode_3d(enc, &tdxp, ty, a.dxp, {kC, kV, slots}, blk, who, names);
   if (!st.ok()) return st;
-  if (!aligned16({a.gates, a.rn, a.table}))
-    return Status::invalid("chunk_gdr_grads_sm90: gates, rn and table must be 16-byte aligned (bulk copies, int4 rows)");
+  if (!aligned16({a.gates, a.rn, a.table, a.dq, a.dk}))
+    return Status::invalid("chunk_gdr_grads_sm90: gates, rn, table, dq and dk must be 16-byte aligned (bulk copies, "
+                           "int4 rows, paired stores)");
   auto kernel = chunk_gdr_grads_sm90_kernel<T>;
   st = allow_smem(kernel, kGradsSmemBytes, who);
   if (!st.ok()) return st;

@@ -552,7 +552,7 @@ GDN_HD void dstate_step(P& p, typename P::template Frag<kK>& dS, const float* ga
   // K-dimension each), and egL dS^T (dS's registers are free once packed into ds_op)
   P::for_each_pair(gdo, [&](int, int c, float& x0, float& x1) { scale2(x0, x1, col2(egq, c)); });
   auto hi = p.template op<T, kC>(gdo, 1.f);
-  P::for_each(gdo, [&](int, int, float& x) { x -= to_f(from_f<T>(x)); });
+  P::sub_op(gdo, hi);
   auto lo = p.template op<T, kC>(gdo, 1.f);
   p.wait_mma(du, dm, ds_op, do_op);
   P::for_each(dS, [&](int, int, float& x) { x *= eg_last; });

@@ -312,6 +312,19 @@ struct DevPolicy {
   __device__ Op<U, kC> op_lo(const Frag<2 * kC>& f, float sign) const {
     return op<U, kC, 2 * kC>(f, sign);
   }
+  // f -= o's values, o = op<U, KD>(f, 1.f): f's first KD columns keep their rounding error (the packed
+  // registers unpacked: no second rounding)
+  template <typename U, int KD, int N>
+  static __device__ void sub_op(Frag<N>& f, const Op<U, KD>& o) {
+#pragma unroll
+    for (int kk = 0; kk < KD / 16; ++kk)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 x = Gmma<U>::unpack(o.r[kk][j]);
+        f.d[8 * kk + 2 * j] -= x.x;
+        f.d[8 * kk + 2 * j + 1] -= x.y;
+      }
+  }
 
   // The B128 descriptor of the tile at shared address addr: the start address (addr / 16, 14 bits) and the
   // leading byte offset / 16 in the low word, the stride (8 rows of 128 B) and the layout in the high one.

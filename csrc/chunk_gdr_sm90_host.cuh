@@ -101,6 +101,12 @@ struct HostPolicy {
     round_into(o, f, 0, sign);
     return o;
   }
+  // f -= o's values, o = op<T, KD>(f, 1.f): f's first KD columns keep their rounding error
+  template <typename T, int KD, int N>
+  static void sub_op(Frag<N>& f, const Op<T, KD>& o) {
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < KD; ++c) f.d[r * N + c] -= to_f(o.d[r * KD + c]);
+  }
   // the products in fp32 from operands widened once (exact: the same sums as widening every term)
   static void gemm_nt(float* acc, int ldc, const std::vector<float>& a, const std::vector<float>& b, int m, int n,
                       int kd) {

@@ -364,14 +364,13 @@ def _grads_regions(prog, roles):
             i += 1
         return i
     (ak, bk), (aq, bq) = roles["dk"], roles["dq"]
-    forks = [i for i in range(ak) if prog[i].op == "BRA" and prog[i].guarded and bk < (target(prog[i]) or -1) <= aq]
-    if not forks:
-        return {}
-    fork = forks[-1]
-    j = bk + 1
+    j = bk + 1                                       # the dk side's jump to the store; the dq side's code next
     while not (prog[j].op == "BRA" and not prog[j].guarded):
         j += 1
-    return dict(dk_pre=[(fork + 1, ak - 1)], dq_pre=[(target(prog[fork]), aq - 1)],
+    forks = [i for i in range(ak) if prog[i].op == "BRA" and prog[i].guarded and target(prog[i]) == j + 1]
+    if not forks:
+        return {}
+    return dict(dk_pre=[(forks[-1] + 1, ak - 1)], dq_pre=[(j + 1, aq - 1)],
                 dk_tail=[(bk + 1, j), (target(prog[j]), to_exit(target(prog[j])))], dq_tail=[(bq + 1, to_exit(bq + 1))])
 
 
