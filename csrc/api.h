@@ -126,6 +126,7 @@ struct ChunkBwdSm90Params {
   int64_t N = 0, T = 0, H = 0, HV = 0, K = 0, V = 0, NC = 0, chunk_size = 0;
   int dtype = 0;                          // 1 float16, 2 bfloat16 (0 float32: host mirror only)
   int gate_dtype = 0;                     // of dg, dbeta (0 float32, 1 float16, 2 bfloat16)
+  bool pairs = false;                     // GVA pairs of value heads (clusters of 4 sharing k / q): HV / H even
 };
 Status chunk_gdr_bwd_sm90(const ChunkBwdSm90Params& p, bool host, int device, std::uintptr_t stream);
 int chunk_gdr_bwd_sm90_smem_bytes();     // the kernel's dynamic shared memory per CTA (the model reads it)

@@ -302,7 +302,7 @@ std::vector<Arg<gdn::ChunkBwdSm90Params>> chunk_bwd_sm90_args() {
           ptr("dq", &P::dq, qk), ptr("dk", &P::dk, qk), ptr("dg", &P::dg, vo), ptr("dbeta", &P::dbeta, vo),
           arg("N", &P::N), arg("T", &P::T), arg("H", &P::H), arg("HV", &P::HV), arg("K", &P::K), arg("V", &P::V),
           arg("NC", &P::NC), arg("chunk_size", &P::chunk_size), arg("dtype", &P::dtype),
-          arg("gate_dtype", &P::gate_dtype)};
+          arg("gate_dtype", &P::gate_dtype), arg("pairs", &P::pairs)};
 }
 
 std::vector<Arg<gdn::ChunkGradsSm90Params>> chunk_grads_sm90_args() {

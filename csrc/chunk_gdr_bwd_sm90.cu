@@ -14,11 +14,15 @@
 //        the sequences' chunks only), dh0 [N, HV, K, V] fp32; exact zeros on every padding row of dv and
 //        of dq, dk [T, H, K] (q's dtype), dg, dbeta [T, HV] (gate_bytes a value: 4 or 2), as the Triton
 //        pass writes them (dq, dk, dg, dbeta's real rows are the Triton dq / dk / finalize kernels')
-// Grid (V-blocks 2, HV, N) in clusters of 2. CTA (256 threads, 1 per SM, ~205 KB shared memory):
+// Grid (V-blocks 2, HV, N) in clusters of 2; with pairs (GVA pairs of value heads: HV / H even) grid (4,
+// HV / 2, N) in clusters of 4, the two value heads of a qk head sharing its k / q loads. CTA (256 threads,
+// 1 per SM, ~205 KB shared memory):
 //   warpgroup 0, producer: one warp, its lane 0. Per chunk slot (last first): the table row and egL (the
-//        next ones a chunk ahead), then, once both CTAs have released the stage of the 3-stage ring, the
-//        TMA loads: its K-half of k and of q and Ts (rank 0) or M (rank 1), each multicast to both CTAs
-//        of the cluster; its 64 columns of dO; the slot's gate rows (a bulk copy); rows past T arrive 0
+//        next ones a chunk ahead), then, once every CTA of the cluster has released the stage of the
+//        3-stage ring, the TMA loads: its K-half of k and of q (with pairs: one of the four K-halves of k
+//        and q) multicast to every CTA of the cluster, Ts (V-block 0) or M (V-block 1) multicast to both
+//        CTAs of its value head; its 64 columns of dO; the slot's gate rows (a bulk copy); rows past T
+//        arrive 0
 //   warpgroup 1, dS: dS^T [64 v, 128] fp32 in registers (from dht), the step of chunk_gdr_sm90.cuh
 //        (wgmma with dS^T, dO^T, dU^T, the gated dO^T and (beta e^gam rk) dX'^T as register A operands);
 //        dSn^T and dX'^T by TMA stores from swizzled staging (stmatrix), dv by a transposing stmatrix and
@@ -59,6 +63,7 @@ struct BwdArgs {
   float* dh0;
   int64_t N, T, H, HV, NC;
   int esize, gate_bytes;     // bytes of an element of q (dq, dk, dv, ...) and of dg / dbeta
+  bool pairs;                // the kernel on GVA pairs of value heads (clusters of 4 sharing k / q)
 };
 
 // Padding rows [r0, r1) of the tensors the CTA of (V-block vb, value head hv) zeroes, as the Triton dS
@@ -173,6 +178,8 @@ Status chunk_gdr_bwd_sm90(const ChunkBwdSm90Params& p, bool host, int device, st
   if (!st.ok()) return st;
   if (p.NC < 0 || p.NC * p.HV > kInt32Max) return bad("NC * HV must fit int32 (TMA coordinates)");
   if (p.gate_dtype != kF32 && p.gate_dtype != kF16 && p.gate_dtype != kBF16) return bad("gate_dtype out of range");
+  if (p.pairs && (p.H <= 0 || (p.HV / p.H) % 2 != 0))
+    return bad("pairs needs an even number of value heads a qk head (HV / H)");
   sm90::BwdArgs a{};
   a.q = reinterpret_cast<const void*>(p.q);
   a.k = reinterpret_cast<const void*>(p.k);
@@ -199,6 +206,7 @@ Status chunk_gdr_bwd_sm90(const ChunkBwdSm90Params& p, bool host, int device, st
   a.NC = p.NC;
   a.esize = p.dtype == kF32 ? 4 : 2;
   a.gate_bytes = p.gate_dtype == kF32 ? 4 : 2;
+  a.pairs = p.pairs;
   if (host) {
     switch (p.dtype) {
       case kF32: sm90::run_mirror<float>(a); break;

@@ -26,47 +26,52 @@ struct alignas(1024) BwdShared {
   GateRows gates[kBwdStages];
   float eg_last[kBwdStages];
   int32_t rows[kBwdStages][2];             // per stage: the chunk's start row and length (the producer's)
-  uint64_t full[kBwdStages], empty[kBwdStages];
+  uint64_t full[kBwdStages], empty[kBwdStages], gone[kBwdStages];
 };
-// a stage's bytes in each CTA: k, q (both K-halves: this CTA's multicast and the peer's), Ts and M (one
-// multicast by each CTA), the CTA's dO, the gate rows
+// a stage's bytes in each CTA: k, q (both K-halves: the multicasts of the CTAs sharing it), Ts and M (one
+// multicast by each V-block's CTA of the value head), the CTA's dO, the gate rows
 constexpr uint32_t kBwdStageBytes = 7 * kBlock + sizeof(GateRows);
 constexpr int kBwdSmemBytes = sizeof(BwdShared) + 1024;      // + the 1024-byte alignment of the base
 static_assert(kBwdSmemBytes <= 232448, "one CTA's shared memory on sm_90 (227 KB)");
 
-// grid (kVBlocks, HV, N) in clusters of the kVBlocks CTAs of a (value head, sequence): CTA rank vb owns
-// value columns vb * 64 .. vb * 64 + 63. Barriers (an elected thread arrives for its warpgroup):
-//   full[s]      the loads of the slot walked it-th landed in stage s = it % 3: k, q (one K-half multicast
-//                by each CTA's producer to both), Ts (by rank 0's) and M (rank 1's) to both, the CTA's dO
-//                columns and gate rows (1 arrival + all the bytes)
-//   empty[s]     stage s read in both CTAs (the multicasts write both): by each CTA's dS warpgroup (2: one
-//                local, one remote arrival)
+// grid (kVBlocks kPair, HV / kPair, N) in clusters of the kVBlocks kPair CTAs of a (value head, sequence),
+// or with kPair = 2 of a (GVA pair of value heads, sequence): CTA rank r owns value columns vb * 64 ..
+// vb * 64 + 63 (vb = r % 2) of value head kPair * blockIdx.y + r / 2. Barriers (an elected thread arrives
+// for its warpgroup):
+//   full[s]      the loads of the slot walked it-th landed in stage s = it % 3: k, q (each CTA's producer
+//                multicasts one K-half of k and of q, with kPair = 2 one of the four, to every CTA of the
+//                cluster), Ts (by V-block 0's) and M (V-block 1's) to both CTAs of the value head, the CTA's
+//                dO columns and gate rows (1 arrival + all the bytes)
+//   empty[s]     stage s read in this CTA: by its dS warpgroup (1 arrival)
+//   gone[s]      stage s read in every CTA of the cluster (the k / q multicasts write all of them): by each
+//                CTA's producer once its empty[s] completed (kVBlocks kPair: one local, the others remote
+//                arrivals); the producer reloads stage s after it
 // Named barrier 1: the dS warpgroup's.
-template <typename T>
-__global__ void __cluster_dims__(kVBlocks, 1, 1) __launch_bounds__(kBwdThreads, 1)
-chunk_gdr_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                          const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_ts,
-                          const __grid_constant__ CUtensorMap tm_mm, const __grid_constant__ CUtensorMap tm_dsn,
-                          const __grid_constant__ CUtensorMap tm_dxp, const __grid_constant__ CUtensorMap tm_dv,
-                          const BwdArgs a) {
+template <typename T, int kPair>
+__device__ __forceinline__ void bwd_cta(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_do,
+                                        const CUtensorMap& tm_ts, const CUtensorMap& tm_mm, const CUtensorMap& tm_dsn,
+                                        const CUtensorMap& tm_dxp, const CUtensorMap& tm_dv, const BwdArgs a) {
   using P = DevPolicy<T>;
+  constexpr int kShare = kVBlocks * kPair;                   // the CTAs sharing each k / q stage
   extern __shared__ uint8_t smem_raw[];
   BwdShared& sm = *reinterpret_cast<BwdShared*>(smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023));
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
-  const int vb = static_cast<int>(cluster_rank());           // blockIdx.x
-  const uint32_t peer = vb ^ 1;
-  const int64_t hv = blockIdx.y, n = blockIdx.z, HV = a.HV;
+  const int rank = static_cast<int>(cluster_rank());         // blockIdx.x
+  const int vb = kPair == 1 ? rank : rank % kVBlocks;        // V-block
+  const int hh = kPair == 1 ? 0 : rank / kVBlocks;           // value head of the pair
+  const int64_t hv = kPair * static_cast<int64_t>(blockIdx.y) + hh, n = blockIdx.z, HV = a.HV;
   const int h = static_cast<int>(hv / (HV / a.H));
   const int64_t c0 = a.cu_chunks[n], c1 = a.cu_chunks[n + 1];
   const int nchunks = static_cast<int>(c1 - c0);
   if (tid == 0) {
     for (int i = 0; i < kBwdStages; ++i) {
       mbar_init(&sm.full[i], 1);
-      mbar_init(&sm.empty[i], kVBlocks);          // the dS warpgroups of both CTAs
+      mbar_init(&sm.empty[i], 1);                 // this CTA's dS warpgroup
+      mbar_init(&sm.gone[i], kShare);             // the producers of the CTAs sharing the stage
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  cluster_sync();                                 // both CTAs' barriers initialised before any arrival
+  cluster_sync();                                 // every CTA's barriers initialised before any arrival
 
   if (wg == 0) {                                  // ---- producer: lane 0 of warp 0
     if (tid == 0) {
@@ -74,7 +79,8 @@ chunk_gdr_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
       int4 next = nchunks > 0 ? __ldg(table + c1 - 1) : make_int4(0, 0, 0, 0);
       float next_eg = nchunks > 0 ? __ldg(a.eg_last + (c1 - 1) * HV + hv) : 0.f;
       constexpr uint64_t hint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-      constexpr uint16_t both = (1u << kVBlocks) - 1;
+      constexpr uint16_t all = (1u << kShare) - 1;           // the CTAs sharing k / q; those of the value head:
+      const uint16_t head = kPair == 1 ? all : static_cast<uint16_t>(((1u << kVBlocks) - 1) << (kVBlocks * hh));
       for (int it = 0; it < nchunks; ++it) {
         const int st = it % kBwdStages;
         const int64_t j = c1 - 1 - it;
@@ -84,18 +90,26 @@ chunk_gdr_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
           next = __ldg(table + j - 1);
           next_eg = __ldg(a.eg_last + (j - 1) * HV + hv);
         }
-        if (it >= kBwdStages)
-          mbar_wait(&sm.empty[st], ((it / kBwdStages) + 1) & 1,
-                    "bwd producer, empty[it % 3]: the stage released by both CTAs' dS", it);
+        if (it >= kBwdStages) {                   // the stage released here, then in every CTA sharing it
+          const uint32_t ph = ((it / kBwdStages) + 1) & 1;
+          mbar_wait(&sm.empty[st], ph, "bwd producer, empty[it % 3]: the stage released by this CTA's dS", it);
+          mbar_arrive(&sm.gone[st]);
+#pragma unroll
+          for (int d = 1; d < kShare; ++d) mbar_arrive_at(peer_addr(&sm.gone[st], rank ^ d));
+          mbar_wait(&sm.gone[st], ph, "bwd producer, gone[it % 3]: the stage released in every CTA sharing it", it);
+        }
         sm.rows[st][0] = start;
         sm.rows[st][1] = length;
         sm.eg_last[st] = eg;
         const int slot = static_cast<int>(j * HV + hv);
-        mbar_expect_tx(&sm.full[st], kBwdStageBytes);   // all of the stage: the peer's multicasts land here too
-        cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_k, &sm.full[st], both, hint, sm.kq[st][vb], vb * 64, h, start);
-        cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_q, &sm.full[st], both, hint, sm.kq[st][vb] + kBlock, vb * 64, h,
-                                               start);
-        cute::SM90_TMA_LOAD_MULTICAST_3D::copy(vb == 0 ? &tm_ts : &tm_mm, &sm.full[st], both, hint, sm.tm[st][vb],
+        mbar_expect_tx(&sm.full[st], kBwdStageBytes);   // all of the stage: the others' multicasts land here too
+        // K-half vb of k and of q; with pairs the value head's first CTAs k's, its second's q's
+        if (kPair == 1 || hh == 0)
+          cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_k, &sm.full[st], all, hint, sm.kq[st][vb], vb * 64, h, start);
+        if (kPair == 1 || hh == 1)
+          cute::SM90_TMA_LOAD_MULTICAST_3D::copy(&tm_q, &sm.full[st], all, hint, sm.kq[st][vb] + kBlock, vb * 64, h,
+                                                 start);
+        cute::SM90_TMA_LOAD_MULTICAST_3D::copy(vb == 0 ? &tm_ts : &tm_mm, &sm.full[st], head, hint, sm.tm[st][vb],
                                                0, 0, slot);
         cute::SM90_TMA_LOAD_3D::copy(&tm_do, &sm.full[st], hint, sm.dO[st], vb * kVB, static_cast<int>(hv), start);
         bulk_load(&sm.gates[st], a.gates + static_cast<int64_t>(slot) * kGateRows * kC, sizeof(GateRows),
@@ -170,10 +184,8 @@ chunk_gdr_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
             if (wtid == 0) asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");   // staging (and the
             named_sync(p.bar);                           // row stores' reads are done) before the next step
           });
-      if (wtid == 0) {                                   // the stage back to both producers (every warp's reads
-        mbar_arrive(&sm.empty[st]);                      // of it precede its wgmma of the dS update, waited for)
-        mbar_arrive_at(peer_addr(&sm.empty[st], peer));
-      }
+      if (wtid == 0) mbar_arrive(&sm.empty[st]);        // the stage back to the producer (every warp's reads of it
+                                                         // precede its wgmma of the dS update, waited for)
     };
     if (nchunks > 0) step(0, std::true_type{});
     for (int it = 1; it < nchunks; ++it) step(it, std::false_type{});
@@ -186,7 +198,26 @@ chunk_gdr_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
     zero_padding_rows(a, vb, hv, pa, pb, wtid, 128);
     zero_padding_rows(a, vb, hv, 0, first, wtid, 128);
   }
-  cluster_sync();          // neither CTA leaves while the peer may still multicast to or arrive on its barriers
+  cluster_sync();          // no CTA leaves while another may still multicast to or arrive on its barriers
+}
+
+template <typename T>
+__global__ void __cluster_dims__(kVBlocks, 1, 1) __launch_bounds__(kBwdThreads, 1)
+chunk_gdr_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                          const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_ts,
+                          const __grid_constant__ CUtensorMap tm_mm, const __grid_constant__ CUtensorMap tm_dsn,
+                          const __grid_constant__ CUtensorMap tm_dxp, const __grid_constant__ CUtensorMap tm_dv,
+                          const BwdArgs a) {
+  bwd_cta<T, 1>(tm_q, tm_k, tm_do, tm_ts, tm_mm, tm_dsn, tm_dxp, tm_dv, a);
+}
+template <typename T>
+__global__ void __cluster_dims__(2 * kVBlocks, 1, 1) __launch_bounds__(kBwdThreads, 1)
+chunk_gdr_bwd_sm90_pair_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                               const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_ts,
+                               const __grid_constant__ CUtensorMap tm_mm, const __grid_constant__ CUtensorMap tm_dsn,
+                               const __grid_constant__ CUtensorMap tm_dxp, const __grid_constant__ CUtensorMap tm_dv,
+                               const BwdArgs a) {
+  bwd_cta<T, 2>(tm_q, tm_k, tm_do, tm_ts, tm_mm, tm_dsn, tm_dxp, tm_dv, a);
 }
 
 template <typename T>
@@ -209,12 +240,13 @@ Status launch_bwd_t(const BwdArgs& a, CUtensorMapDataType ty, cudaStream_t strea
   if (!st.ok()) return st;
   if (!aligned16({a.gates, a.table}))
     return Status::invalid("chunk_gdr_bwd_sm90: gates and table must be 16-byte aligned (bulk copies, int4 rows)");
-  auto kernel = chunk_gdr_bwd_sm90_kernel<T>;
+  auto kernel = a.pairs ? chunk_gdr_bwd_sm90_pair_kernel<T> : chunk_gdr_bwd_sm90_kernel<T>;
   st = allow_smem(kernel, kBwdSmemBytes, who);
   if (!st.ok()) return st;
   if (a.N > 65535 || a.HV > 65535)
     return Status::invalid("chunk_gdr_bwd_sm90: at most 65535 sequences and value heads");
-  const dim3 grid(kVBlocks, static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N));
+  const int per = a.pairs ? 2 : 1;
+  const dim3 grid(kVBlocks * per, static_cast<unsigned>(a.HV / per), static_cast<unsigned>(a.N));
   kernel<<<grid, kBwdThreads, kBwdSmemBytes, stream>>>(tq, tk, tdo, tts, tmm, tdsn, tdxp, tdv, a);
   return launch_status("chunk_gdr_bwd_sm90");
 }

@@ -541,30 +541,29 @@ GDN_HD void dstate_step(P& p, typename P::template Frag<kK>& dS, const float* ga
   const float *beta = gates + kGateBeta * kC, *egq = gates + kGateEgq * kC, *wk = gates + kGateWk * kC,
               *begk = gates + kGateBegk * kC;
   dsn_out(dS);
-  auto gdo = p.vt(do_tile);                          // dO^T [64 v, 64 c] fp32 (exact: dO in the input dtype)
   typename P::template Frag<kC> du, dm;              // dS^T K^T, dO^T M
   P::zero(du);
   P::zero(dm);
   auto ds_op = p.template op<T, kK>(dS, 1.f);
-  auto do_op = p.template op<T, kC>(gdo, 1.f);
+  auto do_op = p.template op<T, kC>(p.vt(do_tile), 1.f);   // dO^T [64 v, 64 c] (exact: dO in the input dtype)
   p.mma2(dm, do_op, m_mn, du, ds_op, k_b);
-  // while those run: the gated dO^T as its rounded value and its rounding error (two operands of one
-  // K-dimension each), and egL dS^T (dS's registers are free once packed into ds_op)
-  P::for_each_pair(gdo, [&](int, int c, float& x0, float& x1) { scale2(x0, x1, col2(egq, c)); });
-  auto hi = p.template op<T, kC>(gdo, 1.f);
-  P::sub_op(gdo, hi);
-  auto lo = p.template op<T, kC>(gdo, 1.f);
   p.wait_mma(du, dm, ds_op, do_op);
-  P::for_each(dS, [&](int, int, float& x) { x *= eg_last; });
+  P::for_each(dS, [&](int, int, float& x) { x *= eg_last; });   // (its registers free once packed in ds_op)
   P::for_each2_pair(du, dm, [&](int, int c, float& x0, float& x1, float y0, float y1) {     // dU^T
     const float2 w = col2(wk, c);
     x0 = x0 * w.x + y0;
     x1 = x1 * w.y + y1;
   });
   // dX'^T = dU^T + dU^T Ts, in place; behind it on the tensor cores the dS update's products that do not
-  // wait for it: dS^T <- egL dS^T + (dO^T egq) Q
+  // wait for it: dS^T <- egL dS^T + (dO^T egq) Q, the gated dO^T as its rounded value and its rounding error
+  // (two operands of one K-dimension each), formed while dU^T Ts runs
   auto du_op = p.template op<T, kC>(du, 1.f);
   p.mma(du, du_op, ts_mn);
+  auto gdo = p.vt(do_tile);                          // (read again: not held across the first products)
+  P::for_each_pair(gdo, [&](int, int c, float& x0, float& x1) { scale2(x0, x1, col2(egq, c)); });
+  auto hi = p.template op<T, kC>(gdo, 1.f);
+  P::sub_op(gdo, hi);
+  auto lo = p.template op<T, kC>(gdo, 1.f);
   p.mma(dS, hi, q_mn);
   p.mma(dS, lo, q_mn);
   p.template wait_mma_left<2>(du, du_op);

@@ -27,11 +27,11 @@ KERNEL_FAMILIES = ("chunk_count_scan_kernel", "chunk_table_fill_kernel", "conv1d
                    "conv1d_final_state_kernel", "conv1d_bwd_state_kernel", "conv1d_wgrad_reduce_kernel",
                    "recurrent_gdr_fwd_kernel", "chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_state_kernel",
                    "chunk_gdr_fwd_sm90_split_kernel", "chunk_gdr_fwd_sm90_split_pair_kernel", "chunk_gdr_bwd_sm90_kernel",
-                   "chunk_gdr_grads_sm90_kernel")
+                   "chunk_gdr_bwd_sm90_pair_kernel", "chunk_gdr_grads_sm90_kernel")
 # kernels built for sm_90a only (wgmma / TMA / setmaxnreg), with the CuTe headers of nvidia-cutlass, by file
 SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": ("chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_state_kernel",
                                       "chunk_gdr_fwd_sm90_split_kernel", "chunk_gdr_fwd_sm90_split_pair_kernel"),
-             "chunk_gdr_bwd_sm90.cu": ("chunk_gdr_bwd_sm90_kernel",),
+             "chunk_gdr_bwd_sm90.cu": ("chunk_gdr_bwd_sm90_kernel", "chunk_gdr_bwd_sm90_pair_kernel"),
              "chunk_gdr_grads_sm90.cu": ("chunk_gdr_grads_sm90_kernel",)}
 # the forwards' setmaxnreg (decreases, increases in the SASS) and the registers of each kind of CTA's
 # three warpgroups (each kind's sum within the launch pool, 3 x 168): the fused kernel's producer down, prep
@@ -243,14 +243,15 @@ def test_sm90_setmaxnreg_fits_the_launch_allocation(ptxas_report, report_table):
 @needs_nvcc
 @pytest.mark.skipif(CUOBJDUMP is None, reason="no cuobjdump (CUDA toolkit or triton's copy): SASS not read")
 def test_sm90_dstate_loop_runs_its_step_on_the_tensor_cores(ptxas_report, report_table):
-    """cuobjdump SASS of both instantiations of the backward's reverse dS pass: its chunk loop (the
-    producer's holds none) issues exactly the wgmma of dstate_step (csrc/chunk_gdr_sm90.cuh) once a chunk,
+    """cuobjdump SASS of both instantiations of the backward's reverse dS pass and of its form on GVA pairs:
+    each chunk loop (the producer's holds none) issues exactly the wgmma of dstate_step
+    (csrc/chunk_gdr_sm90.cuh) once a chunk,
     in 3 waits: 16 HGMMA 64x64x16 (dS^T K^T 8 and dO^T M 4 in one group, dU^T Ts 4) and 12 HGMMA 64x128x16
     (the dS update: the gated dO^T's rounded value and its rounding error times Q, 4 each, dX'^T K 4)."""
     sass = SASS.get("chunk_gdr_bwd_sm90.cu")
     assert sass, "no SASS of chunk_gdr_bwd_sm90.cu"
     loops = sass_loops(sass)
-    assert len(loops) == 2, list(loops)
+    assert len(loops) == 4, list(loops)
     for name, got in loops.items():
         report_table("sm_90a dS pass, HGMMA per chunk loop (cuobjdump)",
                      f"{name[-60:]}: " + "; ".join(f"{dict(c)} in {w} waits" for c, w in got))

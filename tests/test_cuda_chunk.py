@@ -188,7 +188,7 @@ def test_forward_kernel_splits_where_the_fused_kernel_leaves_half_the_sms_idle()
     at once (as many as cudaOccupancyMaxActiveClusters says; SMs / 4 where it cannot say), the fused
     kernel from there on (4 x 8192: 256 CTAs); CPU tensors (the host mirror) take the fused kernel's tile program unless `kernel` names one;
     "state" is never picked, and a kernel not in KERNELS is a ValueError naming them."""
-    from gdn_packed.cuda.chunk import KERNELS, _kernel, forward_kernel, split_pairs
+    from gdn_packed.cuda.chunk import KERNELS, _kernel, forward_kernel, gva_pairs
     split = lambda *a: forward_kernel(*a) == "split"   # noqa: E731
     assert split(1, 32, 132) and split(2, 16, 132) and split(1, 33, 132)
     assert not split(1, 34, 132) and not split(4, 32, 132) and not split(2, 32, 132)
@@ -198,8 +198,8 @@ def test_forward_kernel_splits_where_the_fused_kernel_leaves_half_the_sms_idle()
     assert forward_kernel(1, 32, 132, -1) == "split" and forward_kernel(1, 33, 132, -1) == "split"
     assert forward_kernel(1, 33, 132, 32) == "fused"
     assert {forward_kernel(n, hv, 132) for n in (1, 2, 4, 64) for hv in (1, 8, 32, 64)} == {"fused", "split"}
-    # on GVA pairs (split_pairs) clusters of 8: HV N / 2 of them
-    assert split_pairs(16, 32) and split_pairs(1, 4) and not split_pairs(16, 16) and not split_pairs(2, 6)
+    # on GVA pairs (gva_pairs) clusters of 8: HV N / 2 of them
+    assert gva_pairs(16, 32) and gva_pairs(1, 4) and not gva_pairs(16, 16) and not gva_pairs(2, 6)
     assert forward_kernel(1, 32, 132, 16, True) == "split" and forward_kernel(1, 32, 132, 15, True) == "fused"
     assert forward_kernel(1, 32, 132, None, True) == "split" and forward_kernel(1, 34, 132, None, True) == "fused"
     assert _kernel(torch.device("cpu"), 1, 1, 1, None) == ("fused", False)

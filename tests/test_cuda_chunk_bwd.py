@@ -183,8 +183,9 @@ def test_prep_inputs_are_triton_preps():
         assert rel_err(getattr(got, name)[used], getattr(want, name)[used].double()) <= 1e-5, name
 
 
-def dstate_pass(packing, dtype, seed, impl, device="cuda"):
-    """The reverse dS pass of `impl` ("cuda": the sm_90a kernel, "mirror": its host mirror, "triton":
+def dstate_pass(packing, dtype, seed, impl, device="cuda", pairs=None):
+    """The reverse dS pass of `impl` ("cuda": the sm_90a kernel, in its form on GVA pairs or not by `pairs`
+    (None: chunk_bwd_dstate_cuda's choice), "mirror": its host mirror, "triton":
     gdn_packed.triton.chunk.chunk_bwd_dstate, the pass it replaces) on Triton prep's outputs of one
     packing's inputs (prep on `device`), every output NaN-poisoned first: {name: CPU tensor}, the chunk
     slots of the sequences and the padding rows."""
@@ -209,7 +210,7 @@ def dstate_pass(packing, dtype, seed, impl, device="cuda"):
     if impl == "triton":
         chunk_bwd_dstate(q, k, do, table, cc, prep, r, dht, **out, cfg=bwd_configs(K, K, dtype)["dstate"])
     elif impl == "cuda":
-        chunk_bwd_dstate_cuda(q, k, do, table, cc, prep, dht, **out)
+        chunk_bwd_dstate_cuda(q, k, do, table, cc, prep, dht, **out, pairs=pairs)
     else:
         cpu = {n: t.cpu() for n, t in out.items()}
         chunk_bwd_dstate_cuda(q.cpu(), k.cpu(), do.cpu(), table.cpu(), cc.cpu(),
@@ -277,7 +278,7 @@ def _entry_args(T=5, N=1):
               dsn=z(NC, HV, K, K), dxp=z(NC, HV, K, C), dv=z(T, HV, K), dh0=z(N, HV, K, K), dq=z(T, H, K),
               dk=z(T, H, K), dg=z(T, HV), dbeta=z(T, HV))
     args = {n: t.data_ptr() for n, t in ts.items()}
-    args.update(N=N, T=T, H=H, HV=HV, K=K, V=K, NC=NC, chunk_size=C, dtype=0, gate_dtype=0)
+    args.update(N=N, T=T, H=H, HV=HV, K=K, V=K, NC=NC, chunk_size=C, dtype=0, gate_dtype=0, pairs=False)
     return args, ts
 
 
@@ -293,8 +294,10 @@ def test_entry_point_names_its_arguments():
     for name in [n for n in args if isinstance(args[n], int) and n in keep and n != "dht"]:
         with pytest.raises(ValueError, match=f"^chunk_gdr_bwd_sm90_host\\(\\): argument '{name}' "):
             C_.chunk_gdr_bwd_sm90_host(**dict(args, **{name: None}))
+    C_.chunk_gdr_bwd_sm90_host(**dict(args, pairs=True))          # (HV / H = 2: value heads that pair)
     for bad, words in ((dict(K=64), "K and V must be 128"), (dict(chunk_size=32), "chunk_size must be 64"),
-                       (dict(H=2, HV=3), "sizes out of range"), (dict(gate_dtype=7), "gate_dtype")):
+                       (dict(H=2, HV=3), "sizes out of range"), (dict(gate_dtype=7), "gate_dtype"),
+                       (dict(HV=1, pairs=True), "pairs needs an even number of value heads a qk head")):
         with pytest.raises(ValueError, match=words):
             C_.chunk_gdr_bwd_sm90_host(**dict(args, **bad))
 

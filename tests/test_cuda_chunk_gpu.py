@@ -295,6 +295,19 @@ def test_dstate_kernel_matches_triton_and_the_mirror(pi):
     assert_dstate_close(got, mir, used, pad, 1e-2)
 
 
+@pytest.mark.parametrize("pi", range(len(PACKINGS)), ids=IDS)
+def test_dstate_kernel_on_gva_pairs_is_bit_identical(pi):
+    """The dS pass's two forms (GVA 1:2 here): clusters of 4, the pair's CTAs sharing each k / q load, and
+    clusters of 2, each loading its own: the same products in the same order, so every output is
+    bit-identical (the sharing is only in which CTA's producer loads a K-half)."""
+    from test_cuda_chunk_bwd import dstate_pass
+    pair, _, _ = dstate_pass(PACKINGS[pi], torch.bfloat16, pi, "cuda", pairs=True)
+    single, _, _ = dstate_pass(PACKINGS[pi], torch.bfloat16, pi, "cuda", pairs=False)
+    for n in pair:
+        assert torch.equal(pair[n].isnan(), single[n].isnan()), n
+        assert torch.equal(pair[n].nan_to_num(), single[n].nan_to_num()), n
+
+
 @pytest.mark.parametrize("packing", LONG, ids=[p.name for p in LONG])
 def test_dstate_long_sequences_match_triton_and_rerun_bit_identical(packing):
     """Hundreds of chunks a sequence (the ring wraps around many times; the Triton pass runs in segments

@@ -250,11 +250,13 @@ def test_the_state_only_kernels_roles_are_read_from_the_sass(facts, dtype):
 
 # ---- the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) ---------------------------------------
 
+@pytest.mark.parametrize("phase", ["bwd", "bwd_pair"])
 @pytest.mark.parametrize("dtype", cuda_chunk.DTYPES)
-def test_the_dstate_kernels_roles_are_read_from_the_sass(dtype):
-    """The dS warpgroup's loop (the "state" role): 28 HGMMA (16 x 64x64x16, 12 x 64x128x16) in 3 waits a
-    chunk; the producer's loop holds the TMA loads; no spill; D(n) the slowest of its terms."""
-    f = cuda_chunk.facts(dtype, M.CONSTANTS, "bwd")
+def test_the_dstate_kernels_roles_are_read_from_the_sass(dtype, phase):
+    """The dS warpgroup's loop (the "state" role) of both forms (clusters of 2, of 4 on GVA pairs): 28 HGMMA
+    (16 x 64x64x16, 12 x 64x128x16) in 3 waits a chunk; the producer's loop holds the TMA loads; no spill;
+    D(n) the slowest of its terms."""
+    f = cuda_chunk.facts(dtype, M.CONSTANTS, phase)
     assert not f.error, f.error
     assert f.spill == 0 and f.regs <= 255 and set(f.loops) == {"state", "producer"}
     s, pr = f.loops["state"], f.loops["producer"]
@@ -272,24 +274,26 @@ def test_report_rows_of_the_cuda_backward():
     """The backward of backend="cuda" recorded on meta tensors (in a subprocess without TRITON_INTERPRET,
     as tests/test_sm90_report.py records): the Triton backward's launches on the prep outputs the forward
     kept (no prep launch; the recompute from the kept entering states of its segments: no pass A, no
-    combine) with its dS pass (pass A, combine, pass) replaced by one sm_90a kernel launch and its P, dq,
-    A and dk kernels by another (the finalize kernel stays), each row naming its bound; the tiles the dS
-    pass moves at the anchor: 2.19 GB (bench/NOTES.md's count); the gradient kernel's: a CTA per (chunk
-    slot, qk head), 8192, each its q, k, row factors, per value head and V-block a stage, dq / dk and the
-    shares out: 2.743 GB."""
+    combine) with its dS pass (pass A, combine, pass) replaced by one sm_90a kernel launch (its form on GVA
+    pairs: the anchor's 16 / 32 heads) and its P, dq, A and dk kernels by another (the finalize kernel
+    stays), each row naming its bound; the tiles the dS pass moves at the anchor: 2.19 GB (bench/NOTES.md's
+    count) less the 8 KB of k / q a chunk that each CTA's pair partner loads for it; the gradient
+    kernel's: a CTA per (chunk slot, qk head), 8192, each its q, k, row factors, per value head and V-block
+    a stage, dq / dk and the shares out: 2.743 GB."""
     out = _record(ANCHOR, ("bwd",))
     names = out["names"]
-    assert names.count(cuda_chunk.BWD_KERNEL) == 1 and "chunk_bwd_dstate_kernel" not in names
+    assert names.count(cuda_chunk.BWD_PAIR_KERNEL) == 1 and "chunk_bwd_dstate_kernel" not in names
+    assert cuda_chunk.BWD_KERNEL not in names
     assert "chunk_fwd_prep_kernel" not in names         # on the prep outputs the forward kept
     # the recompute from the states entering the segments the forward kept (3 at the anchor): no pass A, no
     # combine
     assert names.count("chunk_fwd_state_kernel") == 1 and "chunk_combine_kernel" not in names
     assert names.count(cuda_chunk.GRADS_KERNEL) == 1 and names.count("chunk_bwd_finalize_kernel") == 1
     assert not {"chunk_bwd_p_kernel", "chunk_bwd_dq_kernel", "chunk_bwd_a_kernel", "chunk_bwd_dk_kernel"} & set(names)
-    (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.BWD_KERNEL]
+    (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.BWD_PAIR_KERNEL]
     assert k["mode"] == "bwd" and k["ctas"] == 64 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"]
     assert k["bound"] in ("latency", "bytes", "smem", "FLOPs") and k["loop_hgmma"] == 28
-    assert math.isclose(k["hbm_gb"], 2.19, rel_tol=0.01)
+    assert math.isclose(k["hbm_gb"], 2.194 - 64 * 512 * 8192 / 1e9, rel_tol=0.01)
     (gr,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.GRADS_KERNEL]
     assert gr["mode"] == "bwd" and gr["ctas"] == 16 * 512 and gr["spill_b"] == 0 and not gr["error"]
     assert gr["bound"] in ("latency", "bytes", "smem", "FLOPs") and gr["loop_hgmma"] == 24 + 16

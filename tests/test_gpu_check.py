@@ -271,6 +271,6 @@ def test_ncu_profiles_every_sm90_kernel(monkeypatch):
 
     from bench.sm90 import cuda_chunk
     names = {kernel for _, kernel, _ in cuda_chunk.KERNELS.values()}
-    assert len(names) == 6
+    assert len(names) == 7
     for name in names:
         assert any(re.fullmatch(k, name) for k in gpu_check.NCU_KERNELS.split("|")), name

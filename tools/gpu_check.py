@@ -83,14 +83,16 @@ OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench
 # the ncu step: our chunk-parallel kernels (1.8-2.8x the model on the second H200 run, 2026-12-04), the
 # sequential state pass for contrast (one launch of each in one forward+backward at the anchor), the
 # sm_90a forward (the fused kernel 1.76x its model; at the anchor now the split kernel) and the sm_90a
-# backward's two kernels (the reverse dS pass, the chunk-parallel gradients: never run on a GPU yet)
+# backward's kernels (the reverse dS pass; its form on GVA pairs and the chunk-parallel gradients, neither
+# run on a GPU yet)
 NCU_KERNELS = ("chunk_fwd_prep_kernel|chunk_fwd_state_kernel|chunk_bwd_p_kernel|chunk_bwd_dq_kernel|"
                "chunk_bwd_a_kernel|chunk_bwd_dk_kernel|chunk_bwd_finalize_kernel|chunk_gdr_fwd_sm90_kernel|"
                "chunk_gdr_fwd_sm90_state_kernel|chunk_gdr_fwd_sm90_split_kernel|chunk_gdr_fwd_sm90_split_pair_kernel|"
-               "chunk_gdr_bwd_sm90_kernel|chunk_gdr_grads_sm90_kernel")
+               "chunk_gdr_bwd_sm90_kernel|chunk_gdr_bwd_sm90_pair_kernel|chunk_gdr_grads_sm90_kernel")
 NCU_LAUNCHES = 15       # one of each above in one Triton forward + backward (the state kernel three times),
                         # then one cuda forward + backward: the split kernel (at the anchor's GVA pairs: its
-                        # pair form), the recompute (the state kernel), the dS pass, the gradients, finalize
+                        # pair form), the recompute (the state kernel), the dS pass (at the anchor's GVA
+                        # pairs: its pair form), the gradients, finalize
 NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "WarpStateStats", "LaunchStats", "Occupancy",
                 "SchedulerStats")
 # what the sections above do not break down (the second H200 session: prep, dq and dk had L1/TEX 50-77%

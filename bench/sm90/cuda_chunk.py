@@ -100,6 +100,7 @@ SPLIT_PAIR_KERNEL = "chunk_gdr_fwd_sm90_split_pair_kernel"   # the same on GVA p
 SPLIT = ("fwd_split", "fwd_split_pair")               # the split kernels' phases
 BWD_SOURCE = os.path.join(CSRC, "chunk_gdr_bwd_sm90.cu")      # the backward's reverse dS pass
 BWD_KERNEL = "chunk_gdr_bwd_sm90_kernel"
+BWD_PAIR_KERNEL = "chunk_gdr_bwd_sm90_pair_kernel"    # the same on GVA pairs, a cluster of 4 sharing k / q
 BWD_THREADS = 256
 GRADS_SOURCE = os.path.join(CSRC, "chunk_gdr_grads_sm90.cu")  # the backward's chunk-parallel gradients
 GRADS_KERNEL = "chunk_gdr_grads_sm90_kernel"
@@ -108,10 +109,12 @@ KERNELS = {"fwd": (SOURCE, KERNEL, {"state", "prep", "producer"}), "fwd_state": 
            "fwd_split": (SOURCE, SPLIT_KERNEL, {"state", "prep", "producer", "prep_producer"}),
            "fwd_split_pair": (SOURCE, SPLIT_PAIR_KERNEL, {"state", "prep", "producer", "prep_producer"}),
            "bwd": (BWD_SOURCE, BWD_KERNEL, {"state", "producer"}),
+           "bwd_pair": (BWD_SOURCE, BWD_PAIR_KERNEL, {"state", "producer"}),
            "grads": (GRADS_SOURCE, GRADS_KERNEL, {"dq", "dk", "producer"})}
 THREADS, V_BLOCK, HEAD_DIM, STAGES = 384, 64, 128, 3     # STAGES: the k / q / v ring (kStages)
 PREP_PIPES = 4                     # the split kernel's prep warpgroups a head (2 prep CTAs x kPrepWgs)
-CLUSTER = {"fwd": 2, "fwd_state": 2, "fwd_split": 4, "fwd_split_pair": 8, "bwd": 2, "grads": 1}    # CTAs a cluster
+CLUSTER = {"fwd": 2, "fwd_state": 2, "fwd_split": 4, "fwd_split_pair": 8, "bwd": 2, "bwd_pair": 4,
+           "grads": 1}                                  # CTAs a cluster
 BLOCK = 64 * 64 * 2                # kBlock: one [64 rows, 64 columns] 16-bit block of shared memory
 # per chunk and CTA, the bytes the TMA / bulk copies move through its shared memory: a stage of the ring
 # (the kernels' expect-tx counts, kStageBytes: k, q, v; kBwdStageBytes: k, q, Ts, M, dO, the gate rows),
@@ -126,7 +129,7 @@ PEER_BYTES = 2 * BLOCK + 1040
 PREP_IN_BYTES = 2 * BLOCK + 1024
 TMA_BYTES = {"fwd": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "fwd_state": STAGE_BYTES["fwd"] + BLOCK + PREP_IN_BYTES,
              "fwd_split": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "fwd_split_pair": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES,
-             "bwd": STAGE_BYTES["bwd"] + 4 * BLOCK}
+             "bwd": STAGE_BYTES["bwd"] + 4 * BLOCK, "bwd_pair": STAGE_BYTES["bwd"] + 4 * BLOCK}
 SPLIT_PREP_BYTES = 4 * BLOCK + 2 * PEER_BYTES
 ROLE_WARPS = {"state": 4, "prep": 4, "producer": 1, "prep_producer": 1}     # the warps that run each role's loop
 # the chunk-parallel gradients: per (chunk slot, qk head) its q, k, row factors (kGradsTileBytes), per value head
@@ -522,7 +525,7 @@ def _smem_bytes(phase="fwd"):
     """The phase's kernel's dynamic shared memory (gdn_packed._C says, where it is built), else 0."""
     try:
         from gdn_packed import _cext
-        kernel = "fwd" if phase.startswith("fwd") else phase       # (one shared-memory size for the forwards)
+        kernel = "fwd" if phase.startswith("fwd") else phase.split("_")[0]   # (one size for each file's kernels)
         return int(getattr(_cext.get_C(), f"chunk_gdr_{kernel}_sm90_smem_bytes", 0) or 0)
     except Exception:  # noqa: BLE001 (the report still runs without the extension)
         return 0
@@ -613,17 +616,20 @@ def estimate(f, dims, dtype, const, kept=False, phase="fwd"):
                 bound=top, lat_bound=bound, est_s=t + const.launch_s)
 
 
-def bwd_estimate(f, dims, dtype, const):
+def bwd_estimate(f, dims, dtype, const, phase="bwd"):
     """The dS pass's numbers at dims = (N, L, H, HV, K, V), as estimate's. Tiles per CTA and chunk: the
-    K-halves of k and q it multicasts (16 KB), Ts or M (8 KB, multicast), its 64 columns of dO (8 KB), the
-    gate rows (1.3 KB); stores dSn^T (16 KB), dX'^T (8 KB), dv (8 KB); its halves of dht and dh0 (fp32)."""
+    K-halves of k and q it multicasts (16 KB; "bwd_pair", on GVA pairs: one of the four, 8 KB), Ts or M (8
+    KB, multicast), its 64 columns of dO (8 KB), the gate rows (1.3 KB); stores dSn^T (16 KB), dX'^T (8 KB),
+    dv (8 KB); its halves of dht and dh0 (fp32)."""
     N, L, H, HV, K, V = dims
+    share = CLUSTER[phase]                          # the CTAs among which each k / q load is multicast
     e, C = 2, M.CHUNK
     ctas = 2 * HV * N
     n = -(-L // C)
     d, bound = cta_cycles(f, n, const)
     t_lat = M._schedule([d + const.lat.ldg] * ctas, NUM_SMS) / CLOCK_HZ
-    per_chunk = (C * K + C * C + C * V_BLOCK) * e + 5 * C * 4 + 4 + (V_BLOCK * K + V_BLOCK * C + C * V_BLOCK) * e
+    per_chunk = ((2 * C * K // share + C * C + C * V_BLOCK) * e + 5 * C * 4 + 4
+                 + (V_BLOCK * K + V_BLOCK * C + C * V_BLOCK) * e)
     tiles = ctas * (n * per_chunk + 2 * K * V_BLOCK * 4)
     NC = N * n
     footprint = (N * L * (2 * H * K + 2 * HV * V) * e + NC * HV * (2 * C * C * e + 5 * C * 4 + 4)
@@ -633,7 +639,7 @@ def bwd_estimate(f, dims, dtype, const):
     t_mem = max(hbm / HBM_BPS + (tiles - hbm) / const.l2_bps, tiles / (busy * SM_BPS))
     flops = ctas * n * 2 * V_BLOCK * (4 * C * K + 2 * C * C)    # dS^T K^T, dO^T M, dU^T Ts, the update (3 x K)
     t_tc = flops / TC_FLOPS["bf16"]
-    t_smem = ctas * n * smem_cycles(f, "bwd") / busy / CLOCK_HZ
+    t_smem = ctas * n * smem_cycles(f, phase) / busy / CLOCK_HZ
     t, top = M.bounded({"latency": t_lat, "bytes": t_mem, "smem": t_smem, "FLOPs": t_tc}, 1, const)  # 1 CTA per SM
     return dict(ctas=ctas, t_lat=t_lat, t_mem=t_mem, t_tc=t_tc, t_smem=t_smem, hbm_bytes=tiles, flops=flops,
                 bound=top, lat_bound=bound, est_s=t + const.launch_s)
@@ -720,7 +726,10 @@ def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
                  "fwd_split_pair" if scalars["split_pairs"] else "fwd_split")
         rec.launches.append(CudaLaunch(KERNELS[phase][1], phase, kept=writes["kept_ts"] is not None))
     cuda_chunk.launch = fwd_launch
-    cuda_chunk.chunk_bwd_dstate_cuda = lambda *a, **kw: rec.launches.append(CudaLaunch(BWD_KERNEL, "bwd"))
+    def dstate(q, k, do, *a, **kw):          # (its kernel: on GVA pairs, as chunk_bwd_dstate_cuda picks)
+        phase = "bwd_pair" if cuda_chunk.gva_pairs(q.shape[1], do.shape[1]) else "bwd"
+        rec.launches.append(CudaLaunch(KERNELS[phase][1], phase))
+    cuda_chunk.chunk_bwd_dstate_cuda = dstate
     cuda_chunk.chunk_bwd_grads_cuda = lambda *a, **kw: rec.launches.append(CudaLaunch(GRADS_KERNEL, "grads"))
     _dispatch.kernel.cache_clear()
     try:
@@ -746,8 +755,8 @@ def row(name, dims, dtype, const, launch=None):
     f = facts(dtype, const, phase)
     base = dict(impl="cuda", shape=name, dtype=dtype, mode="fwd" if fwd else "bwd", kernel=KERNELS[phase][1],
                 config=f"VB64 cluster{CLUSTER[phase]} s3 p4" if fwd else "VB64 s2 G-loop" if grads
-                else "VB64 cluster2 s3", candidates=1,
-                warps=(BWD_THREADS if phase == "bwd" else THREADS) // 32, stages=2 if grads else STAGES,
+                else f"VB64 cluster{CLUSTER[phase]} s3", candidates=1,
+                warps=(BWD_THREADS if phase.startswith("bwd") else THREADS) // 32, stages=2 if grads else STAGES,
                 loop_hmma="", loop_f2fp="", step_stalls={}, dots="bf16+f16" if dtype == "bf16" else "f16",
                 error=f.error)
     if f.error or not takes(dims, dtype):
@@ -764,9 +773,10 @@ def row(name, dims, dtype, const, launch=None):
                     loop_waits=dq["waits"] + dk["waits"], step_cycles=round(est["step"]),
                     step_stalls={k: round(v) for k, v in dk["stalls"].items()}, grid=f"{dims[0] * n}x{dims[2]}")
     else:
-        est = estimate(f, dims, dtype, const, launch.kept, phase) if fwd else bwd_estimate(f, dims, dtype, const)
+        est = (estimate(f, dims, dtype, const, launch.kept, phase) if fwd
+               else bwd_estimate(f, dims, dtype, const, phase))
         s, p = f.loops["state"], f.loops.get("prep", dict(hgmma=0, instr=0, waits=0))
-        per = 2 if phase == "fwd_split_pair" else 1
+        per = 2 if phase in ("fwd_split_pair", "bwd_pair") else 1
         loop = dict(loop_hgmma=s["hgmma"] + p["hgmma"] / 2, loop_instr=round(s["instr"] + p["instr"] / 2),
                     loop_waits=s["waits"] + p["waits"] / 2,
                     step_cycles=round(cta_cycles(f, n, const, phase)[0] / n),   # a chunk step

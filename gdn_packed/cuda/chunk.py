@@ -12,7 +12,8 @@ autograd will need them), so that backward runs neither pass A nor prep of its o
                             the three forward kernels (KERNELS), as forward_kernel picks
     forward_kernel(N, HV, sms, clusters, pairs)  which kernel the forward runs on a device of `sms`
                             SMs: "split" for few long sequences (where its clusters fit at once), else
-                            "fused"; split_pairs(H, HV): whether the split kernel can pair value heads;
+                            "fused"; gva_pairs(H, HV): whether the split kernel and the dS pass pair
+                            value heads;
                             split_clusters(device, pairs): how many of its clusters a GPU holds at once
     chunk_bwd_dstate_cuda(...)  the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) in place of
                             the Triton one (gdn_packed.triton.chunk.chunk_bwd_dstate): the same inputs
@@ -69,14 +70,15 @@ def refusal(q, v, device, N=None):
 #            warpgroup that preps every other chunk for both
 #   "split"  4 HV N CTAs in clusters of 4: the two state CTAs fed by two prep CTAs (two prep warpgroups
 #            each) over the cluster's shared memory; on GVA pairs (an even number of value heads a qk
-#            head: split_pairs) clusters of 8, the pair's four state CTAs sharing each k / q load
+#            head: gva_pairs) clusters of 8, the pair's four state CTAs sharing each k / q load
 #   "state"  Triton prep (every chunk slot in parallel) first, then 2 HV N state-only CTAs on its outputs
 KERNELS = ("fused", "split", "state")
 
 
-def split_pairs(H, HV):
-    """Whether the split kernel can take the value heads in GVA pairs (clusters of 8): when every qk head
-    has an even number of them (the entry point refuses split_pairs otherwise)."""
+def gva_pairs(H, HV):
+    """Whether the value heads can be taken in GVA pairs, two sharing each k / q load (the split kernel's
+    clusters of 8, the dS pass's clusters of 4): when every qk head has an even number of them (the entry
+    points refuse split_pairs, pairs otherwise)."""
     return (HV // H) % 2 == 0
 
 
@@ -220,11 +222,11 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
 def _kernel(device, N, H, HV, kernel):
     """(kernel, pairs): the forward kernel to run (chunk_gdr_fwd_cuda's `kernel`: the one named, else the
     fused one on CPU tensors, the host mirror, and forward_kernel's choice on a device) and, for the split
-    kernel, whether in its pair form: where the value heads pair (split_pairs) and, on a device, its
+    kernel, whether in its pair form: where the value heads pair (gva_pairs) and, on a device, its
     clusters of 8 fit at once; where only clusters of 4 do, the form without pairs."""
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
-    pairs = split_pairs(H, HV)
+    pairs = gva_pairs(H, HV)
     if kernel is not None or device.type == "cpu":
         kernel = kernel or "fused"
         return kernel, kernel == "split" and pairs
@@ -261,7 +263,7 @@ def _triton_prep(device):
 
 
 def chunk_bwd_dstate_cuda(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, *,
-                          host=False):
+                          host=False, pairs=None):
     """The reverse dS pass of the backward on Triton prep's outputs `prep` (gdn_packed.triton.chunk.Prep:
     gates [NC, HV, 5, C] fp32, eg_last [NC, HV] fp32, ts, mm [NC, HV, C, C] in q's dtype), as
     gdn_packed.triton.chunk.chunk_bwd_dstate: writes dsn [NC, HV, V, K] (dS^T leaving each chunk slot)
@@ -269,7 +271,8 @@ def chunk_bwd_dstate_cuda(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, d
     (every row: padding rows 0), dh0 [N, HV, K, V] fp32, and 0 on the padding rows of dq, dk [T, H, K]
     and dg, dbeta [T, HV] (their other rows are the dq / dk / finalize kernels'). q, k [T, H, K],
     do [T, HV, V] (bf16 / fp16; fp32 with host=True), dht [N, HV, K, V] or None; table int32 [NC, 4],
-    cu_chunks int32 [N + 1]."""
+    cu_chunks int32 [N + 1]. pairs: the kernel on GVA pairs of value heads, clusters of 4 sharing each k / q
+    load (None: where they pair, gva_pairs; the same results either way; the host mirror ignores it)."""
     T, H, K = q.shape
     HV, Vd = do.shape[1], do.shape[2]
     N, NC = cu_chunks.numel() - 1, table.shape[0]
@@ -299,7 +302,8 @@ def chunk_bwd_dstate_cuda(q, k, do, table, cu_chunks, prep, dht, dsn, dxp, dv, d
                       table=_aligned(table), cu_chunks=cu_chunks,
                       dht=None if dht is None else dht.to(torch.float32)),
            writes=dict(dsn=dsn, dxp=dxp, dv=out, dh0=dh0, dq=dq, dk=dk, dg=dg, dbeta=dbeta), N=N, T=T, H=H, HV=HV,
-           K=K, V=Vd, NC=NC, chunk_size=CHUNK, dtype=q.dtype, gate_dtype=dg.dtype)
+           K=K, V=Vd, NC=NC, chunk_size=CHUNK, dtype=q.dtype, gate_dtype=dg.dtype,
+           pairs=gva_pairs(H, HV) if pairs is None else pairs)
     if out is not dv:
         dv.copy_(out)
 
