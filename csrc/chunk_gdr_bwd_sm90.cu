@@ -25,8 +25,9 @@
 //        arrive 0
 //   warpgroup 1, dS: dS^T [64 v, 128] fp32 in registers (from dht), the step of chunk_gdr_sm90.cuh
 //        (wgmma with dS^T, dO^T, dU^T, the gated dO^T and (beta e^gam rk) dX'^T as register A operands);
-//        dSn^T and dX'^T by TMA stores from swizzled staging (stmatrix), dv by a transposing stmatrix and
-//        a TMA store of the chunk's rows; then dh0 and the padding rows' zeros
+//        dSn^T stored from its registers (a pair of columns a store: no staging, no shared memory), dX'^T
+//        by a TMA store from swizzled staging (stmatrix), dv by a transposing stmatrix and a TMA store of
+//        the chunk's rows; then dh0 and the padding rows' zeros
 // A sequence's last chunk, the only one that can be partial and the first walked, runs outside the
 // chunk loop: its rows of other sequences (loaded by TMA) are zeroed in the CTA's copy of the stage and
 // its live rows of dv stored one by one. Synchronisation: mbarriers full / empty (the ring, across the

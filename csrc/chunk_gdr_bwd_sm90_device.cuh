@@ -20,8 +20,8 @@ struct alignas(1024) BwdShared {
   uint8_t kq[kBwdStages][2][2 * kBlock];   // per stage and K half: [K rows 0..63 ; Q rows 0..63] x 64 cols
   uint8_t tm[kBwdStages][2][kBlock];       // per stage: Ts, M [c'][c] (input dtype)
   uint8_t dO[kBwdStages][kBlock];          // per stage: the CTA's 64 columns of dO [c][v]
-  uint8_t dsn[2][kBlock];                  // staging of the TMA stores: dSn^T [v][K half], dX'^T [v][c],
-  uint8_t dxp[kBlock];                     // dv [c][v] (one chunk's; rewritten once the stores have read it)
+  uint8_t dxp[kBlock];                     // staging of the TMA stores: dX'^T [v][c], dv [c][v] (one chunk's;
+                                           // rewritten once the stores have read it)
   uint8_t dv[kBlock];
   GateRows gates[kBwdStages];
   float eg_last[kBwdStages];
@@ -49,7 +49,7 @@ static_assert(kBwdSmemBytes <= 232448, "one CTA's shared memory on sm_90 (227 KB
 // Named barrier 1: the dS warpgroup's.
 template <typename T, int kPair>
 __device__ __forceinline__ void bwd_cta(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_do,
-                                        const CUtensorMap& tm_ts, const CUtensorMap& tm_mm, const CUtensorMap& tm_dsn,
+                                        const CUtensorMap& tm_ts, const CUtensorMap& tm_mm,
                                         const CUtensorMap& tm_dxp, const CUtensorMap& tm_dv, const BwdArgs a) {
   using P = DevPolicy<T>;
   constexpr int kShare = kVBlocks * kPair;                   // the CTAs sharing each k / q stage
@@ -122,7 +122,7 @@ __device__ __forceinline__ void bwd_cta(const CUtensorMap& tm_q, const CUtensorM
     const float* dht = a.dht ? a.dht + (n * HV + hv) * kK * kV : nullptr;
     P::for_each(dS, [&](int r, int c, float& x) { x = dht ? dht[c * kV + vb * kVB + r] : 0.f; });
     T* dv = static_cast<T*>(a.dv);
-    const uint32_t dsn0 = smem_u32(sm.dsn[0]), dsn1 = smem_u32(sm.dsn[1]), dxp = smem_u32(sm.dxp),
+    const uint32_t dxp = smem_u32(sm.dxp),
                    dvs = smem_u32(sm.dv);
     // a sequence's last chunk (the first walked; the only one that can be partial: kFirst) apart, so the
     // loop of the others holds no dead-row work
@@ -151,9 +151,11 @@ __device__ __forceinline__ void bwd_cta(const CUtensorMap& tm_q, const CUtensorM
       const typename P::Smem do_t{smem_u32(sm.dO[st]), 0, true};
       dstate_step<P, T>(
           p, dS, sm.gates[st].row[0], sm.eg_last[st], k_b, k_mn, q_mn, ts_mn, m_mn, do_t,
-          [&](typename P::template Frag<kK>& ds) {      // dSn^T (the staging is free: see the shadow below)
-            p.template stmatrix<T>(ds.d, dsn0, false);
-            p.template stmatrix<T>(ds.d + kC / 2, dsn1, false);
+          [&](typename P::template Frag<kK>& ds) {      // dSn^T from the registers, a pair of columns a store
+            T* dst = static_cast<T*>(a.dsn) + (slot * kV + vb * kVB) * kK;
+            P::for_each_pair(ds, [&](int r, int c, float& x0, float& x1) {
+              *reinterpret_cast<uint32_t*>(dst + r * kK + c) = Gmma<T>::pack(x0, x1);
+            });
           },
           [&](typename P::template Frag<kC>& dx, const float* beta) {
             p.template stmatrix<T>(dx.d, dxp, false);
@@ -168,8 +170,6 @@ __device__ __forceinline__ void bwd_cta(const CUtensorMap& tm_q, const CUtensorM
             named_sync(p.bar);
             if (wtid == 0) {
               const int s32 = static_cast<int>(slot);
-              cute::SM90_TMA_STORE_3D::copy(&tm_dsn, sm.dsn[0], 0, vb * kVB, s32);
-              cute::SM90_TMA_STORE_3D::copy(&tm_dsn, sm.dsn[1], static_cast<int>(kC), vb * kVB, s32);
               cute::SM90_TMA_STORE_3D::copy(&tm_dxp, sm.dxp, 0, vb * kVB, s32);
               // a whole chunk: one store (the box is the chunk's rows; rows past T, a middle chunk's only
               // dead rows, are clipped)
@@ -205,29 +205,27 @@ template <typename T>
 __global__ void __cluster_dims__(kVBlocks, 1, 1) __launch_bounds__(kBwdThreads, 1)
 chunk_gdr_bwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                           const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_ts,
-                          const __grid_constant__ CUtensorMap tm_mm, const __grid_constant__ CUtensorMap tm_dsn,
-                          const __grid_constant__ CUtensorMap tm_dxp, const __grid_constant__ CUtensorMap tm_dv,
-                          const BwdArgs a) {
-  bwd_cta<T, 1>(tm_q, tm_k, tm_do, tm_ts, tm_mm, tm_dsn, tm_dxp, tm_dv, a);
+                          const __grid_constant__ CUtensorMap tm_mm, const __grid_constant__ CUtensorMap tm_dxp,
+                          const __grid_constant__ CUtensorMap tm_dv, const BwdArgs a) {
+  bwd_cta<T, 1>(tm_q, tm_k, tm_do, tm_ts, tm_mm, tm_dxp, tm_dv, a);
 }
 template <typename T>
 __global__ void __cluster_dims__(2 * kVBlocks, 1, 1) __launch_bounds__(kBwdThreads, 1)
 chunk_gdr_bwd_sm90_pair_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                                const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_ts,
-                               const __grid_constant__ CUtensorMap tm_mm, const __grid_constant__ CUtensorMap tm_dsn,
-                               const __grid_constant__ CUtensorMap tm_dxp, const __grid_constant__ CUtensorMap tm_dv,
-                               const BwdArgs a) {
-  bwd_cta<T, 2>(tm_q, tm_k, tm_do, tm_ts, tm_mm, tm_dsn, tm_dxp, tm_dv, a);
+                               const __grid_constant__ CUtensorMap tm_mm, const __grid_constant__ CUtensorMap tm_dxp,
+                               const __grid_constant__ CUtensorMap tm_dv, const BwdArgs a) {
+  bwd_cta<T, 2>(tm_q, tm_k, tm_do, tm_ts, tm_mm, tm_dxp, tm_dv, a);
 }
 
 template <typename T>
 Status launch_bwd_t(const BwdArgs& a, CUtensorMapDataType ty, cudaStream_t stream) {
   constexpr const char* who = "chunk_gdr_bwd_sm90";
-  constexpr const char* names = "q, k, do, ts, mm, dsn, dxp, dv";
+  constexpr const char* names = "q, k, do, ts, mm, dxp, dv";
   const uint32_t blk[3] = {64, 64, 1};
   const int64_t slots = a.NC * a.HV;
   EncodeTiled enc = nullptr;
-  CUtensorMap tq, tk, tdo, tts, tmm, tdsn, tdxp, tdv;
+  CUtensorMap tq, tk, tdo, tts, tmm, tdxp, tdv;
   Status st = encode_fn(who, &enc);
   if (st.ok()) st = encode_rows(enc, &tq, ty, a.q, kK, a.H, a.T, who, names);
   if (st.ok()) st = encode_rows(enc, &tk, ty, a.k, kK, a.H, a.T, who, names);
@@ -235,11 +233,11 @@ Status launch_bwd_t(const BwdArgs& a, CUtensorMapDataType ty, cudaStream_t strea
   if (st.ok()) st = encode_rows(enc, &tdv, ty, a.dv, kV, a.HV, a.T, who, names);
   if (st.ok()) st = encode_3d(enc, &tts, ty, a.ts, {kC, kC, slots}, blk, who, names);
   if (st.ok()) st = encode_3d(enc, &tmm, ty, a.mm, {kC, kC, slots}, blk, who, names);
-  if (st.ok()) st = encode_3d(enc, &tdsn, ty, a.dsn, {kK, kV, slots}, blk, who, names);
   if (st.ok()) st = encode_3d(enc, &tdxp, ty, a.dxp, {kC, kV, slots}, blk, who, names);
   if (!st.ok()) return st;
-  if (!aligned16({a.gates, a.table}))
-    return Status::invalid("chunk_gdr_bwd_sm90: gates and table must be 16-byte aligned (bulk copies, int4 rows)");
+  if (!aligned16({a.gates, a.table, a.dsn}))
+    return Status::invalid("chunk_gdr_bwd_sm90: gates, table and dsn must be 16-byte aligned (bulk copies, int4 rows, "
+                           "paired stores)");
   auto kernel = a.pairs ? chunk_gdr_bwd_sm90_pair_kernel<T> : chunk_gdr_bwd_sm90_kernel<T>;
   st = allow_smem(kernel, kBwdSmemBytes, who);
   if (!st.ok()) return st;
@@ -247,7 +245,7 @@ Status launch_bwd_t(const BwdArgs& a, CUtensorMapDataType ty, cudaStream_t strea
     return Status::invalid("chunk_gdr_bwd_sm90: at most 65535 sequences and value heads");
   const int per = a.pairs ? 2 : 1;
   const dim3 grid(kVBlocks * per, static_cast<unsigned>(a.HV / per), static_cast<unsigned>(a.N));
-  kernel<<<grid, kBwdThreads, kBwdSmemBytes, stream>>>(tq, tk, tdo, tts, tmm, tdsn, tdxp, tdv, a);
+  kernel<<<grid, kBwdThreads, kBwdSmemBytes, stream>>>(tq, tk, tdo, tts, tmm, tdxp, tdv, a);
   return launch_status("chunk_gdr_bwd_sm90");
 }
 

@@ -118,8 +118,9 @@ CLUSTER = {"fwd": 2, "fwd_state": 2, "fwd_split": 4, "fwd_split_pair": 8, "bwd":
 BLOCK = 64 * 64 * 2                # kBlock: one [64 rows, 64 columns] 16-bit block of shared memory
 # per chunk and CTA, the bytes the TMA / bulk copies move through its shared memory: a stage of the ring
 # (the kernels' expect-tx counts, kStageBytes: k, q, v; kBwdStageBytes: k, q, Ts, M, dO, the gate rows),
-# the stores (O; dSn^T, dX'^T, dv) and the forward's Ts / M / gates bulk copy to the peer (kPrepBytes: every
-# other chunk sent, every other one received; tests/test_cuda_chunk_model.py finds both counts in the SASS);
+# the stores (O; dX'^T, dv: the dS pass stores dSn^T from registers) and the forward's Ts / M / gates bulk
+# copy to the peer (kPrepBytes: every other chunk sent, every other one received; tests/test_cuda_chunk_model.py
+# finds both counts in the SASS);
 # the state-only kernel's stage as the forward's, O, and its prep buffer as loaded (kPrepInBytes: Ts, M and
 # the first 4 gate rows); the split kernel's state CTA as the state-only one's with the prep CTA's copy
 # (kPrepBytes) in place of those loads, its prep CTA (per chunk it preps) both K-halves of k and q in, two
@@ -129,7 +130,7 @@ PEER_BYTES = 2 * BLOCK + 1040
 PREP_IN_BYTES = 2 * BLOCK + 1024
 TMA_BYTES = {"fwd": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "fwd_state": STAGE_BYTES["fwd"] + BLOCK + PREP_IN_BYTES,
              "fwd_split": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "fwd_split_pair": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES,
-             "bwd": STAGE_BYTES["bwd"] + 4 * BLOCK, "bwd_pair": STAGE_BYTES["bwd"] + 4 * BLOCK}
+             "bwd": STAGE_BYTES["bwd"] + 2 * BLOCK, "bwd_pair": STAGE_BYTES["bwd"] + 2 * BLOCK}
 SPLIT_PREP_BYTES = 4 * BLOCK + 2 * PEER_BYTES
 ROLE_WARPS = {"state": 4, "prep": 4, "producer": 1, "prep_producer": 1}     # the warps that run each role's loop
 # the chunk-parallel gradients: per (chunk slot, qk head) its q, k, row factors (kGradsTileBytes), per value head
