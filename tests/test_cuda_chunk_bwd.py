@@ -318,3 +318,26 @@ def test_launcher_checks_its_tensors():
                               host=True)
     with pytest.raises(TypeError, match="q must have dtype"):
         chunk_bwd_dstate_cuda(ts["q"], ts["k"], ts["do"], ts["table"], ts["cu_chunks"], prep, **kw)
+
+
+@pytest.mark.parametrize("H, HV, want", [(1, 2, True), (2, 2, False), (2, 6, False), (1, 4, True), (3, 3, False)])
+def test_launcher_pairs_value_heads_where_they_pair(monkeypatch, H, HV, want):
+    """chunk_bwd_dstate_cuda asks the entry point for its form on GVA pairs (clusters of 4 sharing k / q)
+    exactly where gva_pairs says the value heads pair (an even number a qk head), which is also the rule the
+    sm_90 report's model records (bench/sm90/cuda_chunk.py: record); `pairs` passed overrides it."""
+    from gdn_packed.cuda import chunk as cuda_chunk
+    seen = []
+    monkeypatch.setattr(cuda_chunk, "launch", lambda entry, device, **kw: seen.append((entry, kw["pairs"])))
+    T, N = 5, 1
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    table, cc = make_chunk_table(cu, None, T, C)
+    NC, z, dt = table.shape[0], torch.zeros, torch.bfloat16
+    prep = Prep(gates=z(NC, HV, 5, C), eg_last=z(NC, HV), rn=None, ts=z(NC, HV, C, C, dtype=dt),
+                mm=z(NC, HV, C, C, dtype=dt))
+    args = (z(T, H, K, dtype=dt), z(T, H, K, dtype=dt), z(T, HV, K, dtype=dt), table, cc, prep, None)
+    outs = dict(dsn=z(NC, HV, K, K, dtype=dt), dxp=z(NC, HV, K, C, dtype=dt), dv=z(T, HV, K, dtype=dt),
+                dh0=z(N, HV, K, K), dq=z(T, H, K, dtype=dt), dk=z(T, H, K, dtype=dt), dg=z(T, HV), dbeta=z(T, HV))
+    assert cuda_chunk.gva_pairs(H, HV) == want
+    chunk_bwd_dstate_cuda(*args, **outs)
+    chunk_bwd_dstate_cuda(*args, **outs, pairs=False)
+    assert seen == [("chunk_gdr_bwd_sm90", want), ("chunk_gdr_bwd_sm90", False)]
