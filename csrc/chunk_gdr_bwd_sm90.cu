@@ -16,7 +16,7 @@
 //        pass writes them (dq, dk, dg, dbeta's real rows are the Triton dq / dk / finalize kernels')
 // Grid (V-blocks 2, HV, N) in clusters of 2; with pairs (GVA pairs of value heads: HV / H even) grid (4,
 // HV / 2, N) in clusters of 4, the two value heads of a qk head sharing its k / q loads. CTA (256 threads,
-// 1 per SM, ~205 KB shared memory):
+// 1 per SM, ~189 KB shared memory):
 //   warpgroup 0, producer: one warp, its lane 0. Per chunk slot (last first): the table row and egL (the
 //        next ones a chunk ahead), then, once every CTA of the cluster has released the stage of the
 //        3-stage ring, the TMA loads: its K-half of k and of q (with pairs: one of the four K-halves of k
@@ -30,8 +30,8 @@
 //        the chunk's rows; then dh0 and the padding rows' zeros
 // A sequence's last chunk, the only one that can be partial and the first walked, runs outside the
 // chunk loop: its rows of other sequences (loaded by TMA) are zeroed in the CTA's copy of the stage and
-// its live rows of dv stored one by one. Synchronisation: mbarriers full / empty (the ring, across the
-// cluster), named barriers within the dS warpgroup (chunk_gdr_bwd_sm90_device.cuh). The host mirror
+// its live rows of dv stored one by one. Synchronisation: mbarriers full / empty / gone (the ring; gone
+// across the cluster), named barriers within the dS warpgroup (chunk_gdr_bwd_sm90_device.cuh). The host mirror
 // (chunk_gdr_bwd_sm90 with host = true) runs the same step over every (value head, sequence, V-block) in
 // a CPU loop, with plain loops in place of wgmma / TMA / ldmatrix / stmatrix.
 #include <cuda.h>

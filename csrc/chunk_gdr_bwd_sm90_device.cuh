@@ -153,9 +153,7 @@ __device__ __forceinline__ void bwd_cta(const CUtensorMap& tm_q, const CUtensorM
           p, dS, sm.gates[st].row[0], sm.eg_last[st], k_b, k_mn, q_mn, ts_mn, m_mn, do_t,
           [&](typename P::template Frag<kK>& ds) {      // dSn^T from the registers, a pair of columns a store
             T* dst = static_cast<T*>(a.dsn) + (slot * kV + vb * kVB) * kK;
-            P::for_each_pair(ds, [&](int r, int c, float& x0, float& x1) {
-              *reinterpret_cast<uint32_t*>(dst + r * kK + c) = Gmma<T>::pack(x0, x1);
-            });
+            P::for_each_pair(ds, [&](int r, int c, float& x0, float& x1) { store2(dst + r * kK + c, x0, x1); });
           },
           [&](typename P::template Frag<kC>& dx, const float* beta) {
             p.template stmatrix<T>(dx.d, dxp, false);

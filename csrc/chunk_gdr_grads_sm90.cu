@@ -56,17 +56,11 @@ struct GradsArgs {
 };
 
 // row `row`'s columns c, c + 1 (c even) of dq or dk (fp32 or the input dtype T) as one store
-template <typename U>
-struct alignas(2 * sizeof(U)) GradPair {
-  U x, y;
-};
 template <typename T>
 GDN_HD void store_grad_pair(const GradsArgs& a, void* out, int64_t row, int64_t h, int c, float x0, float x1) {
   const int64_t at = (row * a.H + h) * kK + c;
-  if (a.dqk_f32)
-    *reinterpret_cast<GradPair<float>*>(static_cast<float*>(out) + at) = GradPair<float>{x0, x1};
-  else
-    *reinterpret_cast<GradPair<T>*>(static_cast<T*>(out) + at) = GradPair<T>{from_f<T>(x0), from_f<T>(x1)};
+  if (a.dqk_f32) store2(static_cast<float*>(out) + at, x0, x1);
+  else store2(static_cast<T*>(out) + at, x0, x1);
 }
 
 // ======================================================================================== host mirror

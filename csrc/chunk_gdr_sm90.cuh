@@ -147,6 +147,12 @@ GDN_HD void store8(float* dst, const float* src) {
 // float pairs at an 8-byte aligned address
 GDN_HD float2 load2(const float* src) { return *reinterpret_cast<const float2*>(src); }
 GDN_HD void store2(float* dst, float x, float y) { *reinterpret_cast<float2*>(dst) = float2{x, y}; }
+// x, y rounded to T as one store (dst aligned to the pair: 2 sizeof(T) bytes)
+template <typename T>
+GDN_HD void store2(T* dst, float x, float y) {
+  const float v[2] = {x, y};
+  store_vec<T, 2>(dst, v);
+}
 
 // insuf[c], and sigma of c's strip when c starts it (g: the chunk's 64 rows in base 2, 16-byte aligned).
 // S: a scratch with PrepScratch's decay tables (insuf, sigma, dsum, strip): prep's, or the chunk-parallel

@@ -39,11 +39,26 @@ GDN_HD void load_vec(const T* p, float (&out)[VEC]) {
   for (int i = 0; i < VEC; ++i) out[i] = to_f(pk.v[i]);
 }
 
+// (16-bit types a pair at a time: one packing conversion, the same rounding)
+GDN_HD void from_f2(float x, float y, float* out) {
+  out[0] = x;
+  out[1] = y;
+}
+GDN_HD void from_f2(float x, float y, __half* out) { *reinterpret_cast<__half2*>(out) = __floats2half2_rn(x, y); }
+GDN_HD void from_f2(float x, float y, __nv_bfloat16* out) {
+  *reinterpret_cast<__nv_bfloat162*>(out) = __floats2bfloat162_rn(x, y);
+}
+
 template <typename T, int VEC>
 GDN_HD void store_vec(T* p, const float (&in)[VEC]) {
   Pack<T, VEC> pk;
+  if constexpr (VEC % 2 == 0) {
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) pk.v[i] = from_f<T>(in[i]);
+    for (int i = 0; i < VEC; i += 2) from_f2(in[i], in[i + 1], &pk.v[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) pk.v[i] = from_f<T>(in[i]);
+  }
   *reinterpret_cast<Pack<T, VEC>*>(p) = pk;
 }
 

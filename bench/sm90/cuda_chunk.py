@@ -387,9 +387,15 @@ def _simulate_path(prog, ranges, const, wavefronts=None):
     r = sass.simulate(sub, lambda _k, _l: 1, const.lat, wavefronts=wf)
     per = {k: r[k] for k in ("cycles", "instr", "mma_cycles", "smem", "smem_mma")}
     per["stalls"] = dict(r["stalls"])
-    per["hgmma"] = sum(x.op.startswith("HGMMA") for x in sub)
-    per["waits"] = sum(x.op.startswith("WARPGROUP.DEPBAR") for x in sub)
-    return per
+    return dict(per, **_mma_counts(sub))
+
+
+def _mma_counts(sub):
+    """The warpgroup MMAs of a stretch of SASS: hgmma (count), shapes (by shape), waits."""
+    return dict(hgmma=sum(x.op.startswith("HGMMA") for x in sub),
+                shapes=dict(collections.Counter(re.match(r"HGMMA\.(\d+x\d+x\d+)", x.op).group(1)
+                                                for x in sub if x.op.startswith("HGMMA"))),
+                waits=sum(x.op.startswith("WARPGROUP.DEPBAR") for x in sub))
 
 
 def _simulate_loop(prog, span, const, wavefronts=None, inner=1):
@@ -410,11 +416,7 @@ def _simulate_loop(prog, span, const, wavefronts=None, inner=1):
     r4, r8 = run(4), run(8)
     per = {k: (r8[k] - r4[k]) / 4 for k in ("cycles", "instr", "mma_cycles", "smem", "smem_mma")}
     per["stalls"] = {k: (r8["stalls"].get(k, 0.0) - r4["stalls"].get(k, 0.0)) / 4 for k in r8["stalls"]}
-    per["hgmma"] = sum(x.op.startswith("HGMMA") for x in sub)
-    per["shapes"] = dict(collections.Counter(re.match(r"HGMMA\.(\d+x\d+x\d+)", x.op).group(1)
-                                             for x in sub if x.op.startswith("HGMMA")))
-    per["waits"] = sum(x.op.startswith("WARPGROUP.DEPBAR") for x in sub)
-    return per
+    return dict(per, **_mma_counts(sub))
 
 
 def facts(dtype, const, phase="fwd"):
