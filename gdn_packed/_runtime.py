@@ -5,8 +5,10 @@ segments.py all import this module).
     host_schedule(device)  whether index tensors may be read back to plan loops (CPU tensors, outside
                            device_schedule())
     device_schedule()      a block in which CPU tensors run the schedule of CUDA tensors (tests)
+    fork(device)           a block whose launches run in two lanes that may overlap: the current stream
+                           and, inside the context it yields, a side stream
 """
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 
 import torch
@@ -37,3 +39,43 @@ def device_schedule():
         yield
     finally:
         _device_schedule.reset(token)
+
+
+_side_streams = {}
+
+
+def _side_stream(device):
+    """One side stream per CUDA device, from torch's pool (no stream created during a graph capture once
+    the device has run a fork outside one)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(device=index)
+    return _side_streams[index]
+
+
+@contextmanager
+def fork(device):
+    """A block whose launches run in two lanes that the GPU may overlap:
+
+        with fork(q.device) as side:
+            launch_a()          # the current stream
+            with side:
+                launch_b()      # a side stream: it starts where the current stream stood at the fork
+                                # (after everything enqueued before the block, not launch_a)
+
+    At the block's end (also on an exception) the current stream waits for the side stream, so whatever
+    follows sees both lanes' writes, and every tensor the side lane used is freed only after it (the
+    caching allocator reuses a block in stream order on the current stream). The side lane must not
+    read what the current lane writes in the block, nor write what it reads. Under a CUDA-graph capture
+    the fork and the join are captured as the graph's edges. Elsewhere than on a CUDA device both lanes
+    are the current one, in program order."""
+    if device.type != "cuda":
+        yield nullcontext()
+        return
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    side.wait_stream(main)
+    try:
+        yield torch.cuda.stream(side)
+    finally:
+        main.wait_stream(side)

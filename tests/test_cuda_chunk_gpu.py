@@ -280,6 +280,44 @@ def test_raw_gates_and_autograd_through_the_triton_backward(segments, fwd_kernel
 
 
 
+@pytest.mark.parametrize("pi", [2, len(PACKINGS) - 1], ids=[IDS[2], IDS[-1]])
+def test_recompute_beside_the_dstate_pass_is_bit_identical(pi, monkeypatch):
+    """The backward of backend="cuda" runs the recompute on a side stream beside its dS pass
+    (gdn_packed._runtime.fork in gdn_packed.triton.chunk._bwd_heads): the recompute is launched on another
+    stream than the dS pass, and every gradient is bit-identical to the same backward with the fork
+    replaced by program order on one stream (the kernels are the same; only their overlap differs)."""
+    from gdn_packed import _runtime
+    from gdn_packed.triton import chunk as triton_chunk
+    if forward_hangs():
+        pytest.fail(f"not launched: {forward_hangs()}")
+    x, cu, cu_pad, _ = inputs(PACKINGS[pi], torch.bfloat16, 5)
+    streams, real_state = [], triton_chunk.chunk_fwd_state
+
+    def state(*a, **kw):
+        streams.append(torch.cuda.current_stream().cuda_stream)
+        return real_state(*a, **kw)
+    monkeypatch.setattr(triton_chunk, "chunk_fwd_state", state)
+
+    def grads():
+        leaves = [t.cuda().requires_grad_() for t in x]
+        o, fs = gdn_packed.chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                                  cu_seqlens=cu.cuda(), cu_seqlens_padded=cu_pad.cuda(),
+                                                  backend="cuda")
+        main = torch.cuda.current_stream().cuda_stream
+        out = torch.autograd.grad([o, fs], leaves, [torch.ones_like(o), torch.ones_like(fs)])
+        torch.cuda.synchronize()
+        return main, [g.cpu() for g in out]
+    main, forked = grads()
+    assert streams and streams[-1] != main
+    real_fork = _runtime.fork
+    with monkeypatch.context() as m:
+        m.setattr(_runtime, "fork", lambda device: real_fork(torch.device("cpu")))
+        main, serial = grads()
+    assert streams[-1] == main
+    for a, b in zip(forked, serial):
+        assert torch.equal(a, b)
+
+
 # ---- the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu; helpers: tests/test_cuda_chunk_bwd.py) ----
 
 @pytest.mark.parametrize("pi", range(len(PACKINGS)), ids=IDS)

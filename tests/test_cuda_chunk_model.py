@@ -302,6 +302,17 @@ def test_report_rows_of_the_cuda_backward():
                                                                                                 rel_tol=1e-3)
     (t,) = out["totals"]
     assert t["impl"] == "cuda" and t["est_us"] > k["est_us"] + gr["est_us"]
+    # the recompute runs beside the dS pass (gdn_packed._runtime.fork): a lane each, the recompute on the
+    # 68 SMs the dS pass's 64 CTAs leave; the total takes the two lanes at once (model.lanes), less than
+    # one after the other and more than the dS pass alone
+    (rc,) = [r for r in out["rows"] if r["kernel"] == "chunk_fwd_state_kernel"]
+    assert k["lane"] == "1 main" and rc["lane"] == "1 side" and rc["lane_sms"] == 132 - 64
+    assert rc["est_us"] > rc["alone_us"] and all(r["lane"] == "" for r in out["rows"] if r not in (k, rc))
+    (lanes,) = t["lanes"]
+    assert lanes["main"] == [cuda_chunk.BWD_PAIR_KERNEL] and lanes["side"] == ["chunk_fwd_state_kernel"]
+    assert k["est_us"] < lanes["est_us"] < lanes["sequence_us"] == pytest.approx(k["est_us"] + rc["alone_us"])
+    rest = sum(r["est_us"] for r in out["rows"] if not r["lane"])
+    assert t["est_us"] == pytest.approx(rest + lanes["est_us"], abs=0.2)
 
 
 @pytest.mark.parametrize("dtype", cuda_chunk.DTYPES)

@@ -580,3 +580,40 @@ def test_compile_cache_key_leaves_the_venv_path_out():
     b = launch("/tmp/clone/.venv/lib/triton/backends/nvidia/lib/libdevice.10.bc")
     assert toolchain._disk_path(a) == toolchain._disk_path(b)
     assert toolchain._disk_path(a) != toolchain._disk_path(launch(a.options["extern_libs"][0][1], maxnreg=168))
+
+
+def test_lanes_share_the_memory_and_keep_their_own_sms():
+    """model.lanes (a fork's two lanes at once): latency the slower lane's, bytes both lanes', shared memory
+    the busier lane's, combined as bounded() at 1 CTA per SM, plus each launch's overhead; never under a
+    lane's own time nor over the launches one after the other on every SM; with no SM left for the side
+    lane, the sum."""
+    const = M.CONSTANTS
+    us = 1e-6
+    main = [dict(t_lat=465 * us, t_mem=449 * us, t_smem=452 * us, t_tc=218 * us, est_s=790 * us)]
+    side = [dict(t_lat=409 * us, t_mem=350 * us, t_smem=318 * us, t_tc=131 * us, est_s=655 * us, alone_s=484 * us)]
+    t, bound = M.lanes(main, side, 68, const)
+    want, _ = M.bounded({"latency": 465 * us, "bytes": 799 * us, "smem": 452 * us, "FLOPs": 349 * us}, 1, const)
+    assert bound == "bytes" and t == pytest.approx(want + 2 * const.launch_s)
+    assert 790 * us < t < (790 + 484) * us
+    assert M.lanes(main, side, 0, const) == ((790 + 484) * us, "lanes in sequence")
+    # a side lane whose own estimate outlasts the pair's terms (a term lanes() does not take, as narrow
+    # accesses): its own time (less its launch) bounds the pair
+    slow = [dict(side[0], est_s=1500 * us, alone_s=1500 * us)]
+    t, bound = M.lanes(main, slow, 68, const)
+    assert bound == "a lane" and t == pytest.approx(1500 * us + const.launch_s)
+    # never over the sequence: a side lane starved of SMs ends no later than after the main lane
+    starved = [dict(side[0], t_lat=5000 * us, est_s=5000 * us)]
+    assert M.lanes(main, starved, 4, const) == ((790 + 484) * us, "lanes in sequence")
+
+
+def test_a_forks_side_lane_is_modelled_on_the_sms_its_main_lane_leaves():
+    """M.estimate(sms=): a launch on fewer SMs runs more waves (latency) and puts more shared memory on each
+    busy SM; its bytes are the same."""
+    chain = [f"MUFU.EX2 R{i + 1}, R{i}" for i in range(1, 200)] + ["EXIT"]
+    k = _Kernel(chain, regs=255, smem=0)
+    k.bytes_ld = 1 << 20
+    full = M.estimate(k, 128, 8, (), 128 << 20, M.CONSTANTS)
+    part = M.estimate(k, 128, 8, (), 128 << 20, M.CONSTANTS, sms=64)
+    assert full["waves"] == 1 and part["waves"] == 2
+    assert part["t_lat"] == pytest.approx(2 * full["t_lat"]) and part["hbm_bytes"] == full["hbm_bytes"]
+    assert M.estimate(k, 128, 8, (), 128 << 20, M.CONSTANTS, sms=0)["bound"] == "nofit"

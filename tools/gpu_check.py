@@ -681,7 +681,9 @@ def case_profile(csv_path=None, providers=None, shapes=None):
     autograd backward alone, from a kept graph), under torch.profiler: 2 warm-up calls, 3 profiled,
     each kernel's time / 3; the configs FLA's autotuner chose (autotuned_configs) in the result. Rows go to csv_path as each (shape, provider, mode) finishes (an out-of-time
     stop keeps what ran); a '(all kernels)' row per (shape, provider, mode) holds their sum and the
-    call's wall time between CUDA events (its gaps are launch and host time). Dry run: ours-torch on a
+    call's wall time between CUDA events (its gaps are launch and host time; below the sum where kernels
+    overlap: ours-cuda's backward runs its recompute beside its dS pass on a side stream, each then
+    slower than alone, and its wall time is the figure to compare). Dry run: ours-torch on a
     tiny shape, CPU self times."""
     import torch
     from torch.profiler import ProfilerActivity, profile

@@ -697,6 +697,7 @@ class CudaLaunch:
     phase: str = "fwd"
     group: int = 0
     kept: bool = False
+    lane: tuple = ()
 
     def config_text(self):
         return ""

@@ -41,6 +41,7 @@ class TableLaunch:
     int64: bool                     # cu_seqlens' index type (the kernels are templated on it)
     kernel: str = "chunk_table (csrc)"
     group: int = 0
+    lane: tuple = ()
 
     def config_text(self):
         return ""

@@ -31,6 +31,7 @@ class Launch:
     tensors: dict                   # name -> (shape, dtype name, element bytes) of the tensor arguments
     group: int = 0                  # launches with the same group id are configs of one autotuned launch
     seq_lens: tuple = ()            # the recorded call's sequence lengths (tokens), in cu_seqlens order
+    lane: tuple = ()                # (fork, "main" / "side") inside a gdn_packed._runtime.fork block
 
     @property
     def programs(self):
@@ -64,6 +65,7 @@ class TorchOp:
     bytes: int
     group: int = 0
     seq_lens: tuple = ()
+    lane: tuple = ()
     programs = 1
     num_warps = 0
     num_stages = 0
@@ -92,11 +94,35 @@ def _meta_tensors(x):
 
 class Recorder:
     """Patches JITFunction.run and Autotuner.run so that launches are recorded, not run; with torch_ops,
-    torch operators on device (meta) tensors that move data are recorded too (TorchOp)."""
+    torch operators on device (meta) tensors that move data are recorded too (TorchOp). Inside a
+    gdn_packed._runtime.fork block (patched too) each record made there gets its lane: (fork number,
+    "side") inside the block's side context, else (fork number, "main")."""
 
     def __init__(self, torch_ops=False):
         self.launches, self.phase, self._group, self._next_group = [], "", None, 0
-        self.lengths, self.torch_ops = (), torch_ops
+        self.lengths, self.torch_ops, self._forks = (), torch_ops, 0
+
+    @contextlib.contextmanager
+    def fork(self, device=None):
+        """gdn_packed._runtime.fork while recording: the lanes stamped on the records made in the block."""
+        start, sides = len(self.launches), []
+        self._forks += 1
+        number = self._forks
+
+        @contextlib.contextmanager
+        def side():
+            first = len(self.launches)
+            try:
+                yield
+            finally:
+                sides.append(range(first, len(self.launches)))
+        try:
+            yield side()
+        finally:
+            for i in range(start, len(self.launches)):
+                if self.launches[i].lane:
+                    raise RuntimeError("launches.Recorder: a fork inside a fork is not modelled")
+                self.launches[i].lane = (number, "side" if any(i in r for r in sides) else "main")
 
     @contextlib.contextmanager
     def active(self):
@@ -125,8 +151,10 @@ class Recorder:
                 rec._torch_op(func, args, kwargs or {}, out)
                 return out
 
+        from gdn_packed import _runtime
         with mock.patch.object(jit.JITFunction, "run", run), \
                 mock.patch.object(autotuner.Autotuner, "run", autotuned), \
+                mock.patch.object(_runtime, "fork", self.fork), \
                 Ops() if self.torch_ops else contextlib.nullcontext():
             yield self
 

@@ -187,15 +187,16 @@ def _schedule(durations, slots):
 CHUNK = 64      # rows per chunk of every chunked kernel here (ours and FLA's BT)
 
 
-def estimate(c, programs, warps, seq_lens, tensor_bytes, const):
+def estimate(c, programs, warps, seq_lens, tensor_bytes, const, sms=NUM_SMS):
     """The model of one launch: c (toolchain.Compiled, per program), its grid size and warps, the
-    recorded sequence lengths (tokens), the bytes of the tensors it touches, the constants."""
+    recorded sequence lengths (tokens), the bytes of the tensors it touches, the constants; sms: the SMs
+    it runs on (fewer beside another lane's launch: lanes())."""
     P, w = programs, warps
     ctas = ctas_per_sm(c.regs, c.smem, w)
-    if not ctas or c.error:
+    if not ctas or c.error or sms < 1:
         return dict(ctas_per_sm=ctas, waves=0, est_s=math.inf, bound="nofit", t_lat=math.inf, t_mem=0.0,
                     t_tc=0.0, t_narrow=0.0, narrow=0.0, t_smem=0.0, hbm_bytes=0.0, flops=0.0)
-    slots = ctas * NUM_SMS
+    slots = ctas * sms
     s = max(1.0, w * ctas / 4)
     lin = _per_cta_linear(c, const)
     a, b, seq_at = lin["a"], lin["b"], lin["seq_at"]
@@ -219,11 +220,11 @@ def estimate(c, programs, warps, seq_lens, tensor_bytes, const):
     t_lat = _schedule([dur(n) for n in trips], slots) / CLOCK_HZ
     # 1-2 byte global accesses: const.narrow cycles of an SM each (its load/store path), per busy SM
     narrow = w * sum(a.get("narrow", 0.0) + b.get("narrow", 0.0) * n for n in trips)
-    t_narrow = narrow / max(1, min(P, NUM_SMS)) * const.narrow / CLOCK_HZ
+    t_narrow = narrow / max(1, min(P, sms)) * const.narrow / CLOCK_HZ
     # shared memory: every warp's wavefronts and every warpgroup's MMA operand reads, per busy SM
     smem = sum(w * (a.get("smem", 0.0) + b.get("smem", 0.0) * n) + w / 4 * (a.get("smem_mma", 0.0) +
                b.get("smem_mma", 0.0) * n) for n in trips)
-    t_smem = smem / max(1, min(P, NUM_SMS)) / CLOCK_HZ
+    t_smem = smem / max(1, min(P, sms)) / CLOCK_HZ
     tiles = P * (c.bytes_ld + c.bytes_st)
     hbm = min(tiles, tensor_bytes)
     busy = min(P, slots) / ctas
@@ -254,6 +255,33 @@ def bounded(parts, ctas_per_sm, const):
     if top is not None and rest[top] > both:
         return rest[top], top
     return both, ("latency" if lat >= mem else "bytes" if byt >= smem else "smem")
+
+
+def lanes(main, side, sides_sms, const):
+    """(time, bound) of two lanes of launches that run at once (gdn_packed._runtime.fork): each lane's
+    launches one after another, the side lane's on the `sides_sms` SMs the main lane's CTAs leave it.
+    Each launch is a dict of its terms in seconds (t_lat, t_mem, t_smem, t_tc), est_s and, for a side
+    launch, alone_s (its estimate on every SM; else est_s). The lanes
+    have SMs of their own and share the memory system: latency the slower lane's, bytes both lanes'
+    (HBM and L2 are shared), shared memory the busier lane's (its SMs'), FLOPs both lanes'; combined as
+    bounded() combines one launch's terms (at 1 CTA per SM, the least overlap of latency and memory)
+    and never under either lane's own time (its launches' estimates in sequence, without their launch
+    overhead); plus every launch's overhead. Never over `sequence`, the launches' estimates on all the
+    SMs one after the other: the side lane's CTAs not yet dispatched when the main lane ends take the
+    SMs it frees. With no SM left (sides_sms < 1) the side lane runs after the main one: `sequence`."""
+    sequence = sum(x.get("alone_s", x["est_s"]) for x in main + side)
+    if sides_sms < 1 or not main or not side:
+        return sequence, "lanes in sequence"
+    total = lambda xs, key: sum(x[key] for x in xs)                     # noqa: E731
+    t, bound = bounded({"latency": max(total(main, "t_lat"), total(side, "t_lat")),
+                        "bytes": total(main + side, "t_mem"),
+                        "smem": max(total(main, "t_smem"), total(side, "t_smem")),
+                        "FLOPs": total(main + side, "t_tc")}, 1, const)
+    own = max(total(main, "est_s") - len(main) * const.launch_s, total(side, "est_s") - len(side) * const.launch_s)
+    t = max(t, own) + (len(main) + len(side)) * const.launch_s
+    if t >= sequence:
+        return sequence, "lanes in sequence"
+    return t, bound if t - (len(main) + len(side)) * const.launch_s > own else "a lane"
 
 
 def torch_estimate(nbytes, launches, const):

@@ -17,10 +17,10 @@ def dot_precision(c):
     return "+".join(kinds) or "-"
 
 
-def _estimate(lc, c, const):
+def _estimate(lc, c, const, sms=M.NUM_SMS):
     if c.error:
         return dict(est_s=math.inf, bound="error")
-    return M.estimate(c, lc.programs, lc.num_warps, lc.seq_lens, M.footprint(lc.tensors), const)
+    return M.estimate(c, lc.programs, lc.num_warps, lc.seq_lens, M.footprint(lc.tensors), const, sms)
 
 
 def _us(t):
@@ -32,29 +32,49 @@ def _complete(row):
     return {c: "" for c, _ in COLUMNS} | dict(loop_hmma="", loop_f2fp="", step_stalls={}, error="") | row
 
 
+def _lane(lc):
+    """A row's lane column: "" outside a fork, else "<fork> main" / "<fork> side"."""
+    return f"{lc.lane[0]} {lc.lane[1]}" if lc.lane else ""
+
+
+def _sms_held(r):
+    """The SMs a modelled row's CTAs hold at once (the main lane's, which the side lane runs beside)."""
+    return min(M.NUM_SMS, math.ceil(r["ctas"] / max(1, r["ctas_per_sm"] or 1))) if r["ctas"] != "" else M.NUM_SMS
+
+
 def _rows_of(case, const):
-    """Model rows of one case: per launch group, the candidate the model finds fastest."""
+    """Model rows of one case: per launch group, the candidate the model finds fastest. The launches of a
+    fork's side lane (gdn_packed._runtime.fork) are modelled on the SMs its main lane leaves (lane_sms)."""
     impl, name, dims, dt, launches = case
     N, L = dims[:2]
     seq_chunks = -(-L // M.CHUNK)
     groups, ops = {}, {}
     rows = []
     for lc in launches:
+        side = lc.lane[1:] == ("side",)
+        if side and not isinstance(lc, Launch):
+            raise ValueError(f"{lc.kernel}: only Triton launches are modelled in a fork's side lane")
         if isinstance(lc, TorchOp):
+            if lc.lane:
+                raise ValueError(f"{lc.kernel}: torch operators are not modelled in a fork")
             ops.setdefault(lc.phase, []).append(lc)
         elif isinstance(lc, cuda_chunk.CudaLaunch):     # the CUDA kernel models itself (bench/sm90/cuda_chunk.py)
-            rows.append(cuda_chunk.row(name, dims, dt, const, lc))
+            rows.append(dict(cuda_chunk.row(name, dims, dt, const, lc), lane=_lane(lc)))
         elif isinstance(lc, cuda_table.TableLaunch):    # csrc's chunk table (bench/sm90/cuda_table.py)
-            rows += [_complete(r) for r in cuda_table.rows(lc, name, dt, impl, const)]
+            rows += [_complete(dict(r, lane=_lane(lc))) for r in cuda_table.rows(lc, name, dt, impl, const)]
         else:
-            groups.setdefault((lc.phase, lc.group), []).append(lc)
-    for (phase, _), cands in groups.items():
+            groups.setdefault((side, lc.phase, lc.group), []).append(lc)
+    for (side, phase, _), cands in sorted(groups.items(), key=lambda kv: kv[0][0]):    # the side lanes last
+        sms = M.NUM_SMS
+        if side:
+            held = [_sms_held(r) for r in rows if r.get("lane") == f"{cands[0].lane[0]} main"]
+            sms = M.NUM_SMS - max(held, default=0)
         best = None
         for lc in cands:
             if impl == "fla" and not V.fla_config_allowed(lc.kernel, lc.num_warps):
                 continue
             c = compile_launch(lc, seq_chunks)
-            est = _estimate(lc, c, const)
+            est = _estimate(lc, c, const, sms if sms > 0 else M.NUM_SMS)    # no SM left: after the main lane
             if best is None or est["est_s"] < best[2]["est_s"]:
                 best = (lc, c, est)
         lc, c, est = best
@@ -72,7 +92,8 @@ def _rows_of(case, const):
             dots=dot_precision(c), hbm_gb=float(f"{est.get('hbm_bytes', 0) / 1e9:.4g}"),
             gflop=round(est.get("flops", 0) / 1e9, 2), lat_us=_us(est.get("t_lat")), bytes_us=_us(est.get("t_mem")),
             flops_us=_us(est.get("t_tc")), smem_us=_us(est.get("t_smem")), bound=est.get("bound", ""),
-            est_us=round(est["est_s"] * 1e6, 1) if c.error == "" else "", error=c.error))
+            est_us=round(est["est_s"] * 1e6, 1) if c.error == "" else "", error=c.error, lane=_lane(lc),
+            **(dict(lane_sms=max(sms, 0), alone_us=_us(_estimate(lc, c, const)["est_s"])) if side else {})))
     for phase, these in ops.items():
         est = M.torch_estimate(sum(op.bytes for op in these), len(these), const)
         rows.append(dict(
@@ -81,24 +102,45 @@ def _rows_of(case, const):
             waves="", loop_hgmma="", loop_hmma="", loop_instr="", loop_waits="", loop_bars="", loop_f2fp="",
             step_cycles="", step_stalls={}, dots="-", hbm_gb=float(f"{est['hbm_bytes'] / 1e9:.4g}"), gflop=0.0,
             lat_us="", bytes_us=_us(est["t_mem"]), flops_us="", bound="bytes", est_us=round(est["est_s"] * 1e6, 1),
-            error="", ops=sorted({op.kernel[6:] for op in these})))
+            error="", lane="", ops=sorted({op.kernel[6:] for op in these})))
     return rows
+
+
+def _fork_total(fork, rows, const):
+    """The time of one fork's rows (its two lanes at once, model.lanes), with what they take in sequence."""
+    terms = lambda r: {k: (r[c] or 0.0) * 1e-6 for k, c in (("t_lat", "lat_us"), ("t_mem", "bytes_us"),  # noqa: E731
+                                                           ("t_smem", "smem_us"), ("t_tc", "flops_us"),
+                                                           ("est_s", "est_us"))}
+    main = [terms(r) for r in rows if r["lane"].endswith("main")]
+    side = [r for r in rows if r["lane"].endswith("side")]
+    sms = min((r["lane_sms"] for r in side), default=0)
+    t, bound = M.lanes(main, [dict(terms(r), alone_s=(r["alone_us"] or 0.0) * 1e-6) for r in side], sms, const)
+    return dict(fork=int(fork), est_us=round(t * 1e6, 1), bound=bound, side_sms=sms,
+                sequence_us=round(sum(r.get("alone_us", r["est_us"]) or 0.0 for r in rows), 1),
+                main=[r["kernel"] for r in rows if r["lane"].endswith("main")], side=[r["kernel"] for r in side])
 
 
 def report(cases, const=None):
     """(rows, totals, meta) of recorded cases under the model's constants (model.CONSTANTS)."""
     const = const or M.CONSTANTS
     rows = [r for cs in cases for r in _rows_of(cs, const)]
-    totals = {}
+    totals, forks = {}, {}
     for r in rows:
-        t = totals.setdefault((r["impl"], r["shape"], r["dtype"], r["mode"]),
-                              dict(impl=r["impl"], shape=r["shape"], dtype=r["dtype"], mode=r["mode"], kernels=0,
-                                   est_us=0.0, hbm_gb=0.0, gflop=0.0, spill_kernels=0))
+        key = (r["impl"], r["shape"], r["dtype"], r["mode"])
+        t = totals.setdefault(key, dict(impl=r["impl"], shape=r["shape"], dtype=r["dtype"], mode=r["mode"], kernels=0,
+                                        est_us=0.0, hbm_gb=0.0, gflop=0.0, spill_kernels=0))
         t["kernels"] += 1
-        t["est_us"] = round(t["est_us"] + (r["est_us"] or 0.0), 1)
+        if r.get("lane"):
+            forks.setdefault(key + (r["lane"].split()[0],), []).append(r)
+        else:
+            t["est_us"] = round(t["est_us"] + (r["est_us"] or 0.0), 1)
         t["hbm_gb"] = round(t["hbm_gb"] + r["hbm_gb"], 3)
         t["gflop"] = round(t["gflop"] + r["gflop"], 1)
         t["spill_kernels"] += r["spill_b"] > 0
+    for (*key, fork), these in forks.items():
+        t = totals[tuple(key)]
+        t.setdefault("lanes", []).append(_fork_total(fork, these, const))
+        t["est_us"] = round(t["est_us"] + t["lanes"][-1]["est_us"], 1)
     for t in totals.values():
         fla = totals.get(("fla", t["shape"], t["dtype"], t["mode"]))
         t["vs_fla"] = round(t["est_us"] / fla["est_us"], 2) if fla and fla["est_us"] else ""
@@ -131,17 +173,17 @@ def run_report(shapes, dtypes, modes, fla=True, kernels=None, ext=True, log=prin
     return report(cases)
 
 
-COLUMNS = [("impl", 4), ("mode", 3), ("kernel", 44), ("config", 22), ("ctas", 6), ("warps", 2), ("regs", 3),
-           ("smem_kb", 6), ("spill_b", 5), ("ctas_per_sm", 2), ("waves", 3), ("loop_hgmma", 3),
+COLUMNS = [("impl", 4), ("mode", 3), ("kernel", 44), ("config", 22), ("lane", 6), ("ctas", 6), ("warps", 2),
+           ("regs", 3), ("smem_kb", 6), ("spill_b", 5), ("ctas_per_sm", 2), ("waves", 3), ("loop_hgmma", 3),
            ("loop_instr", 4), ("loop_waits", 3), ("loop_bars", 3), ("step_cycles", 5), ("dots", 9), ("hbm_gb", 7),
            ("gflop", 7), ("lat_us", 8), ("bytes_us", 8), ("flops_us", 7), ("smem_us", 7), ("bound", 7),
            ("est_us", 8)]
-HEAD = dict(impl="impl", mode="dir", kernel="kernel", config="config", ctas="CTAs", warps="w", regs="reg",
-            smem_kb="smemKB", spill_b="spill", ctas_per_sm="/SM", waves="wav", loop_hgmma="HGM",
+HEAD = dict(impl="impl", mode="dir", kernel="kernel", config="config", lane="lane", ctas="CTAs", warps="w",
+            regs="reg", smem_kb="smemKB", spill_b="spill", ctas_per_sm="/SM", waves="wav", loop_hgmma="HGM",
             loop_instr="inst", loop_waits="wt", loop_bars="bar", step_cycles="cyc", dots="dots", hbm_gb="HBM GB",
             gflop="GFLOP", lat_us="lat us", bytes_us="bytes us", flops_us="flop us", smem_us="smem us", bound="bound",
             est_us="est us")
-LEFT = ("kernel", "config", "impl", "dots", "bound", "mode")
+LEFT = ("kernel", "config", "lane", "impl", "dots", "bound", "mode")
 
 
 def format_table(rows, totals, meta):
@@ -179,7 +221,14 @@ def format_table(rows, totals, meta):
     for t in totals:
         out.append(f"{t['impl']:<5}{t['shape']:<24}{t['dtype']:<6}{t['mode']:<5}{t['kernels']:>8}{t['est_us']:>10}"
                    f"{t['hbm_gb']:>9}{t['gflop']:>9}{t['spill_kernels']:>9}{str(t['vs_fla']):>8}")
-    out.append("config (n): an autotuned kernel; the model picked this of its n configs.")
+    for t in totals:
+        for f in t.get("lanes", ()):
+            where = f"on the {f['side_sms']} SMs it leaves" if f["side_sms"] else "after it (it leaves no SM)"
+            out.append(f"{t['impl']} {t['shape']} {t['dtype']} {t['mode']}: lanes (fork {f['fork']}): "
+                       f"{', '.join(f['side'])} beside {', '.join(f['main'])}, {where}: {f['est_us']} us "
+                       f"(bound: {f['bound']}; {f['sequence_us']} one after the other)")
+    out.append("config (n): an autotuned kernel; the model picked this of its n configs. lanes: launches that run at "
+               "once (a side stream); a side lane's rows are modelled on the SMs the main lane leaves.")
     return "\n".join(out)
 
 

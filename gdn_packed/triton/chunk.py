@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from gdn_packed import _runtime
 from gdn_packed.triton.chunk_bwd import (chunk_bwd_a_kernel, chunk_bwd_dk_kernel, chunk_bwd_dq_kernel,
                                         chunk_bwd_dstate_kernel, chunk_bwd_finalize_kernel, chunk_bwd_p_kernel)
 from gdn_packed.triton.chunk_fwd import (chunk_combine_kernel, chunk_compose_kernel, chunk_fwd_prep_kernel,
@@ -389,7 +390,8 @@ def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table,
                rows, entering, ends, prep, dstate=None, grads=None):
     """The backward of the H qk heads of q [T, H, K] (all, or a slice: views whose rows are `rows` apart)
     and their HV value heads: prep (unless given), the recompute, the dS pass, the P / dq / A / dk
-    kernels and finalize, with scratch for these heads only."""
+    kernels and finalize, with scratch for these heads only. With `dstate` (the cuda backend's dS pass)
+    the recompute runs beside the dS pass (_runtime.fork)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     NC, C, dev = table.shape[0], CHUNK, q.device
@@ -404,13 +406,20 @@ def _bwd_heads(q, k, v, g, beta, do, h0, dht, dq, dk, dv, dg, dbeta, dh0, table,
     ut = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
     dsn = torch.empty(NC, HV, V, K, dtype=q.dtype, device=dev)
     dxp = torch.empty(NC, HV, V, C, dtype=q.dtype, device=dev)
-    if HV > 0:
+    if HV > 0 and dstate is None:
         ends = chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, st=st, ut=ut, entering=entering, ends=ends)
-        if dstate is None:
-            chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta,
-                             cfg["dstate"], fwd_ends=ends)
-        else:
+        chunk_bwd_dstate(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta,
+                         cfg["dstate"], fwd_ends=ends)
+    elif HV > 0:
+        # the hook's dS pass reads nothing the recompute writes (it takes no end rows) and the recompute
+        # nothing the dS pass writes: the dS pass is enqueued first and the recompute beside it, on the
+        # SMs the dS pass leaves (its CTAs are dispatched first; where it fills the GPU, the recompute
+        # fills its tail)
+        with _runtime.fork(dev) as side:
             dstate(q, k, do, table, cu_chunks, prep, rows, dht, dsn, dxp, dv, dh0, dq, dk, dg, dbeta, cfg["dstate"])
+            with side:
+                chunk_fwd_state(q, k, v, table, cu_chunks, prep, h0, rows, st=st, ut=ut, entering=entering,
+                                ends=ends)
     if NC > 0 and HV > 0:
         cq, ck = cfg["dq"], cfg["dk"]
         nq, nk = triton.cdiv(K, cq["BK"]), triton.cdiv(K, ck["BK"])
