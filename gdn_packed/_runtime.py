@@ -64,9 +64,10 @@ def fork(device):
                                 # (after everything enqueued before the block, not launch_a)
 
     At the block's end (also on an exception) the current stream waits for the side stream, so whatever
-    follows sees both lanes' writes, and every tensor the side lane used is freed only after it (the
-    caching allocator reuses a block in stream order on the current stream). The side lane must not
-    read what the current lane writes in the block, nor write what it reads. Under a CUDA-graph capture
+    follows sees both lanes' writes, and a tensor of the current stream that the side lane used and that
+    is freed after the block is reused only after the side lane's work (the caching allocator reuses a
+    block in its stream's order). So the side lane must not read what the current lane writes in the
+    block, nor write what it reads, and what it uses must outlive the block. Under a CUDA-graph capture
     the fork and the join are captured as the graph's edges. Elsewhere than on a CUDA device both lanes
     are the current one, in program order."""
     if device.type != "cuda":
