@@ -278,10 +278,10 @@ def lanes(main, side, sides_sms, const):
                         "smem": max(total(main, "t_smem"), total(side, "t_smem")),
                         "FLOPs": total(main + side, "t_tc")}, 1, const)
     own = max(total(main, "est_s") - len(main) * const.launch_s, total(side, "est_s") - len(side) * const.launch_s)
-    t = max(t, own) + (len(main) + len(side)) * const.launch_s
-    if t >= sequence:
-        return sequence, "lanes in sequence"
-    return t, bound if t - (len(main) + len(side)) * const.launch_s > own else "a lane"
+    if own > t:
+        t, bound = own, "a lane"
+    t += (len(main) + len(side)) * const.launch_s
+    return (sequence, "lanes in sequence") if t >= sequence else (t, bound)
 
 
 def torch_estimate(nbytes, launches, const):

@@ -1,5 +1,6 @@
 """The report of `python -m bench kernels`: one row per launch (for an autotuned kernel, the config the
-model finds fastest), totals per direction, the text table and the JSON / CSV / text files."""
+model finds fastest), totals per direction (a fork's two lanes taken together: model.lanes), the text
+table and the JSON / CSV / text files."""
 import math
 import os
 import re
@@ -215,7 +216,8 @@ def format_table(rows, totals, meta):
                 cells.append(f"{str(v)[:w] if left else str(v):<{w}}" if left else f"{str(v):>{w}}")
             out.append(" ".join(cells) + (f"  ERROR {r['error']}" if r["error"] else ""))
         out.append("")
-    out.append("== totals (sum over the kernels of one direction; vs_fla = est time / FLA's est time)")
+    out.append("== totals (sum over the kernels of one direction, a fork's lanes taken together: the lines below; "
+               "vs_fla = est time / FLA's est time)")
     out.append(f"{'impl':<5}{'shape':<24}{'dtype':<6}{'dir':<5}{'kernels':>8}{'est us':>10}{'HBM GB':>9}"
                f"{'GFLOP':>9}{'spilling':>9}{'vs_fla':>8}")
     for t in totals:
