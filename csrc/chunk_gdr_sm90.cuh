@@ -38,12 +38,22 @@
 //   P::for_threads(f)     f(t) for t in 0..127 (device: every thread of the warpgroup)
 //   P::sync()             shared-memory writes visible to the warpgroup's generic and async (wgmma) reads
 //   P::sync_generic()     shared-memory writes visible to the warpgroup's generic reads only
-// The inverse: the four 16 x 16 diagonal blocks of I + A by forward substitution in fp32 (one column a
-// thread), then two doubling levels D_2b = D_b - (D_b A_b) D_b (b = 16, 32) on the tensor cores.
+//   P::Sub                the four 16 x 16 diagonal blocks of a 64 x 64 tile, fp32 (device: warp w holds
+//                         block w in registers, the mma.sync m16n8k16 C layout of its two n-blocks, which is
+//                         also its A layout; host: all four); P::diag_sub(f, sign) takes them from a
+//                         fragment, P::diag_frag(x, f) sets f to them (0 off the blocks), P::for_each_sub(x,
+//                         (row, col, value&)) visits them (row, col within the block)
+//   P::SubA<U>, P::SubB<U>  a block rounded to U as the A (B) operand of a 16 x 16 x 16 product (sub_a, sub_b;
+//                         sub_b takes lower-triangular blocks only), P::sub_mma(acc, a, b): acc += a b, done on
+//                         return (mma.sync)
+// The inverse: the four 16 x 16 diagonal blocks of I + A, each by its warp in registers as the product
+// (I + N)(I + N^2)(I + N^4)(I + N^8), N = -A_bb (nilpotent), then two doubling levels
+// D_2b = D_b - (D_b A_b) D_b (b = 16, 32) on the tensor cores.
 // Values rounded (bf16 / fp16 inputs; an fp32 host mirror rounds nothing): the A operands S^T, X'^T, U^T
 // and (w rk) U^T of the state warpgroup (to the input dtype); Ts and M (stored in the input dtype); the
-// doubling operands D_b, X_b and A (to the operand type of the inverse, TInv); q, k, v enter exactly.
-// Gate sums, exponentials, row norms, the substitution, accumulators and the state are fp32.
+// operands of the diagonal blocks' products and of the doubling, D_b, X_b and A (to the operand type of
+// the inverse, TInv); q, k, v enter exactly. Gate sums, exponentials, row norms, accumulators and the
+// state are fp32.
 //
 // The backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu; the formulas and numerics of
 // gdn_packed/triton/chunk_bwd.py's dS pass, which it replaces), per chunk walked from the last, with
@@ -68,7 +78,7 @@ constexpr int kK = 128;        // key dim (the kernel's only K)
 constexpr int kV = 128;        // value dim (the kernel's only V)
 constexpr int kVB = 64;        // state rows (value columns) of a CTA: its V-block
 constexpr int kVBlocks = kV / kVB;
-constexpr int kSub = 16;       // the diagonal blocks of I + A inverted by substitution
+constexpr int kSub = 16;       // the diagonal blocks of I + A inverted in registers (diag_inverse)
 constexpr int kStrip = 8;      // rows of a strip of the gate sums (8 strips a chunk)
 constexpr int kStrips = kC / kStrip;
 
@@ -80,14 +90,6 @@ struct alignas(16) Gates {   // (16: col2 reads a row's pairs as one 8-byte load
   float wk[kC];          // w rk
   float eg_last;         // e^(sum of g over the chunk)
 };
-
-// The layout of the diagonal blocks' scratch (a16, t16): row r at 24 r floats. A row's 16 floats stay
-// 16-byte aligned (the substitution's float4 loads), and the 4 rows of an 8-byte access's 16-lane phase in
-// the accumulator layout (rows r0 .. r0 + 3, 8 floats each) sit on 4 distinct 8-bank groups (24 r mod 32 =
-// 0, 24, 16, 8): no conflict (a stride of 16 made them 4-way).
-constexpr int kBlkStride = 24;
-constexpr int kBlkFloats = kC * kBlkStride;
-GDN_HD int blk(int r, int cc) { return r * kBlkStride + cc; }
 
 // Prep's scratch. The sums of g (0 on dead rows) over row ranges are built from strips of 8 rows (every
 // one a sum of g, never a difference of two sums):
@@ -107,8 +109,6 @@ struct PrepScratch {
   alignas(16) float dsum[kC][kStrip];
   alignas(16) float strip[kC][kStrips + 4];   // 4 floats of padding a row: the 8 rows of a store8 phase
                                            // and of A / M's loads sit in distinct banks (48-byte rows)
-  alignas(16) float a16[kBlkFloats];   // A's 16 x 16 diagonal blocks: a16[blk(r, c % 16)] = A_rc, r / 16 == c / 16
-  alignas(16) float t16[kBlkFloats];   // their inverses (I + A_bb)^-1, the same layout
 };
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -259,41 +259,26 @@ GDN_HD void a_and_m_pair(PrepScratch& s, const float* beta, int r, int c, int le
   m1 = live && c + 1 <= r ? fm * e1 * m1 : 0.f;
 }
 
-// A's diagonal 16 x 16 blocks to a16 (the substitution's input), the pair at (r, c), (r, c + 1)
-GDN_HD void a_blocks_pair(PrepScratch& s, int r, int c, float a0, float a1) {
-  if (r / kSub == c / kSub) store2(&s.a16[blk(r, c % kSub)], a0, a1);
-}
-
-// D_16 at (r, c), (r, c + 1), c even: the block diagonal of the 16 x 16 inverses (t16), 0 elsewhere
-GDN_HD void d16_pair(const PrepScratch& s, int r, int c, float& d0, float& d1) {
-  const float2 t = r / kSub == c / kSub ? load2(&s.t16[blk(r, c % kSub)]) : float2{0.f, 0.f};
-  d0 = t.x;
-  d1 = t.y;
-}
-
-// Column `col` of (I + A_bb)^-1 for the diagonal block b = col / 16 (forward substitution, fp32), right-
-// looking: x = e_l (l = col % 16), then for j = 0 .. 14, x_i -= A_ij x_j for every i > j (x_j is final
-// then; x_i stays 0 for i < l), so the chain is one FFMA a step. The block's rows are loaded first.
-GDN_HD void sub_inverse_col(PrepScratch& s, int col) {
-  const int b = col / kSub, l = col % kSub;
-  float a[kSub][kSub];                      // rows 1..15, columns below the diagonal (in 16-byte pieces)
-#pragma unroll
-  for (int i = 1; i < kSub; ++i)
-#pragma unroll
-    for (int j = 0; j < i; j += 4)
-      *reinterpret_cast<float4*>(&a[i][j]) = *reinterpret_cast<const float4*>(&s.a16[blk(b * kSub + i, j)]);
-  float x[kSub];
-#pragma unroll
-  for (int i = 0; i < kSub; ++i) x[i] = i == l ? 1.f : 0.f;
-#pragma unroll
-  for (int j = 0; j < kSub - 1; ++j)
-#pragma unroll
-    for (int i = j + 1; i < kSub; ++i) x[i] -= a[i][j] * x[j];
-  // step i stores row (i + rot) % 16, rot = 2 in odd blocks: a warp's two blocks (lanes 0-15, 16-31) then
-  // write rows 2 apart, 16 banks apart at the 24-float row stride (the same row would be one bank: 2-way)
-  const int rot = 2 * (b & 1);
-#pragma unroll
-  for (int i = 0; i < kSub; ++i) s.t16[blk(b * kSub + (i + rot) % kSub, l)] = rot ? x[(i + 2) % kSub] : x[i];
+// D_16, the inverses (I + A_bb)^-1 of the diagonal blocks of A (strictly lower), each in registers by its
+// warp: with N = -A_bb (N^16 = 0), (I + A_bb)^-1 = I + N + ... + N^15 = (I + N)(I + N^2)(I + N^4)(I + N^8),
+// 6 products in 4 dependent levels (N^2; N^4 and x = (I + N)(I + N^2); N^8 and x (I + N^4); x (I + N^8)).
+// Every block is lower triangular, as sub_b needs.
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <class P, typename TInv>
+GDN_HD typename P::Sub diag_inverse(P& p, const typename P::template Frag<kC>& a) {
+  typename P::Sub n = p.diag_sub(a, -1.f), x = n, n2{}, n4{}, n8{};
+  P::for_each_sub(x, [](int r, int c, float& v) { if (r == c) v += 1.f; });       // I + N
+  p.sub_mma(n2, p.template sub_a<TInv>(n), p.template sub_b<TInv>(n));
+  const auto n2_b = p.template sub_b<TInv>(n2);
+  p.sub_mma(n4, p.template sub_a<TInv>(n2), n2_b);
+  p.sub_mma(x, p.template sub_a<TInv>(x), n2_b);
+  const auto n4_b = p.template sub_b<TInv>(n4);
+  p.sub_mma(n8, p.template sub_a<TInv>(n4), n4_b);
+  p.sub_mma(x, p.template sub_a<TInv>(x), n4_b);
+  p.sub_mma(x, p.template sub_a<TInv>(x), p.template sub_b<TInv>(n8));
+  return x;
 }
 
 // The doubling step's mask: the lower-left b x b block of each 2b x 2b diagonal block.
@@ -336,16 +321,12 @@ GDN_HD void prep_chunk(P& p, const typename P::Smem& q_t, const typename P::Smem
   P::for_each_pair2(kk, qk, [&](int r, int c, float& a0, float& a1, float& m0, float& m1) {
     a_and_m_pair(s, beta, r, c, length, scale, a0, a1, m0, m1);
   });
-  P::for_each_pair(kk, [&](int r, int c, float& a0, float& a1) { a_blocks_pair(s, r, c, a0, a1); });
   p.template store<TInv>(kk, at_store, true);        // A^T: the B operand [k, n] = A[k][n], K-major
-  p.template store<T>(qk, m_store, false);
-  p.sync_generic();                                  // (A^T's fence for the doubling: the sync before it)
-  p.for_rows([&](int c) { sub_inverse_col(s, c); });
-  p.sync_generic();
+  p.template store<T>(qk, m_store, false);           // (A^T's fence for the doubling: the sync before it)
   // D_16, the block diagonal of the 16 x 16 inverses; then D_2b = D_b - (D_b A_b) D_b (b = 16, 32),
   // where (D_b A_b) = lower_left_b(D_b A) as D_b is block-diagonal
   typename P::template Frag<kC> d;
-  P::for_each_pair(d, [&](int r, int c, float& d0, float& d1) { d16_pair(s, r, c, d0, d1); });
+  p.diag_frag(diag_inverse<P, TInv>(p, kk), d);
 #pragma unroll
   for (int b = kSub; b < kC; b *= 2) {
     p.template store<TInv>(d, dt_store, true);       // D_b^T: the B operand [k, n] = D_b[k][n]

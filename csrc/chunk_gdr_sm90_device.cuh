@@ -13,6 +13,7 @@
 
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 #include <utility>
 #if defined(GDN_SM90_WATCHDOG)
 #include <cstdio>
@@ -204,6 +205,30 @@ __device__ __forceinline__ void ss_fma(uint64_t da, uint64_t db, float* d, std::
   MMA::fma(da, db, d[I]..., cute::SM90::GMMA::ScaleOut::One);
 }
 
+// mma.sync m16n8k16 of fp16 operands, fp32 accumulators: d += A B for the warp's A (16 x 16, row) in a's
+// four registers and B (16 x 8, col) in b0, b1 (the PTX ISA's fragments)
+__device__ __forceinline__ void hmma_16816_f16(float* d, const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(GDN_LANE_SHIM)   // the host's emulated lanes (tests/lanes_sm90.cpp)
+  lane_shim::mma_m16n8k16_f16(d, a, b0, b1);
+#else
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+// the warp's 8 x 8 16-bit matrix transposed in registers (movmatrix .trans): lane l holds elements
+// (l / 4, 2 (l % 4) + k), k = 0 in the low half, before; elements (2 (l % 4) + k, l / 4) after
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+#if defined(GDN_LANE_SHIM)
+  return lane_shim::movmatrix_trans(x);
+#else
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
+  return y;
+#endif
+}
+
 template <int NR>
 __device__ __forceinline__ void fence_regs(float* d) {
 #pragma unroll
@@ -324,6 +349,67 @@ struct DevPolicy {
         f.d[8 * kk + 2 * j] -= x.x;
         f.d[8 * kk + 2 * j + 1] -= x.y;
       }
+  }
+
+  // ---- the diagonal 16 x 16 blocks of a 64 x 64 fragment (diag_inverse): warp w holds rows 16 w .. 16 w + 15,
+  // so block w is its elements 8 w .. 8 w + 7 (column blocks 2 w, 2 w + 1); element k at row
+  // lane / 4 + 8 (bit 1 of k), column 8 (k / 4) + 2 (lane % 4) + (bit 0 of k) of the block: the C fragments
+  // of mma.sync m16n8k16's n-blocks 0 (k < 4) and 1, and as pairs its A fragment
+  struct Sub {
+    float d[8];
+  };
+  template <typename U>
+  struct SubA {
+    uint32_t r[4];      // pieces (rows 0-7 | 8-15, columns 0-7 | 8-15): (0, 0), (1, 0), (0, 1), (1, 1)
+  };
+  template <typename U>
+  struct SubB {
+    uint32_t r[4];      // n-block 0 (columns 0-7): r[0], r[1]; n-block 1: r[2], r[3]
+  };
+  __device__ Sub diag_sub(const Frag<kC>& f, float sign) const {
+    const int w = tid_wg() >> 5;
+    Sub x;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      float v = f.d[k];
+#pragma unroll
+      for (int b = 1; b < kC / kSub; ++b) v = w == b ? f.d[8 * b + k] : v;   // (selects: no local memory)
+      x.d[k] = sign * v;
+    }
+    return x;
+  }
+  __device__ void diag_frag(const Sub& x, Frag<kC>& f) const {
+    const int w = tid_wg() >> 5;
+#pragma unroll
+    for (int b = 0; b < kC / kSub; ++b)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f.d[8 * b + k] = w == b ? x.d[k] : 0.f;
+  }
+  template <class F>
+  static __device__ void for_each_sub(Sub& x, F&& fn) {
+    const int l = tid_wg() & 31;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) fn(l / 4 + 8 * ((k >> 1) & 1), 8 * (k >> 2) + 2 * (l & 3) + (k & 1), x.d[k]);
+  }
+  template <typename U>
+  __device__ SubA<U> sub_a(const Sub& x) const {
+    SubA<U> a;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) a.r[j] = Gmma<U>::pack(x.d[2 * j], x.d[2 * j + 1]);
+    return a;
+  }
+  // B [k, n] = the block: n-block nb's registers are its pieces (0, nb) and (1, nb) transposed; piece (0, 1)
+  // of a lower-triangular block is 0
+  template <typename U>
+  __device__ SubB<U> sub_b(const Sub& x) const {
+    const SubA<U> a = sub_a<U>(x);
+    return SubB<U>{{movmatrix_trans(a.r[0]), movmatrix_trans(a.r[1]), 0u, movmatrix_trans(a.r[3])}};
+  }
+  template <typename U>
+  __device__ void sub_mma(Sub& acc, const SubA<U>& a, const SubB<U>& b) const {
+    static_assert(std::is_same_v<U, __half>, "the diagonal blocks' mma.sync takes fp16 operands");
+    hmma_16816_f16(acc.d, a.r, b.r[0], b.r[1]);
+    hmma_16816_f16(acc.d + 4, a.r, b.r[2], b.r[3]);
   }
 
   // The B128 descriptor of the tile at shared address addr: the start address (addr / 16, 14 bits) and the

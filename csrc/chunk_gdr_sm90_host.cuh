@@ -250,6 +250,55 @@ struct HostPolicy {
       for (int c = 0; c < kC; ++c) f.d[r * kC + c] = to_f(p[c * v.ld + r]);
     return f;
   }
+  // the four 16 x 16 diagonal blocks of a 64 x 64 tile (the device: warp w's block w in registers)
+  struct Sub {
+    float d[kC / kSub][kSub][kSub];
+  };
+  template <typename U>
+  struct SubA {       // a block's values rounded to U (an A or a B operand: the same values on the host)
+    U d[kC / kSub][kSub][kSub];
+  };
+  template <typename U>
+  using SubB = SubA<U>;
+  Sub diag_sub(const Frag<kC>& f, float sign) const {
+    Sub x;
+    for (int b = 0; b < kC / kSub; ++b)
+      for (int r = 0; r < kSub; ++r)
+        for (int c = 0; c < kSub; ++c) x.d[b][r][c] = sign * f.d[(kSub * b + r) * kC + kSub * b + c];
+    return x;
+  }
+  void diag_frag(const Sub& x, Frag<kC>& f) const {
+    zero(f);
+    for (int b = 0; b < kC / kSub; ++b)
+      for (int r = 0; r < kSub; ++r)
+        for (int c = 0; c < kSub; ++c) f.d[(kSub * b + r) * kC + kSub * b + c] = x.d[b][r][c];
+  }
+  template <class F>
+  static void for_each_sub(Sub& x, F&& fn) {
+    for (auto& blk : x.d)
+      for (int r = 0; r < kSub; ++r)
+        for (int c = 0; c < kSub; ++c) fn(r, c, blk[r][c]);
+  }
+  template <typename U>
+  SubA<U> sub_a(const Sub& x) const {
+    SubA<U> o;
+    for (int b = 0; b < kC / kSub; ++b)
+      for (int r = 0; r < kSub; ++r)
+        for (int c = 0; c < kSub; ++c) o.d[b][r][c] = from_f<U>(x.d[b][r][c]);
+    return o;
+  }
+  template <typename U>
+  SubB<U> sub_b(const Sub& x) const { return sub_a<U>(x); }
+  template <typename U>
+  void sub_mma(Sub& acc, const SubA<U>& a, const SubB<U>& b) const {
+    for (int k = 0; k < kC / kSub; ++k)
+      for (int r = 0; r < kSub; ++r)
+        for (int c = 0; c < kSub; ++c) {
+          float s = 0.f;
+          for (int i = 0; i < kSub; ++i) s += to_f(a.d[k][r][i]) * to_f(b.d[k][i][c]);
+          acc.d[k][r][c] += s;
+        }
+  }
   template <class F>
   void for_rows(F&& fn) {
     for (int i = 0; i < kC; ++i) fn(i);

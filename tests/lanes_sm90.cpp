@@ -4,16 +4,20 @@
 // accumulator layout (row, col) against the PTX ISA's wgmma D fragment, and quad_rows_add, add_row_sums,
 // row_dot, add_diag, sum_rows / rev_sum / fwd_sum and add_col_sums against row sums, row dots, the diagonal,
 // scans and column sums; vt (ldmatrix .trans) and store (stmatrix, .trans or not) against the tiles they
-// read and write; shared memory outside a function's outputs must keep its guard bytes.
+// read and write; diag_inverse (prep's 16 x 16 diagonal inverses, mma.sync and movmatrix in registers)
+// against the same products in double and the exact inverse; shared memory outside a function's outputs
+// must keep its guard bytes.
 // What nvcc would provide is emulated here: threadIdx, the warp shuffles (__shfl*_sync of full warps, width
 // 32, CUDA's out-of-range rules), shared memory (one array; __cvta_generic_to_shared gives offsets into it),
-// and, through the header's GDN_LANE_SHIM hooks, bar.sync (named_sync), row_dot's ld.shared.u32, and
-// ldmatrix / stmatrix .x4 (from the PTX ISA's description of their m8n8 fragments).
+// and, through the header's GDN_LANE_SHIM hooks, bar.sync (named_sync), row_dot's ld.shared.u32,
+// ldmatrix / stmatrix .x4 (from the PTX ISA's description of their m8n8 fragments), movmatrix .trans and
+// mma.sync m16n8k16 of fp16 operands (from its description of their fragments).
 // Every lane of a warp must reach every shuffle (and ldmatrix / stmatrix) and all 128 threads every bar.sync,
 // at the same call: a lane that returns early, or waits at another one, fails the run naming the check and
 // the lanes.
 // lanes_sm90 [seeds]: prints "lanes_sm90: ok, ..." and exits 0, or FAIL lines and exits 1.
 #include <cuda_runtime.h>   // uint3, and __device__ / __forceinline__ as a host compile defines them
+#include <cuda_fp16.h>      // __half (mma.sync's emulated operands)
 
 #include <algorithm>
 #include <chrono>
@@ -119,6 +123,7 @@ struct Warp {
   Barrier bar;
   uint64_t slot[32];       // the lanes' shuffle operands
   uint32_t row_addr[32];   // the lanes' row addresses of an ldmatrix / stmatrix
+  uint32_t mma[32][6];     // the lanes' registers of an mma.sync (a0..a3, b0, b1) or a movmatrix (mma[l][0])
 };
 Warp warps[kThreads / 32];
 Barrier named[16];      // bar.sync 0 .. 15
@@ -201,6 +206,60 @@ inline void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4], bool trans,
                   &e, 2);
     }
   warps[tid >> 5].bar.arrive(l, site);
+}
+
+// movmatrix.sync.aligned.m8n8.trans.b16 (movmatrix_trans's hook), as the PTX ISA describes it: lane l holds
+// elements (l / 4, 2 (l % 4) + k), k = 0 in the low half, of the 8 x 8 matrix before, and the same elements
+// of its transpose after, i.e. elements (2 (l % 4) + k, l / 4) of the matrix before.
+uint16_t half_of(uint32_t u, int k) { return static_cast<uint16_t>(u >> 16 * k); }
+inline uint32_t movmatrix_trans(uint32_t x, std::source_location loc = std::source_location::current()) {
+  const int l = tid & 31;
+  const Site site{"movmatrix.trans at line " + std::to_string(loc.line()), shfl_count++};
+  Warp& w = warps[tid >> 5];
+  w.mma[l][0] = x;
+  w.bar.arrive(l, site);
+  uint32_t y = 0;
+  for (int k = 0; k < 2; ++k) {                     // element (2 (l % 4) + k, l / 4) of the matrix
+    const int r = 2 * (l % 4) + k, c = l / 4;
+    y |= static_cast<uint32_t>(half_of(w.mma[4 * r + c / 2][0], c % 2)) << 16 * k;
+  }
+  w.bar.arrive(l, site);
+  return y;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 with C = D (hmma_16816_f16's hook), as the PTX ISA's
+// fragments describe it (groupID g = l / 4, threadID_in_group t = l % 4): A's ai (a[i / 2], half i % 2) at
+// row g + 8 (bit 1 of i), column 2 t + (bit 0 of i) + 8 (bit 2 of i); B's bi (b[i / 2], half i % 2) at
+// row 2 t + (bit 0 of i) + 8 (bit 1 of i), column g; C / D's ci at row g + 8 (bit 1 of i), column
+// 2 t + (bit 0 of i). The products of fp16 values are exact; their sum here in double, added in fp32.
+inline void mma_m16n8k16_f16(float* d, const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                             std::source_location loc = std::source_location::current()) {
+  const int l = tid & 31;
+  const Site site{"mma.sync.m16n8k16 at line " + std::to_string(loc.line()), shfl_count++};
+  Warp& w = warps[tid >> 5];
+  for (int i = 0; i < 4; ++i) w.mma[l][i] = a[i];
+  w.mma[l][4] = b0;
+  w.mma[l][5] = b1;
+  w.bar.arrive(l, site);
+  auto h = [](uint16_t u) {
+    __half x;
+    std::memcpy(&x, &u, 2);
+    return static_cast<double>(__half2float(x));
+  };
+  double A[16][16], B[16][8];
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 8; ++i) A[g + 8 * ((i >> 1) & 1)][2 * t + (i & 1) + 8 * ((i >> 2) & 1)] = h(half_of(w.mma[lane][i / 2], i % 2));
+    for (int i = 0; i < 4; ++i) B[2 * t + (i & 1) + 8 * ((i >> 1) & 1)][g] = h(half_of(w.mma[lane][4 + i / 2], i % 2));
+  }
+  w.bar.arrive(l, site);                            // every lane has read the others' registers
+  const int g = l / 4, t = l % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int r = g + 8 * ((i >> 1) & 1), c = 2 * t + (i & 1);
+    double s = 0;
+    for (int k = 0; k < 16; ++k) s += A[r][k] * B[k][c];
+    d[i] += static_cast<float>(s);
+  }
 }
 
 }  // namespace lane_shim
@@ -628,6 +687,76 @@ void check_store(Inputs& in, bool transpose) {
   expect_untouched(before, {{kTile, kTile + 8192}});
 }
 
+// diag_inverse on a 64 x 64 fragment whose 16 x 16 diagonal blocks are strictly lower (the rest random, to be
+// ignored), then diag_frag: the blocks' inverses (I + A_bb)^-1 at the fragment's positions, 0 elsewhere.
+// Judged against the same products in double with the operands rounded to fp16 where the tile program
+// rounds them (the host mirror's sub_mma), within 1e-5, and against the exact float64 inverse within
+// 1e-2 (1 + |x|) (fp16 operands); a wrong piece of an A or B fragment, a wrong block or a wrong identity
+// position is off by the size of the entries.
+void check_diag_inverse(Inputs& in) {
+  std::uniform_real_distribution<double> u(-1, 1);
+  const double scale = in.kind == 1 ? 0.6 : 0.3;
+  std::vector<float> m(kC * kC);
+  for (int r = 0; r < kC; ++r)
+    for (int c = 0; c < kC; ++c) m[r * kC + c] = r / 16 == c / 16 && c >= r ? 0.f : static_cast<float>(scale * u(in.rng));
+  float got[kThreads][kC / 2];
+  guard_all();
+  const auto before = snapshot();
+  run([&](int t) {
+    P p{launch_bar};
+    auto f = frag_of<kC>(m, t);
+    p.diag_frag(gdn::sm90::diag_inverse<P, __half>(p, f), f);
+    std::copy(f.d, f.d + kC / 2, got[t]);
+  });
+  using Mat = std::vector<double>;          // 16 x 16, row-major
+  auto r16 = [](double x) { return static_cast<double>(__half2float(__float2half_rn(static_cast<float>(x)))); };
+  auto mul = [&](const Mat& x, const Mat& y, Mat acc) {   // acc + fp16(x) fp16(y), each sum added in fp32
+    for (int r = 0; r < 16; ++r)
+      for (int c = 0; c < 16; ++c) {
+        double s = 0;
+        for (int k = 0; k < 16; ++k) s += r16(x[r * 16 + k]) * r16(y[k * 16 + c]);
+        acc[r * 16 + c] = static_cast<float>(acc[r * 16 + c] + static_cast<float>(s));
+      }
+    return acc;
+  };
+  for (int b = 0; b < 4; ++b) {
+    Mat n(256), x(256), zero(256, 0.0), exact(256, 0.0);
+    for (int r = 0; r < 16; ++r)
+      for (int c = 0; c < 16; ++c) {
+        n[r * 16 + c] = -m[(16 * b + r) * kC + 16 * b + c];
+        x[r * 16 + c] = n[r * 16 + c] + (r == c);
+      }
+    const Mat n2 = mul(n, n, zero), n4 = mul(n2, n2, zero);
+    x = mul(x, n2, x);
+    const Mat n8 = mul(n4, n4, zero);
+    x = mul(x, n4, x);
+    x = mul(x, n8, x);
+    for (int c = 0; c < 16; ++c)            // the exact inverse, column by column (forward substitution)
+      for (int r = 0; r < 16; ++r) {
+        double v = r == c;
+        for (int k = 0; k < r; ++k) v -= m[(16 * b + r) * kC + 16 * b + k] * exact[k * 16 + c];
+        exact[r * 16 + c] = v;
+      }
+    for (int t = 0; t < kThreads; ++t)
+      for (int i = 0; i < kC / 2; ++i) {
+        const int r = ptx_row(t, i), c = ptx_col(t, i);
+        if (r / 16 != b) continue;
+        const std::string e = "diag_inverse: thread " + std::to_string(t) + ", d";
+        if (c / 16 != b) {
+          expect(e.c_str(), i, got[t][i], 0.0, 0.0);
+          continue;
+        }
+        const double want = x[(r % 16) * 16 + c % 16], ex = exact[(r % 16) * 16 + c % 16];
+        expect(e.c_str(), i, got[t][i], want, 1.0 + std::fabs(want));
+        ++n_values;
+        if (std::fabs(got[t][i] - ex) > 1e-2 * (1.0 + std::fabs(ex)))
+          report(e + "[" + std::to_string(i) + "] = " + std::to_string(got[t][i]) + ", the exact inverse " +
+                 std::to_string(ex));
+      }
+  }
+  expect_untouched(before, {});
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -657,6 +786,7 @@ int main(int argc, char** argv) {
                 (extreme == 1 ? ", a row of -inf" : extreme == 2 ? ", a row of 1e30" : ""),
             seed, [&] { check_scans(in, extreme); });
     named("add_col_sums", seed, [&] { check_add_col_sums(in); });
+    named("diag_inverse / diag_frag (mma.sync, movmatrix)", seed, [&] { check_diag_inverse(in); });
     named("vt<bf16>", seed, [&] { check_vt<__nv_bfloat16>(in); });
     named("vt<fp16>", seed, [&] { check_vt<__half>(in); });
     for (bool transpose : {false, true}) {

@@ -207,8 +207,9 @@ def smem_wavefronts(op):
     8 or 16 bytes: 1, 2 or 4), LDSM / STSM by their matrices (.x1 / .x2 / .x4: one 128-byte 8 x 8 matrix
     each), SHFL one (a shuffle crosses the lanes through the same data path: counted so, the H200's
     L1-busy time of prep, dq and dk is 0.73-0.84 of this term, without them 0.27-0.78; bench/NOTES.md
-    "The second H200 session"); 0 for the others. A warpgroup MMA's operand reads are `hgmma_smem_cycles`."""
-    if op.startswith("SHFL"):
+    "The second H200 session"), MOVM (movmatrix: one 8 x 8 matrix across the lanes) one, as a shuffle;
+    0 for the others. A warpgroup MMA's operand reads are `hgmma_smem_cycles`."""
+    if op.startswith(("SHFL", "MOVM")):
         return 1.0
     if op.startswith(("LDSM", "STSM")):
         m = re.search(r"\.(\d)$", op)
@@ -294,7 +295,7 @@ def simulate(prog, trips, lat, cap=3, wavefronts=None):
                 ready[r] = (t + lat.hmma, "mma")
         else:
             kind = ("global" if op.startswith(("LDG", "LD.", "ATOMG", "ATOM.")) or op == "LD" else
-                    "shared" if op.startswith(("LDS", "SHFL", "ATOMS", "S2R", "LDC")) else
+                    "shared" if op.startswith(("LDS", "SHFL", "MOVM", "ATOMS", "S2R", "LDC")) else
                     "xu" if op.startswith(("F2F", "I2F", "F2I", "FRND", "MUFU", "I2I")) else "alu")
             d = {"global": lat.ldg, "shared": lat.smem, "xu": lat.xu, "alu": lat.alu}[kind]
             for r in x.dest:
