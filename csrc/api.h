@@ -102,7 +102,9 @@ struct ChunkSm90Params {
   // the split kernel (a cluster of 4 a (value head, sequence): two state CTAs fed by two prep CTAs) in
   // place of the fused one (with neither prep_* nor split); the host mirror runs the same tile program
   bool split = false;
-  bool split_pairs = false;               // its form on GVA pairs of value heads (clusters of 8): HV / H even
+  // the kernel's form on GVA pairs of value heads (HV / H even), the pair's CTAs sharing each k / q load:
+  // the fused kernel in clusters of 4, the split kernel in clusters of 8
+  bool pairs = false;
 };
 Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::uintptr_t stream);
 int chunk_gdr_fwd_sm90_smem_bytes();     // the kernel's dynamic shared memory per CTA (the model reads it)

@@ -286,7 +286,7 @@ std::vector<Arg<gdn::ChunkSm90Params>> chunk_sm90_args() {
           arg("H", &P::H), arg("HV", &P::HV), arg("K", &P::K), arg("V", &P::V), arg("chunk_size", &P::chunk_size),
           arg("dtype", &P::dtype), arg("scale", &P::scale), arg("l2norm", &P::l2norm),
           arg("raw_gates", &P::raw_gates), arg("split", &P::split),
-          arg("split_pairs", &P::split_pairs)};
+          arg("pairs", &P::pairs)};
 }
 
 std::vector<Arg<gdn::ChunkBwdSm90Params>> chunk_bwd_sm90_args() {

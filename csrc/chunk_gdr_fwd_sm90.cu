@@ -14,7 +14,7 @@
 //        [N kept_segments, HV, K, V] fp32 (or 0): the state entering each segment of the Triton state
 //        pass (segment_slots), from which the backward's recompute starts them
 // Grid (V-blocks 2, HV, N) in clusters of 2: the two V-block CTAs of a (value head, sequence). CTA
-// (384 threads, 1 per SM, 226 KB shared memory):
+// (384 threads, 1 per SM, 214 KB shared memory):
 //   warpgroup 0, producer (32 registers): one warp. Per chunk: the table row (one int4, the next one a
 //        chunk ahead), g and beta of the rows for the chunks this CTA preps (plain loads: 4-byte strided
 //        columns, below TMA's 16-byte granule; with raw_gates formed from a, b here), then, once both
@@ -25,7 +25,8 @@
 //        4 chunks ahead of the state warpgroups: K K^T and Q K^T (wgmma, one group) issued first, and in
 //        their shadow the gate sums from strips of 8 rows and |q|^2 (row sums over K-halves); |k|^2 from
 //        the diagonal of K K^T; E, A and M in the accumulator layout; (I + A)^-1 as 16 x 16 diagonal
-//        blocks by substitution, two doubling levels (to 32 x 32, to 64 x 64) on wgmma -> Ts, M,
+//        blocks in registers (mma.sync), two doubling levels (to 32 x 32, to 64 x 64) on wgmma of their
+//        nonzero blocks -> Ts, M,
 //        gates in shared memory (4 buffers), sent to the peer CTA's same buffer by a bulk copy over the
 //        cluster's shared memory; with kept_* (the backward's), also stored to global memory once
 //        handed over (Ts, M unswizzled; the gate rows, row factors and chunk decay as Triton prep's)
@@ -35,8 +36,10 @@
 // Two more kernels of the same CTA body (chunk_gdr_fwd_sm90_device.cuh, FwdKind): the split kernel (where
 // the CTAs above would leave half the SMs idle: grid (4, HV, N) in clusters of 4, the two state CTAs, prep
 // warpgroup idle, fed by two prep CTAs of two prep warpgroups each over the cluster's shared memory; on GVA
-// pairs, split_pairs, grid (8, HV / 2, N) in clusters of 8, the pair's four state CTAs sharing k / q) and
-// the state-only kernel (on Triton prep's outputs in memory; forced only).
+// pairs, grid (8, HV / 2, N) in clusters of 8, the pair's four state CTAs sharing k / q) and the state-only
+// kernel (on Triton prep's outputs in memory; forced only). The fused kernel's own form on GVA pairs (pairs:
+// chunk_gdr_fwd_sm90_pair_kernel, grid (4, HV / 2, N) in clusters of 4) has the four CTAs of the pair's
+// two value heads share each k / q load, each loading one of the stage's four [64, 64] blocks.
 // A sequence's last chunk, the only one that can be partial, runs outside the chunk loops of prep and
 // state: its rows of other sequences (loaded by TMA) are zeroed there and its live rows of o stored one
 // by one.
@@ -84,7 +87,8 @@ struct Args {
   int64_t NC, N, T, H, HV;
   float scale;
   bool l2norm, raw_gates;
-  bool split, split_pairs;                    // the split kernel (ChunkSm90Params), not the fused one; its form
+  bool split, pairs;                          // the split kernel (ChunkSm90Params), not the fused one; the
+                                              // fused or split kernel's form on GVA pairs
 };
 
 // softplus and sigmoid in fp32: on the device from ex2 / lg2 / rcp (2 ulp each; log1p(e) as
@@ -297,8 +301,9 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
   if (prep != 0 && kept != 0)
     return bad("prep_* (the state-only kernel: Triton prep's outputs, which the backward keeps) and kept_gates .. "
                "kept_mm exclude each other");
-  if (p.split_pairs && (!p.split || p.H <= 0 || (p.HV / p.H) % 2 != 0))
-    return bad("split_pairs needs split and an even number of value heads a qk head (HV / H)");
+  if (p.pairs && (prep != 0 || p.H <= 0 || (p.HV / p.H) % 2 != 0))
+    return bad("pairs needs the fused or split kernel (no prep_*) and an even number of value heads a qk head "
+               "(HV / H)");
   if (prep != 0 && p.split)
     return bad("split (prep in the kernel's own prep CTAs) and prep_* (Triton prep's outputs) exclude each other");
   if (prep != 0 && (p.NC < 1 || p.NC * p.HV > kInt32Max))
@@ -339,7 +344,7 @@ Status chunk_gdr_fwd_sm90(const ChunkSm90Params& p, bool host, int device, std::
   a.l2norm = p.l2norm;
   a.raw_gates = p.raw_gates;
   a.split = p.split;
-  a.split_pairs = p.split_pairs;
+  a.pairs = p.pairs;
   if (host) {
     switch (p.dtype) {
       case kF32: sm90::run_mirror<float>(a); break;

@@ -187,9 +187,9 @@ __device__ __forceinline__ void fwd_cta(const CUtensorMap& tm_q, const CUtensorM
   constexpr bool kPrepIn = kKind != FwdKind::kFused;            // no prep here: Ts, M, gates arrive
   constexpr bool kFromGlobal = kKind == FwdKind::kStateOnly;     // (by TMA from Triton prep's outputs)
   // the state CTAs that share each k / q stage (their multicasts write all of them): the two V-blocks of
-  // the value head, or (kPair = 2, the split kernel on GVA pairs) of both value heads of a qk head
+  // the value head, or (kPair = 2, the fused or split kernel on GVA pairs) of both value heads of a qk head
   constexpr int kShare = kVBlocks * kPair;
-  static_assert(kPair == 1 || kKind == FwdKind::kSplit, "value-head pairs: the split kernel only");
+  static_assert(kPair == 1 || kKind != FwdKind::kStateOnly, "value-head pairs: the fused and split kernels");
   Shared& sm = smem_as<Shared>();
   const int tid = threadIdx.x, wg = tid >> 7, wtid = tid & 127;
   const int rank = static_cast<int>(cluster_rank());           // blockIdx.x
@@ -624,6 +624,15 @@ chunk_gdr_fwd_sm90_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid
                           const Args a) {
   fwd_cta<T, FwdKind::kFused>(tm_q, tm_k, tm_v, tm_o, tm_q, tm_q, a);
 }
+// the same on GVA pairs: a cluster of 4 a (pair, sequence), ranks 2 hh + vb value head 2 y + hh's V-block vb,
+// the four sharing every k / q stage (each loading one of its four blocks); prep within a value head's two
+template <typename T>
+__global__ void __cluster_dims__(2 * kVBlocks, 1, 1) __launch_bounds__(kThreads, 1)
+chunk_gdr_fwd_sm90_pair_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                               const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                               const Args a) {
+  fwd_cta<T, FwdKind::kFused, 2>(tm_q, tm_k, tm_v, tm_o, tm_q, tm_q, a);
+}
 template <typename T, int kPair>
 __device__ __forceinline__ void split_cta(const CUtensorMap& tm_q, const CUtensorMap& tm_k, const CUtensorMap& tm_v,
                                           const CUtensorMap& tm_o, const Args& a) {
@@ -673,7 +682,7 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
     return Status::invalid("chunk_gdr_fwd_sm90: at most 65535 sequences and value heads");
   const dim3 grid(kVBlocks, static_cast<unsigned>(a.HV), static_cast<unsigned>(a.N));
   if (a.split) {       // state CTAs and prep CTAs, a cluster of 4 a (head, sequence), or of 8 a (GVA pair, sequence)
-    const bool pairs = a.split_pairs;             // (gdn_packed/cuda/chunk.py: where its clusters of 8 fit)
+    const bool pairs = a.pairs;                   // (gdn_packed/cuda/chunk.py: where its clusters of 8 fit)
     auto kernel = pairs ? chunk_gdr_fwd_sm90_split_pair_kernel<T> : chunk_gdr_fwd_sm90_split_kernel<T>;
     st = allow_smem(kernel, kSmemBytes, who);
     if (!st.ok()) return st;
@@ -694,10 +703,11 @@ Status launch_t(const Args& a, CUtensorMapDataType ty, cudaStream_t stream) {
     kernel<<<grid, kThreads, kSmemBytes, stream>>>(tq, tk, tv, to, tts, tmm, a);
     return launch_status("chunk_gdr_fwd_sm90 (state-only)");
   }
-  auto kernel = chunk_gdr_fwd_sm90_kernel<T>;
+  auto kernel = a.pairs ? chunk_gdr_fwd_sm90_pair_kernel<T> : chunk_gdr_fwd_sm90_kernel<T>;
   st = allow_smem(kernel, kSmemBytes, who);
   if (!st.ok()) return st;
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(tq, tk, tv, to, a);
+  const int per = a.pairs ? 2 : 1;                // (pairs: a cluster of 4 a (GVA pair, sequence))
+  kernel<<<dim3(kVBlocks * per, grid.y / per, grid.z), kThreads, kSmemBytes, stream>>>(tq, tk, tv, to, a);
   return launch_status("chunk_gdr_fwd_sm90");
 }
 

@@ -30,6 +30,9 @@
 //   P::mma_lo_hi(acc, a, b_lo, b_hi)       both, as two groups; P::wait_mma_lo(acc) waits for all but
 //                         the newest group, and acc's lo columns are not touched before it
 //   P::mma_grams(kk, qk, q, k)   K K^T and Q K^T from the shared q, k tiles (prep), one group
+//   P::mma_block<U, N, COL0, K0, KS>(acc, a, b)   acc's columns COL0 .. COL0 + N - 1 += a's columns
+//                         16 K0 .. 16 (K0 + KS) - 1 times B's rows COL0 .. there (B [n, k] K-major: n = COL0 ..,
+//                         k = 16 K0 ..), one group (N = 16, 32: a block of a product known 0 elsewhere)
 //   (the host policy runs a group only when a wait retires it: a read before its wait reads the old value)
 //   P::row_sumsq_half(tile, i, h)    the sum of squares of row i over K-half h of a [64, K] tile
 //   P::store(frag, tile, transpose)   a fragment to a shared tile of the operand type
@@ -48,7 +51,7 @@
 //                         return (mma.sync)
 // The inverse: the four 16 x 16 diagonal blocks of I + A, each by its warp in registers as the product
 // (I + N)(I + N^2)(I + N^4)(I + N^8), N = -A_bb (nilpotent), then two doubling levels
-// D_2b = D_b - (D_b A_b) D_b (b = 16, 32) on the tensor cores.
+// D_2b = D_b - (D_b A_b) D_b (b = 16, 32) on the tensor cores, only their nonzero blocks multiplied.
 // Values rounded (bf16 / fp16 inputs; an fp32 host mirror rounds nothing): the A operands S^T, X'^T, U^T
 // and (w rk) U^T of the state warpgroup (to the input dtype); Ts and M (stored in the input dtype); the
 // operands of the diagonal blocks' products and of the doubling, D_b, X_b and A (to the operand type of
@@ -281,9 +284,31 @@ GDN_HD typename P::Sub diag_inverse(P& p, const typename P::template Frag<kC>& a
   return x;
 }
 
-// The doubling step's mask: the lower-left b x b block of each 2b x 2b diagonal block.
-GDN_HD bool lower_left(int r, int c, int b) {
-  return (r / (2 * b)) == (c / (2 * b)) && ((r / b) & 1) && !((c / b) & 1);
+// One doubling level D_2b = D_b - X D_b, X = lower_left_b(D_b A) (the lower-left b x b block of each
+// 2b x 2b diagonal block; D_b is block-diagonal at b, so X's block of 2b-block m is D_b's rows and
+// columns [2bm + b, 2bm + 2b) times A's rows there and columns [2bm, 2bm + b), and X D_b's block is X's
+// columns [2bm, 2bm + b) times D_b's block there): only those blocks are multiplied, each a 64 x b
+// product over b of K (mma_block; the other rows of each come out exactly 0, as D_b's and X's rows there
+// are). at_b: A^T, dt: D_b^T (store, B operand).
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <int B, class P, typename TInv>
+GDN_HD void doubling_level(P& p, typename P::template Frag<kC>& d, const typename P::Smem& at_b,
+                           const typename P::Smem& dt_store, const typename P::Smem& dt_b) {
+  static_assert(B == 16 || B == 32, "the two levels: 16 -> 32, 32 -> 64");
+  p.template store<TInv>(d, dt_store, true);         // D_b^T: the B operand [k, n] = D_b[k][n]
+  p.sync();
+  typename P::template Frag<kC> x;
+  P::zero(x);
+  auto d_op = p.template op<TInv, kC>(d, 1.f);
+  p.template mma_block<TInv, B, 0, B / 16, B / 16>(x, d_op, at_b);                  // 2b-block 0
+  if constexpr (B == 16) p.template mma_block<TInv, B, 2 * B, 3 * B / 16, B / 16>(x, d_op, at_b);   // and 1
+  p.wait_mma(x, d_op);
+  auto x_op = p.template op<TInv, kC>(x, -1.f);
+  p.template mma_block<TInv, B, 0, 0, B / 16>(d, x_op, dt_b);
+  if constexpr (B == 16) p.template mma_block<TInv, B, 2 * B, 2 * B / 16, B / 16>(d, x_op, dt_b);
+  p.wait_mma(d, x_op);
 }
 
 // ---- prep: one chunk, one value head (the prep warpgroup) ------------------------------------------
@@ -327,21 +352,9 @@ GDN_HD void prep_chunk(P& p, const typename P::Smem& q_t, const typename P::Smem
   // where (D_b A_b) = lower_left_b(D_b A) as D_b is block-diagonal
   typename P::template Frag<kC> d;
   p.diag_frag(diag_inverse<P, TInv>(p, kk), d);
-#pragma unroll
-  for (int b = kSub; b < kC; b *= 2) {
-    p.template store<TInv>(d, dt_store, true);       // D_b^T: the B operand [k, n] = D_b[k][n]
-    p.sync();
-    typename P::template Frag<kC> x;
-    P::zero(x);
-    auto d_op = p.template op<TInv, kC>(d, 1.f);
-    p.mma(x, d_op, at_b);
-    p.wait_mma(x, d_op);
-    P::for_each(x, [&](int r, int c, float& v) { if (!lower_left(r, c, b)) v = 0.f; });
-    auto x_op = p.template op<TInv, kC>(x, -1.f);
-    p.mma(d, x_op, dt_b);
-    p.wait_mma(d, x_op);
-    if (2 * b < kC) p.sync();                        // every wgmma read of dt_b done before its rewrite
-  }
+  doubling_level<16, P, TInv>(p, d, at_b, dt_store, dt_b);
+  p.sync();                                          // every wgmma read of dt_b done before its rewrite
+  doubling_level<32, P, TInv>(p, d, at_b, dt_store, dt_b);
   P::for_each(d, [&](int r, int c, float& v) { if (r == c) v = 0.f; });
   p.template store<T>(d, ts_store, false);           // Ts = T - I, [c][c'] (K-major B of X'^T Ts^T)
 }

@@ -194,6 +194,10 @@ template <> struct Gmma<__half> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
   static __device__ float2 unpack(uint32_t u) { return __half22float2(*reinterpret_cast<__half2*>(&u)); }
+  // N = 16, 32 (mma_block: the doubling's blocks)
+  template <int N, cute::SM90::GMMA::Major B>
+  using RSN = std::conditional_t<N == 16, cute::SM90::GMMA::MMA_64x16x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, B>,
+                                 cute::SM90::GMMA::MMA_64x32x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, B>>;
 };
 
 template <class MMA, size_t... I>
@@ -480,6 +484,25 @@ struct DevPolicy {
     fence_regs<kC>(acc.d);
     mma_n<U, KD, kC>(acc.d, a, b_lo);
     mma_n<U, KD, kC>(acc.d + kC / 2, a, b_hi);
+  }
+  // acc's columns COL0 .. COL0 + N - 1 += a's k-steps K0 .. K0 + KS - 1 times B's rows COL0 .. COL0 + N - 1
+  // (B K-major, as the doubling's A^T and D_b^T: row n at n x 128 B, COL0 a multiple of 8, so the 8-row
+  // swizzle atoms stay whole), one group;
+  // the accumulator's columns from COL0 are its elements from COL0 / 2 (the layout's 8-column pieces)
+  template <typename U, int N, int COL0, int K0, int KS>
+  __device__ void mma_block(Frag<kC>& acc, const Op<U, kC>& a, const Smem& b) const {
+    static_assert(std::is_same_v<U, __half> && (N == 16 || N == 32) && COL0 % 8 == 0 && COL0 + N <= kC &&
+                  K0 + KS <= kC / 16, "mma_block: fp16 blocks of 16 or 32 columns within a 64 x 64 product");
+    using namespace cute::SM90::GMMA;
+    float* d = acc.d + COL0 / 2;
+    fence_regs<N / 2>(d);
+    cute::warpgroup_arrive();
+    const Smem rows{b.addr + COL0 * 128u, b.kstep, b.kmajor};
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+      rs_fma<typename Gmma<U>::template RSN<N, Major::K>>(a.r[K0 + kk], desc_k(rows, K0 + kk), d,
+                                                          std::make_index_sequence<N / 2>{});
+    cute::warpgroup_commit_batch();
   }
   // K K^T and Q K^T (k-step by k-step, the two products interleaved) as one group
   template <typename U>

@@ -139,6 +139,24 @@ struct HostPolicy {
   }
   template <typename T, int KD, int N>
   void mma(Frag<N>& acc, const Op<T, KD>& a, const Smem& b) { mma_cols(acc, 0, N, a, b); }
+  // acc[:, COL0 .. COL0 + N) += a[:, 16 K0 .. 16 (K0 + KS)) B, B [n, k] = b's rows COL0 .., columns 16 K0 ..
+  // (K-major; MN-major transposed), one group
+  template <typename T, int N, int COL0, int K0, int KS>
+  void mma_block(Frag<kC>& acc, const Op<T, kC>& a, const Smem& b) {
+    constexpr int kd = 16 * KS;
+    std::vector<float> af(kC * kd);
+    for (int r = 0; r < kC; ++r)
+      for (int k = 0; k < kd; ++k) af[r * kd + k] = to_f(a.d[r * kC + 16 * K0 + k]);
+    groups.emplace_back();
+    groups.back().push_back([&acc, b, af = std::move(af)] {
+      const T* bb = static_cast<const T*>(b.base);
+      std::vector<float> bf(N * kd);
+      for (int n = 0; n < N; ++n)
+        for (int k = 0; k < kd; ++k)
+          bf[n * kd + k] = to_f(b.kmajor ? bb[(COL0 + n) * b.ld + 16 * K0 + k] : bb[(16 * K0 + k) * b.ld + COL0 + n]);
+      gemm_nt(acc.d + COL0, kC, af, bf, kC, N, kd);
+    });
+  }
   template <typename T, int KD1, int N1, int KD2, int N2>
   void mma2(Frag<N1>& acc1, const Op<T, KD1>& a1, const Smem& b1, Frag<N2>& acc2, const Op<T, KD2>& a2, const Smem& b2) {
     mma_cols(acc1, 0, N1, a1, b1);

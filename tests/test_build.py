@@ -25,11 +25,13 @@ ARCHS = ("sm_80", "sm_90a")
 # every kernel family of csrc/ must show up in the ptxas report (so none escapes the spill check)
 KERNEL_FAMILIES = ("chunk_count_scan_kernel", "chunk_table_fill_kernel", "conv1d_fwd_kernel", "conv1d_bwd_kernel",
                    "conv1d_final_state_kernel", "conv1d_bwd_state_kernel", "conv1d_wgrad_reduce_kernel",
-                   "recurrent_gdr_fwd_kernel", "chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_state_kernel",
+                   "recurrent_gdr_fwd_kernel", "chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_pair_kernel",
+                   "chunk_gdr_fwd_sm90_state_kernel",
                    "chunk_gdr_fwd_sm90_split_kernel", "chunk_gdr_fwd_sm90_split_pair_kernel", "chunk_gdr_bwd_sm90_kernel",
                    "chunk_gdr_bwd_sm90_pair_kernel", "chunk_gdr_grads_sm90_kernel")
 # kernels built for sm_90a only (wgmma / TMA / setmaxnreg), with the CuTe headers of nvidia-cutlass, by file
-SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": ("chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_state_kernel",
+SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": ("chunk_gdr_fwd_sm90_kernel", "chunk_gdr_fwd_sm90_pair_kernel",
+                                      "chunk_gdr_fwd_sm90_state_kernel",
                                       "chunk_gdr_fwd_sm90_split_kernel", "chunk_gdr_fwd_sm90_split_pair_kernel"),
              "chunk_gdr_bwd_sm90.cu": ("chunk_gdr_bwd_sm90_kernel", "chunk_gdr_bwd_sm90_pair_kernel"),
              "chunk_gdr_grads_sm90.cu": ("chunk_gdr_grads_sm90_kernel",)}
@@ -39,9 +41,11 @@ SM90_ONLY = {"chunk_gdr_fwd_sm90.cu": ("chunk_gdr_fwd_sm90_kernel", "chunk_gdr_f
 # there is; the split kernel's state CTA as the state-only kernel's, its prep CTA's producer down and both
 # prep warpgroups up (one setmaxnreg each, the same instruction); its pair form (GVA pairs) the same
 SPLIT = ([32, 32, 32], [232, 256])
-SETMAXNREG = {"chunk_gdr_fwd_sm90_kernel": ([32], [232, 240]), "chunk_gdr_fwd_sm90_state_kernel": ([32, 32], [256]),
+SETMAXNREG = {"chunk_gdr_fwd_sm90_kernel": ([32], [232, 240]), "chunk_gdr_fwd_sm90_pair_kernel": ([32], [232, 240]),
+              "chunk_gdr_fwd_sm90_state_kernel": ([32, 32], [256]),
               "chunk_gdr_fwd_sm90_split_kernel": SPLIT, "chunk_gdr_fwd_sm90_split_pair_kernel": SPLIT}
-POOLS = {"chunk_gdr_fwd_sm90_kernel": [(32, 232, 240)], "chunk_gdr_fwd_sm90_state_kernel": [(32, 32, 256)],
+POOLS = {"chunk_gdr_fwd_sm90_kernel": [(32, 232, 240)], "chunk_gdr_fwd_sm90_pair_kernel": [(32, 232, 240)],
+         "chunk_gdr_fwd_sm90_state_kernel": [(32, 32, 256)],
          "chunk_gdr_fwd_sm90_split_kernel": [(32, 32, 256), (32, 232, 232)],
          "chunk_gdr_fwd_sm90_split_pair_kernel": [(32, 32, 256), (32, 232, 232)]}
 
@@ -49,7 +53,8 @@ POOLS = {"chunk_gdr_fwd_sm90_kernel": [(32, 232, 240)], "chunk_gdr_fwd_sm90_stat
 def forward_of(name):
     """The forward kernel (SETMAXNREG's key) a SASS function or ptxas record name is an instantiation of."""
     return next((k for k in ("chunk_gdr_fwd_sm90_state_kernel", "chunk_gdr_fwd_sm90_split_kernel",
-                             "chunk_gdr_fwd_sm90_split_pair_kernel") if k in name), "chunk_gdr_fwd_sm90_kernel")
+                             "chunk_gdr_fwd_sm90_split_pair_kernel", "chunk_gdr_fwd_sm90_pair_kernel") if k in name),
+                "chunk_gdr_fwd_sm90_kernel")
 
 
 def setmaxnreg(body):
@@ -193,23 +198,27 @@ def sass_loops(sass):
 def test_sm90_chunk_loops_run_the_tile_program_on_the_tensor_cores(ptxas_report, report_table):
     """cuobjdump SASS of both instantiations: the two chunk loops hold exactly the wgmma of the tile
     program (csrc/chunk_gdr_sm90.cuh), each issued once per chunk (nothing serialised into a loop of its
-    own): prep 32 HGMMA 64x64x16 (K K^T and Q K^T, 8 each, in one group; the inverse's two doubling
-    levels, 2 x 4 each) in 5 waits; state 4 HGMMA 64x128x16 (the state update U K) and 24 HGMMA 64x64x16
+    own): prep 16 HGMMA 64x64x16 (K K^T and Q K^T, 8 each, in one group) and the inverse's two doubling
+    levels, their nonzero blocks only (64x16x16: 2 + 2; 64x32x16: 2 k-steps + 2), in 5 waits (the
+    diagonal blocks before them are mma.sync: HMMA, not counted here); state 4 HGMMA 64x128x16 (the state
+    update U K) and 24 HGMMA 64x64x16
     (S^T K^T and S^T Q^T 8 each, X'^T Ts^T 4, U^T M^T 4) in 3 waits (S^T Q^T waited for with X'^T Ts^T; U^T M^T
     and U K share one). The state-only kernel: the state loop alone, in 4 waits (its output deferred a
     step: the previous chunk's U^T M^T first, waited for on its own before that O is stored). The split
-    kernel: the fused kernel's prep loop (its prep CTAs) and the state-only kernel's state loop."""
+    kernel: the fused kernel's prep loop (its prep CTAs) and the state-only kernel's state loop. Each one's
+    GVA-pair form (the fused one's clusters of 4, the split one's of 8) as itself."""
     sass = SASS.get("chunk_gdr_fwd_sm90.cu")
     assert sass, "no SASS of chunk_gdr_fwd_sm90.cu"
     loops = sass_loops(sass)
-    assert len(loops) == 8, list(loops)
-    state, prep = (Counter({"64x128x16": 4, "64x64x16": 24}), 3), (Counter({"64x64x16": 32}), 5)
+    assert len(loops) == 10, list(loops)
+    state = (Counter({"64x128x16": 4, "64x64x16": 24}), 3)
+    prep = (Counter({"64x64x16": 16, "64x16x16": 4, "64x32x16": 4}), 5)
     for name, got in loops.items():
         report_table("sm_90a chunked kernel, HGMMA per chunk loop (cuobjdump)",
                      f"{name[-60:]}: " + "; ".join(f"{dict(c)} in {w} waits" for c, w in got))
         want = {"chunk_gdr_fwd_sm90_state_kernel": [(state[0], 4)], "chunk_gdr_fwd_sm90_split_kernel": [prep, (state[0], 4)],
                 "chunk_gdr_fwd_sm90_split_pair_kernel": [prep, (state[0], 4)],
-                "chunk_gdr_fwd_sm90_kernel": [prep, state]}[forward_of(name)]
+                "chunk_gdr_fwd_sm90_kernel": [prep, state], "chunk_gdr_fwd_sm90_pair_kernel": [prep, state]}[forward_of(name)]
         key = lambda x: sorted(x[0].items())  # noqa: E731
         assert sorted(got, key=key) == sorted(want, key=key), (name, got)
 
@@ -355,7 +364,7 @@ def test_sm90_prep_arrivals_build_keeps_the_kernels_budget(report_table):
     out = cuda_chunk.nvcc_cached("cuda_chunk_prep_arrivals", src, prep_arrivals_command, keys)
     assert "error" not in out, out.get("error")
     recs = parse_ptxas(out["ptxas"])
-    assert len(recs) == 8 and all((r["registers"], r["spill"], r["stack"]) == (168, 0, 0) for r in recs), recs
+    assert len(recs) == 10 and all((r["registers"], r["spill"], r["stack"]) == (168, 0, 0) for r in recs), recs
     for r in recs:
         report_table("sm_90a forward, per-thread prep arrivals (-DGDN_SM90_PREP_ARRIVALS), ptxas -v",
                      f"{r['name'][-40:]}: {r['registers']} registers, spill {r['spill']} B, stack {r['stack']} B")

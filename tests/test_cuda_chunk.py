@@ -186,8 +186,10 @@ def test_forward_kernel_splits_where_the_fused_kernel_leaves_half_the_sms_idle()
     2 HV N CTAs fill at most half of the SMs (the anchor, 1 x 32768 with 32 value heads: 64 CTAs on an
     H200's 132; the split kernel's 128 then fit one wave) and the device can hold its HV N clusters of 4
     at once (as many as cudaOccupancyMaxActiveClusters says; SMs / 4 where it cannot say), the fused
-    kernel from there on (4 x 8192: 256 CTAs); CPU tensors (the host mirror) take the fused kernel's tile program unless `kernel` names one;
-    "state" is never picked, and a kernel not in KERNELS is a ValueError naming them."""
+    kernel from there on (4 x 8192: 256 CTAs); CPU tensors (the host mirror) take the fused kernel's tile
+    program unless `kernel` names one; "state" is never picked, and a kernel not in KERNELS is a ValueError
+    naming them. The fused and split kernels take GVA pairs wherever the value heads pair (the split
+    kernel's clusters of 8 also need to fit at once); the state-only kernel never does."""
     from gdn_packed.cuda.chunk import KERNELS, _kernel, forward_kernel, gva_pairs
     split = lambda *a: forward_kernel(*a) == "split"   # noqa: E731
     assert split(1, 32, 132) and split(2, 16, 132) and split(1, 33, 132)
@@ -205,9 +207,11 @@ def test_forward_kernel_splits_where_the_fused_kernel_leaves_half_the_sms_idle()
     assert _kernel(torch.device("cpu"), 1, 1, 1, None) == ("fused", False)
     assert _kernel(torch.device("meta"), 1, 16, 32, None) == ("split", True)
     assert _kernel(torch.device("meta"), 1, 32, 32, None) == ("split", False)
-    assert _kernel(torch.device("meta"), 4, 16, 32, None) == ("fused", False)
+    assert _kernel(torch.device("meta"), 4, 16, 32, None) == ("fused", True)     # (the fused kernel's pairs)
+    assert _kernel(torch.device("meta"), 4, 32, 32, None) == ("fused", False)
     assert all(_kernel(torch.device("cpu"), 1, 1, 1, k) == (k, False) for k in KERNELS)
-    assert _kernel(torch.device("cpu"), 1, 1, 2, "split") == ("split", True)
+    assert [_kernel(torch.device("cpu"), 1, 1, 2, k) for k in KERNELS] == [("fused", True), ("split", True),
+                                                                         ("state", False)]
     with pytest.raises(ValueError, match=r"kernel must be one of \('fused', 'split', 'state'\)"):
         _kernel(torch.device("cpu"), 1, 1, 1, "two")
 
@@ -506,7 +510,7 @@ def _entry_args(T=5, N=1, H=1, HV=2, raw=False):
     args = {n: t.data_ptr() for n, t in ts.items()}
     args.update(kept_segments=2, prep_gates=None, prep_eg_last=None, prep_ts=None, prep_mm=None, NC=NC, N=N, T=T,
                 H=H, HV=HV, K=K, V=K, chunk_size=64, dtype=0, scale=0.1, l2norm=True, raw_gates=raw, split=False,
-                split_pairs=False)
+                pairs=False)
     return args, ts
 
 
@@ -548,9 +552,11 @@ def test_entry_point_names_its_arguments():
     with pytest.raises(ValueError, match=r"split \(prep in the kernel's own prep CTAs\) and prep_\* .* exclude"):
         C.chunk_gdr_fwd_sm90_host(**dict(args, **no_kept, **prep, split=True))
     C.chunk_gdr_fwd_sm90_host(**dict(args, split=True))                 # the split kernel's tile program
-    C.chunk_gdr_fwd_sm90_host(**dict(args, split=True, split_pairs=True))   # (H 1, HV 2: a pair)
-    for bad in (dict(split_pairs=True), dict(split=True, split_pairs=True, HV=1, H=1)):
-        with pytest.raises(ValueError, match=r"split_pairs needs split and an even number of value heads"):
+    C.chunk_gdr_fwd_sm90_host(**dict(args, split=True, pairs=True))   # (H 1, HV 2: a pair)
+    C.chunk_gdr_fwd_sm90_host(**dict(args, pairs=True))               # (the fused kernel's pair form)
+    for bad in (dict(pairs=True, HV=1, H=1), dict(split=True, pairs=True, HV=1, H=1),
+                dict(args, **no_kept, **prep, pairs=True)):
+        with pytest.raises(ValueError, match=r"pairs needs the fused or split kernel \(no prep_\*\) and an even"):
             C.chunk_gdr_fwd_sm90_host(**dict(args, **bad))
     with pytest.raises(ValueError, match="prep_\\* need NC >= 1"):
         C.chunk_gdr_fwd_sm90_host(**dict(args, **no_kept, **prep, NC=0))

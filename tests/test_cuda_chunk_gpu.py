@@ -8,9 +8,10 @@ mbarrier phases, the cluster's copies or setmaxnreg (docs/DESIGN.md section 10):
     against backend="triton"; bit-identical reruns;
   - the gates from raw a, b in the kernel; autograd through backend="cuda" = the Triton backward on the
     prep outputs the kernel kept (against its host mirror's and Triton prep's);
-  - each of the above for the three forward kernels (fwd_kernel): the fused one, the split one (prep CTAs
-    beside the state CTAs; on these GVA pairs chunk_gdr_fwd_sm90_split_pair_kernel, and without pairs
-    chunk_gdr_fwd_sm90_split_kernel, tested on its own) and, after Triton prep, the state-only one
+  - each of the above for the three forward kernels (fwd_kernel): the fused one (on these GVA pairs
+    chunk_gdr_fwd_sm90_pair_kernel, and without pairs chunk_gdr_fwd_sm90_kernel, tested on its own), the
+    split one (prep CTAs beside the state CTAs; on these GVA pairs chunk_gdr_fwd_sm90_split_pair_kernel, and
+    without pairs chunk_gdr_fwd_sm90_split_kernel, tested on its own) and, after Triton prep, the state-only one
     (chunk_gdr_fwd_sm90_state_kernel; its kept prep is Triton prep's own, so the kept-prep test takes the
     other two);
   - the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) on Triton prep's outputs against the
@@ -141,13 +142,15 @@ def test_kernel_matches_float64_and_the_mirror(pi, dtype, fwd_kernel):
                                                                                      rel_err(fs, mf.double()))
 
 
+@pytest.mark.parametrize("kernel", ["fused", "split"])
 @pytest.mark.parametrize("pi", [1, 2, 5], ids=[IDS[i] for i in (1, 2, 5)])
-def test_split_kernel_without_value_head_pairs(pi, monkeypatch):
-    """The split kernel where the value heads do not pair (H = HV = 2: clusters of 4,
-    chunk_gdr_fwd_sm90_split_kernel; the tests above, GVA 2:1, run its pair form with clusters of 8): o and
-    the final state within the bf16 budgets of float64, padding rows 0."""
+def test_kernels_without_value_head_pairs(pi, kernel, monkeypatch):
+    """The fused and split kernels where the value heads do not pair (H = HV = 2: clusters of 2,
+    chunk_gdr_fwd_sm90_kernel, and of 4, chunk_gdr_fwd_sm90_split_kernel; the tests above, GVA 2:1, run
+    their pair forms, clusters of 4 and 8): o and the final state within the bf16 budgets of float64,
+    padding rows 0."""
     from gdn_packed.cuda import chunk as cuda_chunk
-    monkeypatch.setattr(cuda_chunk, "forward_kernel", lambda *a: "split")
+    monkeypatch.setattr(cuda_chunk, "forward_kernel", lambda *a: kernel)
     p = PACKINGS[pi]
     cu, cu_pad, rows = p.layout()
     x = gdr_inputs(rows, 2, 2, K, K, torch.bfloat16, N=len(p.lengths), initial_state=True, unit_k=False, seed=pi)

@@ -37,15 +37,16 @@ def facts():
 
 @pytest.mark.parametrize("dtype", cuda_chunk.DTYPES)
 def test_the_three_roles_are_read_from_the_sass(facts, dtype):
-    """state: 28 HGMMA in 3 waits a chunk; prep: 32 HGMMA in 5 waits a chunk it preps; the producer's
-    loop holds the TMA loads. 168 launch registers, no spill; every simulated term positive."""
+    """state: 28 HGMMA in 3 waits a chunk; prep: 24 HGMMA in 5 waits a chunk it preps (the Grams 16, the
+    doubling's blocks 4 of 64 x 16 and 4 of 64 x 32) and the diagonal blocks' 12 mma.sync (HMMA); the
+    producer's loop holds the TMA loads. 168 launch registers, no spill; every simulated term positive."""
     f = facts[dtype]
     assert not f.error, f.error
     assert (f.regs, f.spill) == (168, 0)
     assert (f.loops["state"]["hgmma"], f.loops["state"]["waits"]) == (28, 3)
-    assert (f.loops["prep"]["hgmma"], f.loops["prep"]["waits"]) == (32, 5)
+    assert (f.loops["prep"]["hgmma"], f.loops["prep"]["waits"]) == (24, 5)
     assert f.loops["state"]["shapes"] == {"64x128x16": 4, "64x64x16": 24}
-    assert f.loops["prep"]["shapes"] == {"64x64x16": 32}
+    assert f.loops["prep"]["shapes"] == {"64x64x16": 16, "64x16x16": 4, "64x32x16": 4}
     assert f.loops["state"]["mma_cycles"] > 0 and f.loops["prep"]["mma_cycles"] > 0
     assert all(f.loops[r]["cycles"] > 0 and f.loops[r]["instr"] > 0 for r in ("state", "prep", "producer"))
 
@@ -84,12 +85,13 @@ def test_estimate_schedules_the_ctas_on_the_sms(facts):
 def test_shared_memory_counts_every_role_and_the_tma_traffic(facts, phase):
     """A CTA's shared-memory cycles a chunk (smem_cycles): the warpgroup MMAs' operand reads are the tile
     program's, counted by hand at 128 bytes a cycle (forward state: [K; Q] 32 KB, Ts, M 8 KB each, K 16 KB;
-    prep: the two Grams' A and B 64 KB, two doubling levels' B operands 32 KB; the dS step 80 KB); the TMA
+    prep: the two Grams' A and B 64 KB, the two doubling levels' blocks' B operands 6 KB (16 x 16 x 4 and
+    32 x 32 x 2 of fp16); the dS step 80 KB); the TMA
     bytes the model charges are the kernel's own expect-tx counts (the stage, and the forward's bulk copy
     to the peer: immediates in its SASS); every role's warps add wavefronts on top; and the term is those
     cycles of every CTA's chunks over the busy SMs (at the anchor 64 CTAs of 512 chunks on 64 SMs)."""
     f = facts["bf16"] if phase == "fwd" else cuda_chunk.facts("bf16", M.CONSTANTS, "bwd")
-    mma = {"fwd": {"state": 64 * 1024 / 128, "prep": 96 * 1024 / 128}, "bwd": {"state": 80 * 1024 / 128}}[phase]
+    mma = {"fwd": {"state": 64 * 1024 / 128, "prep": 70 * 1024 / 128}, "bwd": {"state": 80 * 1024 / 128}}[phase]
     assert {r: f.loops[r]["smem_mma"] for r in mma} == mma
     source, kernel, _ = cuda_chunk.KERNELS[phase]
     body = cuda_chunk._kernel_sass(cuda_chunk.build(source)["sass"], "bf16", kernel)
@@ -152,24 +154,33 @@ def _record(dims, modes):
 def test_report_rows_of_the_cuda_forward(facts):
     """The op body with backend="cuda" on meta tensors records its torch operators (the chunk table) and
     the kernel's launch (stubbed), as under autograd: at 4 x 8192 (256 CTAs) the fused kernel keeping its
-    prep outputs; at the anchor (64 state CTAs: forward_kernel's "split"; 16 / 32 heads: GVA pairs) the
-    split kernel's pair form, keeping its prep CTAs' outputs, and no Triton prep. Each kernel's row names its bound; K != 128 is a row with the
-    reason."""
-    out = _record((4, 8192, 16, 32, 128, 128), ("fwd",))
-    assert out["names"].count(cuda_chunk.KERNEL) == 1 and "chunk_fwd_prep_kernel" not in out["names"]
-    assert out["names"][-1] == cuda_chunk.KERNEL and "torch aten" in " ".join(out["names"])
-    (k,) = [r for r in out["rows"] if r["kernel"] == cuda_chunk.KERNEL]
-    assert k["ctas"] == 256 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"] and k["mode"] == "fwd"
-    assert k["bound"] in ("latency", "bytes", "smem", "FLOPs") and k["smem_us"] > 0
-    assert k["lat_role"] in ("state", "ring", "producer", "issue", "mma")
-    assert k["loop_hgmma"] == 28 + 32 / 2 and k["loop_waits"] == 3 + 5 / 2
-    (t,) = out["totals"]
-    assert t["impl"] == "cuda" and t["est_us"] >= k["est_us"]
+    prep outputs, in its pair form on GVA pairs (16 / 32 heads: clusters of 4), else as itself (32 / 32); at
+    the anchor (64 state CTAs: forward_kernel's "split"; 16 / 32 heads: GVA pairs) the split kernel's pair
+    form, keeping its prep CTAs' outputs, and no Triton prep. Each kernel's row names its bound; K != 128 is
+    a row with the reason."""
+    pair = cuda_chunk.facts("bf16", M.CONSTANTS, "fwd_pair")
+    for heads, kernel, phase, f, config in (((16, 32), cuda_chunk.PAIR_KERNEL, "fwd_pair", pair, "VB64 cluster4 s3 p4"),
+                                            ((32, 32), cuda_chunk.KERNEL, "fwd", facts["bf16"], "VB64 cluster2 s3 p4")):
+        dims = (4, 8192) + heads + (128, 128)
+        out = _record(dims, ("fwd",))
+        assert out["names"].count(kernel) == 1 and "chunk_fwd_prep_kernel" not in out["names"]
+        assert out["names"][-1] == kernel and "torch aten" in " ".join(out["names"])
+        (k,) = [r for r in out["rows"] if r["kernel"] == kernel]
+        assert k["ctas"] == 256 and k["spill_b"] == 0 and k["est_us"] > 0 and not k["error"] and k["mode"] == "fwd"
+        assert k["bound"] in ("latency", "bytes", "smem", "FLOPs") and k["smem_us"] > 0 and k["config"] == config
+        assert k["lat_role"] in ("state", "ring", "producer", "issue", "mma")
+        assert k["loop_hgmma"] == 28 + 24 / 2 and k["loop_waits"] == 3 + 5 / 2
+        (t,) = out["totals"]
+        assert t["impl"] == "cuda" and t["est_us"] >= k["est_us"]
+        assert math.isclose(k["est_us"], 1e6 * cuda_chunk.estimate(f, dims, "bf16", M.CONSTANTS, True, phase)["est_s"],
+                            abs_tol=0.1)
     f = facts["bf16"]
     with_kept, without = (cuda_chunk.estimate(f, ANCHOR, "bf16", M.CONSTANTS, kept) for kept in (True, False))
     assert with_kept["hbm_bytes"] > without["hbm_bytes"] and with_kept["est_s"] >= without["est_s"]
-    assert math.isclose(k["est_us"], 1e6 * cuda_chunk.estimate(f, (4, 8192, 16, 32, 128, 128), "bf16", M.CONSTANTS,
-                                                               True)["est_s"], abs_tol=0.1)
+    # the pair form: each CTA loads one of the four k / q blocks a stage (8 KB a CTA and chunk less)
+    e, ep = (cuda_chunk.estimate(x, (4, 8192, 16, 32, 128, 128), "bf16", M.CONSTANTS, True, ph)
+             for x, ph in ((f, "fwd"), (pair, "fwd_pair")))
+    assert e["hbm_bytes"] - ep["hbm_bytes"] == 256 * 128 * 64 * 64 * 2 and ep["est_s"] < e["est_s"]
 
     out = _record(ANCHOR, ("fwd",))
     names = out["names"]
@@ -192,20 +203,20 @@ def test_report_rows_of_the_cuda_forward(facts):
 @pytest.mark.parametrize("dtype", cuda_chunk.DTYPES)
 def test_the_split_kernels_roles_and_estimate(facts, dtype, phase):
     """The split kernel (chunk_gdr_fwd_sm90_split_kernel): in its SASS the state-only kernel's state loop
-    (28 HGMMA in 4 waits), the fused kernel's prep loop (32 in 5), the state CTA's producer (multicast TMA)
+    (28 HGMMA in 4 waits), the fused kernel's prep loop (24 in 5), the state CTA's producer (multicast TMA)
     and the prep CTA's (its own k, q: prep_producer); 168 launch registers, no spill. Its estimate at the
     anchor: 128 CTAs (a prep CTA beside each of the 64 state CTAs) in one wave; the fused kernel's FLOPs;
     its bytes the fused kernel's tiles and the prep CTAs' both K-halves of k and q for every other chunk
     (16 KB a state CTA and chunk; no Ts / M through memory); its chain no shorter than the state loop's
     chunks or the 4 prep warpgroups' turns (ldg + prep a chunk each); its shared memory the slower kind of
     CTA's: at least the state CTA's MMA operand reads and TMA bytes, and half the prep loop's operand reads
-    (96 KB a prepped chunk) and its k, q loads and two copies out. Its pair form (GVA pairs, clusters of
+    (70 KB a prepped chunk) and its k, q loads and two copies out. Its pair form (GVA pairs, clusters of
     8): the same, but each state CTA loads one of the four k / q blocks a stage for the pair's four
     (8 KB a state CTA and chunk less)."""
     f = cuda_chunk.facts(dtype, M.CONSTANTS, phase)
     assert not f.error and (f.regs, f.spill) == (168, 0) and set(f.loops) == {"state", "prep", "producer", "prep_producer"}
     assert (f.loops["state"]["hgmma"], f.loops["state"]["waits"], f.loops["prep"]["hgmma"], f.loops["prep"]["waits"]) == \
-        (28, 4, 32, 5)
+        (28, 4, 24, 5)
     assert f.loops["producer"]["hgmma"] == f.loops["prep_producer"]["hgmma"] == 0
     e = cuda_chunk.estimate(f, ANCHOR, dtype, M.CONSTANTS, False, phase)
     ef = cuda_chunk.estimate(facts[dtype], ANCHOR, dtype, M.CONSTANTS, False)
@@ -217,8 +228,8 @@ def test_the_split_kernels_roles_and_estimate(facts, dtype, phase):
     assert d >= n * f.loops["state"]["cycles"] and d >= n * (lat.ldg + f.loops["prep"]["cycles"]) / 4
     assert math.isclose(e["t_lat"], (d + lat.ldg + f.loops["prep"]["cycles"]) / M.CLOCK_HZ)   # one wave
     sm = cuda_chunk.smem_cycles(f, phase)
-    assert sm >= 512 + cuda_chunk.TMA_BYTES[phase] / 128 and f.loops["prep"]["smem_mma"] == 768
-    assert sm >= (768 + (4 * cuda_chunk.BLOCK + 2 * cuda_chunk.PEER_BYTES) / 128) / 2
+    assert sm >= 512 + cuda_chunk.TMA_BYTES[phase] / 128 and f.loops["prep"]["smem_mma"] == 560
+    assert sm >= (560 + (4 * cuda_chunk.BLOCK + 2 * cuda_chunk.PEER_BYTES) / 128) / 2
     assert math.isclose(e["t_smem"], n * sm / M.CLOCK_HZ)
 
 

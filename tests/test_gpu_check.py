@@ -263,14 +263,14 @@ def test_forced_forward_forces_its_kernel_for_its_call_only(monkeypatch):
 
 def test_ncu_profiles_every_sm90_kernel(monkeypatch):
     """The ncu step's kernel filter names every sm_90a kernel the cuda backend can run (the model's KERNELS:
-    the forward's fused, state-only, split and its pair form at the anchor; the backward's dS pass and
-    chunk-parallel gradients), not only the Triton ones."""
+    the forward's fused kernel and its pair form, state-only, split and its pair form at the anchor; the
+    backward's dS pass, its pair form, and the chunk-parallel gradients), not only the Triton ones."""
     import re
     monkeypatch.syspath_prepend(TOOLS)
     import gpu_check
 
     from bench.sm90 import cuda_chunk
     names = {kernel for _, kernel, _ in cuda_chunk.KERNELS.values()}
-    assert len(names) == 7
+    assert len(names) == 8
     for name in names:
         assert any(re.fullmatch(k, name) for k in gpu_check.NCU_KERNELS.split("|")), name

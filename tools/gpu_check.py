@@ -87,6 +87,7 @@ OUT_FILES = ("summary.csv", "summary.json", "gpu_check.log", "tests.csv", "bench
 # run on a GPU yet)
 NCU_KERNELS = ("chunk_fwd_prep_kernel|chunk_fwd_state_kernel|chunk_bwd_p_kernel|chunk_bwd_dq_kernel|"
                "chunk_bwd_a_kernel|chunk_bwd_dk_kernel|chunk_bwd_finalize_kernel|chunk_gdr_fwd_sm90_kernel|"
+               "chunk_gdr_fwd_sm90_pair_kernel|"
                "chunk_gdr_fwd_sm90_state_kernel|chunk_gdr_fwd_sm90_split_kernel|chunk_gdr_fwd_sm90_split_pair_kernel|"
                "chunk_gdr_bwd_sm90_kernel|chunk_gdr_bwd_sm90_pair_kernel|chunk_gdr_grads_sm90_kernel")
 NCU_LAUNCHES = 15       # one of each above in one Triton forward + backward (the state kernel three times),

@@ -94,6 +94,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CSRC = os.path.join(ROOT, "csrc")
 SOURCE = os.path.join(CSRC, "chunk_gdr_fwd_sm90.cu")
 KERNEL = "chunk_gdr_fwd_sm90_kernel"
+PAIR_KERNEL = "chunk_gdr_fwd_sm90_pair_kernel"       # the same on GVA pairs, a cluster of 4 sharing k / q
 STATE_KERNEL = "chunk_gdr_fwd_sm90_state_kernel"     # the two-kernel forward's, after Triton prep
 SPLIT_KERNEL = "chunk_gdr_fwd_sm90_split_kernel"     # state CTAs fed by prep CTAs, a cluster of 4
 SPLIT_PAIR_KERNEL = "chunk_gdr_fwd_sm90_split_pair_kernel"   # the same on GVA pairs, a cluster of 8
@@ -105,7 +106,9 @@ BWD_THREADS = 256
 GRADS_SOURCE = os.path.join(CSRC, "chunk_gdr_grads_sm90.cu")  # the backward's chunk-parallel gradients
 GRADS_KERNEL = "chunk_gdr_grads_sm90_kernel"
 # per phase: the file, its kernel, the roles of its loops (_role_loops; the dS warpgroup's loop is "state")
-KERNELS = {"fwd": (SOURCE, KERNEL, {"state", "prep", "producer"}), "fwd_state": (SOURCE, STATE_KERNEL, {"state", "producer"}),
+KERNELS = {"fwd": (SOURCE, KERNEL, {"state", "prep", "producer"}),
+           "fwd_pair": (SOURCE, PAIR_KERNEL, {"state", "prep", "producer"}),
+           "fwd_state": (SOURCE, STATE_KERNEL, {"state", "producer"}),
            "fwd_split": (SOURCE, SPLIT_KERNEL, {"state", "prep", "producer", "prep_producer"}),
            "fwd_split_pair": (SOURCE, SPLIT_PAIR_KERNEL, {"state", "prep", "producer", "prep_producer"}),
            "bwd": (BWD_SOURCE, BWD_KERNEL, {"state", "producer"}),
@@ -113,7 +116,7 @@ KERNELS = {"fwd": (SOURCE, KERNEL, {"state", "prep", "producer"}), "fwd_state": 
            "grads": (GRADS_SOURCE, GRADS_KERNEL, {"dq", "dk", "producer"})}
 THREADS, V_BLOCK, HEAD_DIM, STAGES = 384, 64, 128, 3     # STAGES: the k / q / v ring (kStages)
 PREP_PIPES = 4                     # the split kernel's prep warpgroups a head (2 prep CTAs x kPrepWgs)
-CLUSTER = {"fwd": 2, "fwd_state": 2, "fwd_split": 4, "fwd_split_pair": 8, "bwd": 2, "bwd_pair": 4,
+CLUSTER = {"fwd": 2, "fwd_pair": 4, "fwd_state": 2, "fwd_split": 4, "fwd_split_pair": 8, "bwd": 2, "bwd_pair": 4,
            "grads": 1}                                  # CTAs a cluster
 BLOCK = 64 * 64 * 2                # kBlock: one [64 rows, 64 columns] 16-bit block of shared memory
 # per chunk and CTA, the bytes the TMA / bulk copies move through its shared memory: a stage of the ring
@@ -128,7 +131,8 @@ BLOCK = 64 * 64 * 2                # kBlock: one [64 rows, 64 columns] 16-bit bl
 STAGE_BYTES = {"fwd": 5 * BLOCK, "bwd": 7 * BLOCK + 1280}
 PEER_BYTES = 2 * BLOCK + 1040
 PREP_IN_BYTES = 2 * BLOCK + 1024
-TMA_BYTES = {"fwd": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "fwd_state": STAGE_BYTES["fwd"] + BLOCK + PREP_IN_BYTES,
+TMA_BYTES = {"fwd": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "fwd_pair": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES,
+             "fwd_state": STAGE_BYTES["fwd"] + BLOCK + PREP_IN_BYTES,
              "fwd_split": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES, "fwd_split_pair": STAGE_BYTES["fwd"] + BLOCK + PEER_BYTES,
              "bwd": STAGE_BYTES["bwd"] + 2 * BLOCK, "bwd_pair": STAGE_BYTES["bwd"] + 2 * BLOCK}
 SPLIT_PREP_BYTES = 4 * BLOCK + 2 * PEER_BYTES
@@ -450,9 +454,10 @@ def smem_by_line(phase="fwd", dtype="bf16"):
     """Where a role's shared-memory wavefronts come from: {role: [(source line, instructions, wavefronts)]},
     most first, for one warp's path through each of the phase's loops (_role_loops), the wavefronts as
     _simulate_loop counts them (bank conflicts resolved by banks.py), each instruction attributed to its
-    csrc line (the innermost one of an inlined call) by the line table kept with the compile the model reads
-    (build: nvdisasm -g of its object's cubin; the build passes -lineinfo). {"error": why} without nvcc /
-    cuobjdump / nvdisasm."""
+    csrc line (the innermost one of an inlined call; an instruction of a CUDA or CuTe header's inlined
+    function, e.g. smem_u32's address conversion, to the csrc line of the instruction before it) by the line
+    table kept with the compile the model reads (build: nvdisasm -g of its object's cubin; the build passes
+    -lineinfo). {"error": why} without nvcc / cuobjdump / nvdisasm."""
     source, kernel, want = KERNELS[phase]
     out = build(source)
     if "error" in out:
@@ -466,6 +471,13 @@ def smem_by_line(phase="fwd", dtype="bf16"):
     addrs = [a for a, _ in table]
     where = {x.addr: table[bisect.bisect_right(addrs, x.addr) - 1][1] for x in prog
              if addrs and x.addr >= addrs[0]}
+    ours, last = set(os.listdir(CSRC)), None     # a header's inlined line (CUDA's, CuTe's): the csrc line before it
+    for x in prog:
+        line = where.get(x.addr)
+        if line and line.split(":")[0] in ours:
+            last = line
+        elif x.addr in where and last:
+            where[x.addr] = last
     roles = _role_loops(prog)
     if set(roles) != want or not where:
         return dict(error=f"the kernel's loops or line table not found: {sorted(roles)}")
@@ -580,10 +592,11 @@ def estimate(f, dims, dtype, const, kept=False, phase="fwd"):
     way, which the simulator charges as it charges both sides of any branch). phase "fwd_state": the
     state-only kernel, which reads Triton prep's outputs in place of g, beta and runs no prep; "fwd_split":
     the split kernel, a prep CTA beside each state CTA (module docstring); "fwd_split_pair": on GVA pairs,
-    each state CTA loading one of the four k / q blocks a stage for the pair's four."""
+    each state CTA loading one of the four k / q blocks a stage for the pair's four; "fwd_pair": the fused
+    kernel so, on GVA pairs."""
     N, L, H, HV, K, V = dims
     esize, C = 2, M.CHUNK
-    split, pair = phase in SPLIT, phase == "fwd_split_pair"
+    split, pair = phase in SPLIT, phase in ("fwd_split_pair", "fwd_pair")
     pairs = 2 * HV * N                 # state CTAs (the fused and state-only kernels: every CTA)
     ctas = 2 * pairs if split else pairs
     n = -(-L // C)
@@ -726,8 +739,8 @@ def record(rec, dims, dtype, meta_inputs, op_body, modes=("fwd",)):
     real_launch, real_dstate, real_grads = cuda_chunk.launch, cuda_chunk.chunk_bwd_dstate_cuda, cuda_chunk.chunk_bwd_grads_cuda
 
     def fwd_launch(entry, device, *, reads, writes, **scalars):     # the forward kernels: modelled, not run
-        phase = ("fwd_state" if reads["prep_ts"] is not None else "fwd" if not scalars["split"] else
-                 "fwd_split_pair" if scalars["split_pairs"] else "fwd_split")
+        phase = ("fwd_state" if reads["prep_ts"] is not None else
+                 ("fwd_split" if scalars["split"] else "fwd") + ("_pair" if scalars["pairs"] else ""))
         rec.launches.append(CudaLaunch(KERNELS[phase][1], phase, kept=writes["kept_ts"] is not None))
     cuda_chunk.launch = fwd_launch
     def dstate(q, k, do, *a, **kw):          # (its kernel: on GVA pairs, as chunk_bwd_dstate_cuda picks)

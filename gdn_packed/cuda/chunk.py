@@ -12,8 +12,8 @@ autograd will need them), so that backward runs neither pass A nor prep of its o
                             the three forward kernels (KERNELS), as forward_kernel picks
     forward_kernel(N, HV, sms, clusters, pairs)  which kernel the forward runs on a device of `sms`
                             SMs: "split" for few long sequences (where its clusters fit at once), else
-                            "fused"; gva_pairs(H, HV): whether the split kernel and the dS pass pair
-                            value heads;
+                            "fused"; gva_pairs(H, HV): whether the fused and split kernels and the dS
+                            pass pair value heads;
                             split_clusters(device, pairs): how many of its clusters a GPU holds at once
     chunk_bwd_dstate_cuda(...)  the backward's reverse dS pass (csrc/chunk_gdr_bwd_sm90.cu) in place of
                             the Triton one (gdn_packed.triton.chunk.chunk_bwd_dstate): the same inputs
@@ -67,7 +67,8 @@ def refusal(q, v, device, N=None):
 
 # The forward's kernels (csrc/chunk_gdr_fwd_sm90_device.cuh, FwdKind):
 #   "fused"  2 HV N CTAs in clusters of 2, each with a state warpgroup (its 64 value columns) and a prep
-#            warpgroup that preps every other chunk for both
+#            warpgroup that preps every other chunk for both; on GVA pairs clusters of 4, the pair's four
+#            CTAs sharing each k / q load
 #   "split"  4 HV N CTAs in clusters of 4: the two state CTAs fed by two prep CTAs (two prep warpgroups
 #            each) over the cluster's shared memory; on GVA pairs (an even number of value heads a qk
 #            head: gva_pairs) clusters of 8, the pair's four state CTAs sharing each k / q load
@@ -76,9 +77,9 @@ KERNELS = ("fused", "split", "state")
 
 
 def gva_pairs(H, HV):
-    """Whether the value heads can be taken in GVA pairs, two sharing each k / q load (the split kernel's
-    clusters of 8, the dS pass's clusters of 4): when every qk head has an even number of them (the entry
-    points refuse split_pairs, pairs otherwise)."""
+    """Whether the value heads can be taken in GVA pairs, two sharing each k / q load (the fused forward's
+    clusters of 4, the split kernel's clusters of 8, the dS pass's clusters of 4): when every qk head has an
+    even number of them (the entry points refuse `pairs` otherwise)."""
     return (HV // H) % 2 == 0
 
 
@@ -214,33 +215,31 @@ def chunk_gdr_fwd_cuda(q, k, v, g, beta, table, cu_chunks, initial_state, scale,
                       initial_state=None if initial_state is None else initial_state.to(torch.float32), **ins),
            writes=dict(o=out, final_state=final_state, kept_entering=entering, **keep), kept_segments=segments,
            NC=NC, N=N, T=T, H=H, HV=HV, K=K, V=Vd, chunk_size=C, dtype=q.dtype, scale=float(scale),
-           l2norm=bool(use_l2norm), raw_gates=raw, split=kernel == "split", split_pairs=pairs)
+           l2norm=bool(use_l2norm), raw_gates=raw, split=kernel == "split", pairs=pairs)
     if out is not o:
         o.copy_(out)
 
 
 def _kernel(device, N, H, HV, kernel):
     """(kernel, pairs): the forward kernel to run (chunk_gdr_fwd_cuda's `kernel`: the one named, else the
-    fused one on CPU tensors, the host mirror, and forward_kernel's choice on a device) and, for the split
-    kernel, whether in its pair form: where the value heads pair (gva_pairs) and, on a device, its
-    clusters of 8 fit at once; where only clusters of 4 do, the form without pairs."""
+    fused one on CPU tensors, the host mirror, and forward_kernel's choice on a device) and whether in its
+    form on GVA pairs: the fused kernel wherever the value heads pair (gva_pairs; its clusters of 4 read
+    each k / q block once for four CTAs); the split kernel where they pair and, on a device, its clusters of
+    8 fit at once (where only clusters of 4 do, the form without pairs); the state-only kernel never."""
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
     pairs = gva_pairs(H, HV)
     if kernel is not None or device.type == "cpu":
         kernel = kernel or "fused"
-        return kernel, kernel == "split" and pairs
+        return kernel, kernel != "state" and pairs
     if device.type != "cuda":           # (the sm_90 report's meta tensors: an H200's 132 SMs)
-        kernel = forward_kernel(N, HV, 132, None, pairs)
-        return kernel, pairs and kernel == "split"
+        return forward_kernel(N, HV, 132, None, pairs), pairs
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    kernel = "fused"
     for form in ((True, False) if pairs else (False,)):
-        kernel = forward_kernel(N, HV, sms, split_clusters(index, form), form)
-        if kernel != "fused":
-            return kernel, form and kernel == "split"
-    return kernel, False
+        if forward_kernel(N, HV, sms, split_clusters(index, form), form) == "split":
+            return "split", form
+    return "fused", pairs
 
 
 def _triton_prep(device):
