@@ -36,6 +36,7 @@
 //   (the host policy runs a group only when a wait retires it: a read before its wait reads the old value)
 //   P::row_sumsq_half(tile, i, h)    the sum of squares of row i over K-half h of a [64, K] tile
 //   P::store(frag, tile, transpose)   a fragment to a shared tile of the operand type
+//   P::store_diag_block<U, R0, NB>(frag, tile, transpose)   its block [R0, R0 + NB)^2 only (the rest as it was)
 //   P::vt(tile)           V^T [64 v, 64 c] of the state block's 64 columns of v, as fp32
 //   P::for_rows(f)        f(i) for i in 0..63, chunk rows or columns (device: threads 0..63 of prep)
 //   P::for_threads(f)     f(t) for t in 0..127 (device: every thread of the warpgroup)
@@ -297,7 +298,10 @@ template <int B, class P, typename TInv>
 GDN_HD void doubling_level(P& p, typename P::template Frag<kC>& d, const typename P::Smem& at_b,
                            const typename P::Smem& dt_store, const typename P::Smem& dt_b) {
   static_assert(B == 16 || B == 32, "the two levels: 16 -> 32, 32 -> 64");
-  p.template store<TInv>(d, dt_store, true);         // D_b^T: the B operand [k, n] = D_b[k][n]
+  // D_b^T, the B operand [k, n] = D_b[k][n]: only the blocks the update reads (its diagonal b-blocks of the
+  // 2b-blocks' upper halves; the rest of dt is never read)
+  p.template store_diag_block<TInv, 0, B>(d, dt_store, true);
+  if constexpr (B == 16) p.template store_diag_block<TInv, 2 * B, B>(d, dt_store, true);
   p.sync();
   typename P::template Frag<kC> x;
   P::zero(x);

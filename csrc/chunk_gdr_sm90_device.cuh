@@ -695,12 +695,13 @@ struct DevPolicy {
   static __device__ void fence_tile(Op<U, KD>& o) { fence_regs<KD / 4>(&o.r[0][0]); }
 
   // a 64 x 64 fragment (32 floats in the accumulator layout) to a B128 block, rounded to U; with
-  // transpose the block holds its transpose (stmatrix .trans)
-  template <typename U>
+  // transpose the block holds its transpose (stmatrix .trans); its columns 16 P0 .. 16 (P0 + NP) - 1 only
+  // where NP < 4 (the warp's rows of those columns)
+  template <typename U, int P0 = 0, int NP = 4>
   __device__ void stmatrix(const float* d, uint32_t dst, bool transpose) const {
     const int wtid = tid_wg(), lane = wtid & 31, w = wtid >> 5, mi = lane >> 3, j = lane & 7;
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {
+    for (int p = P0; p < P0 + NP; ++p) {
       uint32_t r[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -731,6 +732,14 @@ struct DevPolicy {
   __device__ void store(const Frag<N>& f, const Smem& dst, bool transpose) const {
     static_assert(N == kC, "64 x 64 tiles only");
     stmatrix<U>(f.d, dst.addr, transpose);
+  }
+  // the block [R0, R0 + NB) x [R0, R0 + NB) of a 64 x 64 fragment only (the rest of the tile as it was): the
+  // warps holding its rows store its columns (a warp-uniform branch)
+  template <typename U, int R0, int NB>
+  __device__ void store_diag_block(const Frag<kC>& f, const Smem& dst, bool transpose) const {
+    static_assert(R0 % 16 == 0 && NB % 16 == 0 && R0 + NB <= kC, "blocks of whole warps' 16 rows");
+    const int w = tid_wg() >> 5;
+    if (w >= R0 / 16 && w < (R0 + NB) / 16) stmatrix<U, R0 / 16, NB / 16>(f.d, dst.addr, transpose);
   }
   // V^T [64 v, 64 c] of this warpgroup's 64 columns of the v tile (ldmatrix .trans)
   __device__ Frag<kC> vt(const Smem& v) const {

@@ -260,6 +260,12 @@ struct HostPolicy {
     for (int r = 0; r < kC; ++r)
       for (int c = 0; c < N; ++c) p[transpose ? c * dst.ld + r : r * dst.ld + c] = from_f<T>(f.d[r * N + c]);
   }
+  template <typename T, int R0, int NB>
+  void store_diag_block(const Frag<kC>& f, const Smem& dst, bool transpose) {
+    T* p = static_cast<T*>(dst.base);
+    for (int r = R0; r < R0 + NB; ++r)
+      for (int c = R0; c < R0 + NB; ++c) p[transpose ? c * dst.ld + r : r * dst.ld + c] = from_f<T>(f.d[r * kC + c]);
+  }
   template <typename T>
   Frag<kC> vt_as(const Smem& v) {
     Frag<kC> f;

@@ -4,7 +4,8 @@
 // accumulator layout (row, col) against the PTX ISA's wgmma D fragment, and quad_rows_add, add_row_sums,
 // row_dot, add_diag, sum_rows / rev_sum / fwd_sum and add_col_sums against row sums, row dots, the diagonal,
 // scans and column sums; vt (ldmatrix .trans) and store (stmatrix, .trans or not) against the tiles they
-// read and write; diag_inverse (prep's 16 x 16 diagonal inverses, mma.sync and movmatrix in registers)
+// read and write (store_diag_block: its block only); diag_inverse (prep's 16 x 16 diagonal inverses,
+// mma.sync and movmatrix in registers)
 // against the same products in double and the exact inverse; shared memory outside a function's outputs
 // must keep its guard bytes.
 // What nvcc would provide is emulated here: threadIdx, the warp shuffles (__shfl*_sync of full warps, width
@@ -687,6 +688,36 @@ void check_store(Inputs& in, bool transpose) {
   expect_untouched(before, {{kTile, kTile + 8192}});
 }
 
+// store_diag_block<U, R0, NB> (the doubling's D_b^T blocks): the tile's block [R0, R0 + NB)^2 is the
+// fragment's (transposed or not) rounded to U, every other byte of shared memory keeps its guard
+template <typename U, int R0, int NB>
+void check_store_diag_block(Inputs& in, bool transpose) {
+  std::vector<float> m = in.matrix(kC);
+  if (in.kind == 2)
+    for (int r = 0; r < kC; ++r)
+      for (int c = 0; c < kC; ++c) m[r * kC + c] = code16<U>(r, c);
+  guard_all();
+  const auto before = snapshot();
+  const P p{launch_bar};
+  run([&](int t) {
+    p.store_diag_block<U, R0, NB>(frag_of<kC>(m, t), {gdn::sm90::smem_u32(smem + kTile), 0, true}, transpose);
+  });
+  std::vector<unsigned char> want = before;
+  for (int r = R0; r < R0 + NB; ++r)
+    for (int c = R0; c < R0 + NB; ++c) {
+      const U u = from_float<U>(transpose ? m[c * kC + r] : m[r * kC + c]);
+      std::memcpy(want.data() + (reinterpret_cast<unsigned char*>(tile_at<U>(kTile, r, c)) - smem), &u, 2);
+    }
+  for (uint32_t o = 0; o < lane_shim::kSmemBytes; o += 2) {
+    ++n_values;
+    if (std::memcmp(smem + o, want.data() + o, 2) != 0) {
+      report("shared byte " + std::to_string(o) + " (tile byte " + std::to_string(o - kTile) + ")" +
+             (o >= kTile && o < kTile + 8192 ? "" : ", outside the tile") + " not as the block's store leaves it");
+      return;
+    }
+  }
+}
+
 // diag_inverse on a 64 x 64 fragment whose 16 x 16 diagonal blocks are strictly lower (the rest random, to be
 // ignored), then diag_frag: the blocks' inverses (I + A_bb)^-1 at the fragment's positions, 0 elsewhere.
 // Judged against the same products in double with the operands rounded to fp16 where the tile program
@@ -787,6 +818,12 @@ int main(int argc, char** argv) {
             seed, [&] { check_scans(in, extreme); });
     named("add_col_sums", seed, [&] { check_add_col_sums(in); });
     named("diag_inverse / diag_frag (mma.sync, movmatrix)", seed, [&] { check_diag_inverse(in); });
+    for (bool transpose : {true, false}) {
+      const std::string how = transpose ? ", transposed" : "";
+      named("store_diag_block<fp16, 0, 16>" + how, seed, [&] { check_store_diag_block<__half, 0, 16>(in, transpose); });
+      named("store_diag_block<fp16, 32, 16>" + how, seed, [&] { check_store_diag_block<__half, 32, 16>(in, transpose); });
+      named("store_diag_block<bf16, 0, 32>" + how, seed, [&] { check_store_diag_block<__nv_bfloat16, 0, 32>(in, transpose); });
+    }
     named("vt<bf16>", seed, [&] { check_vt<__nv_bfloat16>(in); });
     named("vt<fp16>", seed, [&] { check_vt<__half>(in); });
     for (bool transpose : {false, true}) {

@@ -1,7 +1,7 @@
 """The sm_90a device policy's warp-cooperative code (DevPolicy in csrc/chunk_gdr_sm90_device.cuh: the
 wgmma accumulator layout, quad_rows_add, add_row_sums, row_dot, add_diag, sum_rows / rev_sum / fwd_sum,
-add_col_sums, vt's ldmatrix, store's stmatrix, prep's diagonal inverses in registers: diag_inverse's
-mma.sync and movmatrix) compiled by g++ unchanged and run by 128 emulated threads, one warpgroup
+add_col_sums, vt's ldmatrix, store's and store_diag_block's stmatrix, prep's diagonal inverses in
+registers: diag_inverse's mma.sync and movmatrix) compiled by g++ unchanged and run by 128 emulated threads, one warpgroup
 (tests/lanes_sm90.cpp), against float64 math: once as it is, once under ThreadSanitizer (two lanes touching
 the same shared word with no shuffle or barrier between them), and with deliberately broken copies of the
 header, which must fail. The CUDA toolkit's headers are nvcc's own (nvcc --dryrun), the CuTe headers the
@@ -109,6 +109,9 @@ BREAKS = {
     "a diagonal block's B operand with its two pieces of n-block 0 swapped": (
         "movmatrix_trans(a.r[0]), movmatrix_trans(a.r[1]), 0u,", "movmatrix_trans(a.r[1]), movmatrix_trans(a.r[0]), 0u,",
         r"FAIL diag_inverse / diag_frag .*: diag_inverse: thread \d+, d\[\d+\] = "),
+    "store_diag_block's warps one block of columns off": (
+        "stmatrix<U, R0 / 16, NB / 16>(f.d, dst.addr, transpose);", "stmatrix<U, R0 / 16 + 1, NB / 16>(f.d, dst.addr, transpose);",
+        r"FAIL store_diag_block<fp16, 0, 16>, transposed .*: shared byte \d+ "),
     "warp w taking the diagonal block of warp w + 1": (
         "v = w == b ? f.d[8 * b + k] : v;", "v = (w + 1) % 4 == b ? f.d[8 * b + k] : v;",
         r"FAIL diag_inverse / diag_frag .*: diag_inverse: thread \d+, d\[\d+\] = "),
