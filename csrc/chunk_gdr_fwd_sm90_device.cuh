@@ -163,7 +163,9 @@ __device__ __forceinline__ void keep_prep(const Args& a, int64_t slot, const uin
 //                producer to both) and the CTA's v columns, and the producer's gates (32 arrivals, one
 //                per producer lane, + all the bytes)
 //   empty[s]     stage s read in both CTAs (the multicast writes both): by each CTA's state warpgroup,
-//                whose step j follows its own prep's reads of the stage (2: one local, one remote)
+//                whose step j follows its own prep's reads of the stage (2: one local, one remote; on GVA
+//                pairs, chunk_gdr_fwd_sm90_pair_kernel's clusters of 4 (rank 2 hh + vb: value head hh of
+//                the pair), all four share the stage, each loading one k / q block: 4)
 //   prepped[b]   Ts, M, gates of chunk j in buffer b = j % 4: by this CTA's prep (kPrepArrivals), or by
 //                the peer's (its arrival with the bytes of its bulk copy) (1)
 //   prepfree[b]  buffer b read by both state warpgroups (at the CTA that preps it; 2)
