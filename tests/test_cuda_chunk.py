@@ -216,6 +216,25 @@ def test_forward_kernel_splits_where_the_fused_kernel_leaves_half_the_sms_idle()
         _kernel(torch.device("cpu"), 1, 1, 1, "two")
 
 
+def test_kernel_on_a_device_keeps_what_forward_kernel_says(monkeypatch):
+    """_kernel on a CUDA device (faked here: 132 SMs, clusters as split_clusters says) runs forward_kernel's
+    kernel with the pairs that kernel takes: the fused one on GVA pairs wherever they pair, the split one in
+    the pair form whose clusters fit, and a kernel the GPU tests force through forward_kernel ("state"
+    among them) as it is, never the fused one in its place."""
+    from gdn_packed.cuda import chunk as cuda_chunk
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(cuda_chunk, "split_clusters", lambda index, pairs: 16 if pairs else 32)
+    assert cuda_chunk._kernel(dev, 4, 16, 32, None) == ("fused", True)
+    assert cuda_chunk._kernel(dev, 4, 32, 32, None) == ("fused", False)
+    assert cuda_chunk._kernel(dev, 1, 16, 32, None) == ("split", True)
+    monkeypatch.setattr(cuda_chunk, "split_clusters", lambda index, pairs: 15 if pairs else 32)
+    assert cuda_chunk._kernel(dev, 1, 16, 32, None) == ("split", False)      # (16 clusters of 8 needed)
+    for forced, want in (("fused", ("fused", True)), ("split", ("split", True)), ("state", ("state", False))):
+        monkeypatch.setattr(cuda_chunk, "forward_kernel", lambda *a, k=forced: k)
+        assert cuda_chunk._kernel(dev, 1, 16, 32, None) == want, forced
+
+
 def test_split_clusters_asked_once_and_never_during_a_graph_capture(monkeypatch):
     """gdn_packed.cuda.chunk.split_clusters asks _C once per (device, form) and keeps the answer; during a
     CUDA-graph capture it answers -1 (SMs / 4 or / 8 for the rule) without asking and keeps nothing."""
