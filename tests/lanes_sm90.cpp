@@ -665,14 +665,21 @@ void check_vt(Inputs& in) {
   expect_untouched(before, {});
 }
 
-// a fragment stored to a tile of U, transposed or not (stmatrix): the tile's element (r, c) is the fragment's
-// (r, c) (or (c, r)) rounded to U
+// the stores' 64 x 64 input: the seed's values, or (kind 2) the values exact in U by element (code16)
 template <typename U>
-void check_store(Inputs& in, bool transpose) {
+std::vector<float> store_input(Inputs& in) {
   std::vector<float> m = in.matrix(kC);
   if (in.kind == 2)
     for (int r = 0; r < kC; ++r)
       for (int c = 0; c < kC; ++c) m[r * kC + c] = code16<U>(r, c);
+  return m;
+}
+
+// a fragment stored to a tile of U, transposed or not (stmatrix): the tile's element (r, c) is the fragment's
+// (r, c) (or (c, r)) rounded to U
+template <typename U>
+void check_store(Inputs& in, bool transpose) {
+  const std::vector<float> m = store_input<U>(in);
   guard_all();
   const auto before = snapshot();
   const P p{launch_bar};
@@ -692,10 +699,7 @@ void check_store(Inputs& in, bool transpose) {
 // fragment's (transposed or not) rounded to U, every other byte of shared memory keeps its guard
 template <typename U, int R0, int NB>
 void check_store_diag_block(Inputs& in, bool transpose) {
-  std::vector<float> m = in.matrix(kC);
-  if (in.kind == 2)
-    for (int r = 0; r < kC; ++r)
-      for (int c = 0; c < kC; ++c) m[r * kC + c] = code16<U>(r, c);
+  const std::vector<float> m = store_input<U>(in);
   guard_all();
   const auto before = snapshot();
   const P p{launch_bar};
