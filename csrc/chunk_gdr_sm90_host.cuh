@@ -140,7 +140,7 @@ struct HostPolicy {
   template <typename T, int KD, int N>
   void mma(Frag<N>& acc, const Op<T, KD>& a, const Smem& b) { mma_cols(acc, 0, N, a, b); }
   // acc[:, COL0 .. COL0 + N) += a[:, 16 K0 .. 16 (K0 + KS)) B, B [n, k] = b's rows COL0 .., columns 16 K0 ..
-  // (K-major; MN-major transposed), one group
+  // (K-major, as the device's takes it), one group
   template <typename T, int N, int COL0, int K0, int KS>
   void mma_block(Frag<kC>& acc, const Op<T, kC>& a, const Smem& b) {
     constexpr int kd = 16 * KS;
@@ -153,7 +153,7 @@ struct HostPolicy {
       std::vector<float> bf(N * kd);
       for (int n = 0; n < N; ++n)
         for (int k = 0; k < kd; ++k)
-          bf[n * kd + k] = to_f(b.kmajor ? bb[(COL0 + n) * b.ld + 16 * K0 + k] : bb[(16 * K0 + k) * b.ld + COL0 + n]);
+          bf[n * kd + k] = to_f(bb[(COL0 + n) * b.ld + 16 * K0 + k]);
       gemm_nt(acc.d + COL0, kC, af, bf, kC, N, kd);
     });
   }

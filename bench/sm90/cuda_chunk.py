@@ -22,7 +22,9 @@ sm_90a CUDA chunked forward"), so the loops are simulated one by one and combine
 
 the CTAs to the 132 SMs (1 CTA per SM) in launch order (model._schedule), bytes and FLOPs as for the
 Triton kernels (tiles per CTA: the K-half of k and q it multicasts to both CTAs of its cluster, its v
-half and o per chunk, its half of h0 / ht; the footprint at HBM's rate, re-reads at L2's), and shared
+half and o per chunk, its half of h0 / ht; on GVA pairs, chunk_gdr_fwd_sm90_pair_kernel, phase
+"fwd_pair", the same CTA in a cluster of 4 loading one of the four k / q blocks a stage for the pair's
+four CTAs in place of its K-halves; the footprint at HBM's rate, re-reads at L2's), and shared
 memory as for them (smem_cycles: each role's warps times its loop's wavefronts, with the bank conflicts
 banks.py resolves, and its warpgroup MMAs' operand reads, plus what the TMA loads, the TMA store of O
 and the bulk copies to the peer move through shared memory, per busy SM); latency combined with max(bytes,
